@@ -1,0 +1,30 @@
+"""One benchmark case of one op, shared by `bert-fast bench-ops` and benchmarks/bench_<op>.py.
+
+Each op contributes ``bert_fast/bench/op_cases/<op>.py`` with a function
+``cases(device, dtype) -> list[OpCase]``. A provider is a *factory*: calling it builds fresh random
+inputs (never zeros) and returns the zero-argument callable to time. The timer calls the factory
+several times and rotates through the input sets, so caches do not flatter the figures; for a
+backward case the factory runs the forward itself and the timed callable is the backward alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict
+
+Factory = Callable[[], Callable[[], Any]]
+
+
+@dataclass
+class OpCase:
+    op: str                    # "embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"
+    label: str                 # shape description, e.g. "T=16384 H=768"
+    direction: str             # "fwd" or "bwd"
+    bound: str                 # "memory" (report GB/s vs copy bandwidth) or "compute" (TFLOP/s vs matrix rate)
+    flops: float = 0.0         # useful FLOPs of one call
+    bytes: float = 0.0         # minimal bytes one call must move (read + write)
+    providers: Dict[str, Factory] = field(default_factory=dict)   # "bert_fast", "torch", "torch.compile", ...
+    params: Dict[str, Any] = field(default_factory=dict)          # shape parameters, for JSON
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}/{self.direction}/{self.label}"

@@ -1,0 +1,1 @@
+"""Per-op benchmark cases: each module defines cases(device, dtype) -> list[OpCase]."""

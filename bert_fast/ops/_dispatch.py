@@ -1,0 +1,118 @@
+"""Shared plumbing of the bert_fast ops: which backend runs, input validation, dropout seeds.
+
+Dispatch rule (one place, every op follows it):
+  * CUDA tensors                          -> our kernels (Triton, or the CUDA extension)
+  * CPU tensors with TRITON_INTERPRET=1    -> the same Triton kernels through the interpreter
+                                             (the C++ CPU twin for the embedding)
+  * CPU tensors otherwise                  -> the pure-torch reference (bert_fast.reference)
+``BERT_FAST_BACKEND=reference`` forces the reference everywhere (debugging, bisecting).
+
+The interpreter returns garbage for ``tl.dot`` on bf16 operands (triton 3.6 and 3.9, measured), so
+ops that use ``tl.dot`` take the reference for bf16 on the CPU; bf16 kernels are tested on the GPU.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def reference_forced() -> bool:
+    return os.environ.get("BERT_FAST_BACKEND", "").strip().lower() == "reference"
+
+
+def use_triton(t: torch.Tensor, uses_dot: bool = False) -> bool:
+    """Whether the op on ``t`` runs our Triton kernel (else the pure-torch reference).
+
+    ``uses_dot``: the kernel uses ``tl.dot``, which the CPU interpreter gets wrong in bf16.
+    """
+    if reference_forced():
+        return False
+    if t.is_cuda:
+        return True
+    if t.device.type == "cpu" and interpreter_enabled():
+        return not (uses_dot and t.dtype == torch.bfloat16)
+    return False
+
+
+def deterministic() -> bool:
+    """Kernels take their deterministic (atomics-free) path when torch asks for it."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+# ----------------------------------------------------------------------------- validation
+def check_tensor(name: str, t, *, ndim: Optional[int | Sequence[int]] = None,
+                 dtypes: Optional[Iterable[torch.dtype]] = None) -> None:
+    """Raise TypeError/ValueError naming ``name`` when ``t`` is not a tensor of the right kind."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, "
+                             f"got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def check_same_device(**tensors) -> None:
+    """Raise ValueError naming the tensors when they are not all on one device."""
+    devices = {k: v.device for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        raise ValueError("tensors must be on one device, got "
+                         + ", ".join(f"{k} on {d}" for k, d in devices.items()))
+
+
+def check_same_dtype(**tensors) -> None:
+    dtypes = {k: v.dtype for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    if len(set(dtypes.values())) > 1:
+        raise TypeError("tensors must share one dtype, got "
+                        + ", ".join(f"{k}: {d}" for k, d in dtypes.items()))
+
+
+def check_dropout_p(p) -> float:
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {p!r}")
+    return float(p)
+
+
+# ----------------------------------------------------------------------------- dropout seeds
+def draw_seed(dropout_p: float, generator: Optional[torch.Generator] = None) -> Optional[torch.Tensor]:
+    """One int64 seed for an op's Philox dropout stream, drawn from torch's CPU generator.
+
+    Returns None when dropout is off. The seed is a CPU tensor (not a Python int) so that
+    torch.compile traces it without a graph break; drawing it from torch's generator means
+    ``torch.manual_seed`` reproduces masks and ``torch.utils.checkpoint`` (which restores the RNG
+    state before recomputing) regenerates exactly the same masks. The op saves the seed for
+    backward, so backward rebuilds the forward's mask instead of storing it.
+    """
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator)
+
+
+def seed_value(seed: Optional[torch.Tensor]) -> int:
+    """The Python int inside a seed tensor (0 when there is none)."""
+    return 0 if seed is None else int(seed.reshape(-1)[0].item())
+
+
+def reference_dropout_mask(shape, dropout_p: float, seed: Optional[torch.Tensor],
+                           device) -> Optional[torch.Tensor]:
+    """The keep-mask of the reference path: a function of (seed, shape) alone, so backward and
+    checkpoint recomputation rebuild the forward's mask. (The Triton kernels use their own Philox
+    stream; both are Bernoulli(1 - p), neither claims to reproduce the other's bits.)"""
+    if seed is None or dropout_p == 0.0:
+        return None
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed_value(seed) % (2**63 - 1))
+    return (torch.rand(tuple(shape), generator=g) >= dropout_p).to(device)

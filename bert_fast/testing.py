@@ -1,0 +1,74 @@
+"""Test helpers shared by tests/ and benchmarks/: the tolerance rule of DESIGN.md and test devices.
+
+The rule (after flash-attention's suites): against a float64 oracle, a kernel's error may be at
+most ``factor`` (2) times the error of plain PyTorch run in the same dtype, plus a small floor
+for rounding. A fixed atol/rtol band is only a second, looser check.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+# Second check: fixed bands per dtype (loose on purpose; the 2x rule is the real test).
+FIXED_BANDS = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+def pick_test_device() -> torch.device:
+    """CUDA when present (or BERT_FAST_TEST_DEVICE), else the CPU."""
+    name = os.environ.get("BERT_FAST_TEST_DEVICE")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dtypes_for(device: torch.device, include_fp32: bool = True) -> list[torch.dtype]:
+    """Float dtypes a kernel is tested in on ``device``: fp32/fp16 on the CPU interpreter,
+    plus bf16 on CUDA (the interpreter's tl.dot is wrong in bf16)."""
+    dts = [torch.float32] if include_fp32 else []
+    dts.append(torch.float16)
+    if torch.device(device).type == "cuda":
+        dts.append(torch.bfloat16)
+    return dts
+
+
+def rounding_floor(ref: torch.Tensor, dtype: torch.dtype, ulps: float = 4.0) -> float:
+    """A few ulps of ``dtype`` at the magnitude of ``ref``: the error no kernel can avoid."""
+    scale = max(1.0, ref.detach().abs().max().item()) if ref.numel() else 1.0
+    return ulps * torch.finfo(dtype).eps * scale
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def assert_close_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor, *,
+                    name: str = "output", factor: float = 2.0, floor: Optional[float] = None,
+                    check_band: bool = True) -> None:
+    """Assert |actual - oracle| <= factor * |torch_same_dtype - oracle| + floor (max norms).
+
+    actual: the kernel's result; oracle: the float64 reference; torch_same_dtype: the reference
+    run in the kernel's dtype. Also checks shapes, dtype, finiteness and (``check_band``) the
+    fixed band of FIXED_BANDS.
+    """
+    assert actual.shape == oracle.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(oracle.shape)}"
+    assert actual.dtype == torch_same_dtype.dtype, f"{name}: dtype {actual.dtype} != {torch_same_dtype.dtype}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    if floor is None:
+        floor = rounding_floor(oracle, actual.dtype)
+    err = max_abs_err(actual, oracle)
+    base = max_abs_err(torch_same_dtype, oracle)
+    assert err <= factor * base + floor, (
+        f"{name}: max error {err:.3e} > {factor} x torch's {base:.3e} + floor {floor:.1e}")
+    if check_band:
+        atol, rtol = FIXED_BANDS[actual.dtype]
+        torch.testing.assert_close(actual.double(), oracle.double(), atol=atol * max(1.0, oracle.abs().max().item() if oracle.numel() else 1.0),
+                                   rtol=rtol, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,33 @@
+// pybind11 bindings of bert_fast._C. The module takes raw device/host pointers, sizes, strides and
+// a CUDA stream handle from Python (bert_fast/ops validates everything before calling in), so it
+// links no libtorch and one build serves any torch version.
+#include <pybind11/pybind11.h>
+
+#include "embedding.h"
+
+namespace py = pybind11;
+
+#ifndef BERT_FAST_CUDA_ARCHS
+#define BERT_FAST_CUDA_ARCHS ""
+#endif
+#ifndef BERT_FAST_CUDA_VERSION
+#define BERT_FAST_CUDA_VERSION ""
+#endif
+
+static py::dict build_info() {
+  py::dict info;
+#ifdef BERT_FAST_WITH_CUDA
+  info["cuda_compiled"] = true;
+#else
+  info["cuda_compiled"] = false;
+#endif
+  info["cuda_archs"] = std::string(BERT_FAST_CUDA_ARCHS);
+  info["cuda_compiler_version"] = std::string(BERT_FAST_CUDA_VERSION);
+  return info;
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin)";
+  m.def("build_info", &build_info, "How this module was compiled");
+  bert_fast::bind_embedding(m);
+}

@@ -1,0 +1,1 @@
+"""Triton kernels of bert_fast, one file per fused op (installed as bert_fast.kernels)."""

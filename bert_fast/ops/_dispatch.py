@@ -116,3 +116,12 @@ def reference_dropout_mask(shape, dropout_p: float, seed: Optional[torch.Tensor]
     g = torch.Generator(device="cpu")
     g.manual_seed(seed_value(seed) % (2**63 - 1))
     return (torch.rand(tuple(shape), generator=g) >= dropout_p).to(device)
+
+
+def host_checks_allowed(t: torch.Tensor) -> bool:
+    """Whether a validation that reads tensor values on the host (one sync) may run now.
+
+    Not while a CUDA graph is being captured (a sync there is illegal); the CUDA-graph runner
+    validates its inputs on the host before each replay instead.
+    """
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -1,0 +1,106 @@
+"""CUDA-graph capture for small-batch inference: one graph per (batch, seq) bucket, replayed.
+
+At batch 1 x 128 a BERT forward is launch-bound (about 7 kernels per layer), so replaying one
+captured graph is what reaches sub-millisecond latency. A graph needs static shapes and no host
+syncs, so the runner uses the padded encoder (masked attention; no unpadding, whose token count is
+data-dependent): inputs are copied into the bucket's static buffers with the extra rows and
+columns masked out, which leaves the real positions' results unchanged.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
+from bert_fast.modeling import BertModel
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_SEQ_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
+
+
+class CudaGraphRunner:
+    """Callable like the model (input_ids, attention_mask, token_type_ids) for inference.
+
+    ``model`` is a bert_fast.BertModel in eval mode on a CUDA device. Graphs are captured lazily,
+    the first time a bucket is used (``capture(batch, seq)`` captures ahead of time). A request
+    larger than the largest bucket runs the model eagerly. Outputs are fresh tensors (cloned out of
+    the static buffers), so they stay valid after the next call. If the weights change after a
+    capture, call ``reset()``.
+    """
+
+    def __init__(self, model: BertModel, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+                 seq_buckets: Sequence[int] = DEFAULT_SEQ_BUCKETS, warmup: int = 2):
+        if not isinstance(model, BertModel):
+            raise TypeError(f"CudaGraphRunner needs a bert_fast.BertModel, got {type(model).__name__}")
+        device = model.embeddings.word_embeddings.weight.device
+        if device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
+        if model.training:
+            raise RuntimeError("CudaGraphRunner is for inference: call model.eval() first")
+        max_pos = model.config.max_position_embeddings
+        self.model = model
+        self.device = device
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.seq_buckets = tuple(sorted(s for s in seq_buckets if s <= max_pos)) or (max_pos,)
+        self.warmup = warmup
+        self._graphs: Dict[Tuple[int, int], dict] = {}
+        self._pool = None
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    def bucket(self, batch: int, seq: int) -> Optional[Tuple[int, int]]:
+        bb = next((x for x in self.batch_buckets if x >= batch), None)
+        sb = next((x for x in self.seq_buckets if x >= seq), None)
+        return None if bb is None or sb is None else (bb, sb)
+
+    @torch.no_grad()
+    def capture(self, batch: int, seq: int) -> dict:
+        key = (batch, seq)
+        if key in self._graphs:
+            return self._graphs[key]
+        ids = torch.ones((batch, seq), dtype=torch.long, device=self.device)
+        mask = torch.ones((batch, seq), dtype=torch.long, device=self.device)
+        types = torch.zeros((batch, seq), dtype=torch.long, device=self.device)
+        # Warm up on a side stream (Triton compiles and autotunes here, never inside the capture).
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
+        self._pool = graph.pool()
+        entry = {"graph": graph, "ids": ids, "mask": mask, "types": types,
+                 "last": out.last_hidden_state, "pooled": out.pooler_output}
+        self._graphs[key] = entry
+        return entry
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 token_type_ids: Optional[torch.Tensor] = None):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        vocab = self.model.config.vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise IndexError(f"input_ids must be in [0, {vocab}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        key = self.bucket(b, s)
+        if key is None or b == 0 or s == 0:
+            return self.model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        g = self.capture(*key)
+        g["ids"].zero_()
+        g["mask"].zero_()
+        g["types"].zero_()
+        g["ids"][:b, :s].copy_(input_ids)
+        g["mask"][:b, :s].copy_(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
+        if token_type_ids is not None:
+            g["types"][:b, :s].copy_(token_type_ids)
+        g["graph"].replay()
+        pooled = g["pooled"][:b].clone() if g["pooled"] is not None else None
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=g["last"][:b, :s].clone(), pooler_output=pooled)

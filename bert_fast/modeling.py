@@ -1,0 +1,278 @@
+"""The drop-in BertModel: transformers' BertModel, parameters and all, with our kernels as forward.
+
+Design (a deliberate refinement of "fuse QKV at load, split at save", see DESIGN.md): the module
+tree and parameters are exactly transformers' (``encoder.layer.0.attention.self.query.weight``...),
+so transformers' own from_pretrained / save_pretrained / heads / gradient checkpointing flags work
+unchanged and ``optimize()`` can convert a live model in place sharing its parameters. The QKV
+fusion happens at first use: the fused [3H, H] weight is cached per layer and rebuilt when any of
+the three weights changes (tracked by their version counters). When gradients flow to the weights
+(training) the fusion is a torch.cat inside autograd, which costs ~3H^2 elements per layer, noise
+next to the GEMM it feeds.
+
+Forward (DESIGN.md data flow): unpad once -> embedding kernel gathers only real tokens (+ LayerNorm,
+dropout) -> per layer: fused QKV GEMM, varlen flash attention, out-proj GEMM, residual+dropout+LN,
+GEMM+bias+GELU, GEMM, residual+dropout+LN -> pad once (pads are zero) -> transformers' pooler.
+``padded=True`` keeps all B*S positions with the key-padding mask applied inside the attention
+kernel and matches transformers at every position, pads included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from torch.utils.checkpoint import checkpoint
+
+from bert_fast import ops
+from bert_fast.padding import Unpadded, pad, unpad
+
+# transformers' hidden_act names -> our fused activation.
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+
+
+def check_config(config) -> None:
+    """Raise a clear error for every BERT variant this encoder does not implement."""
+    act = config.hidden_act
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} is not supported by bert_fast; use one of {sorted(ACTIVATIONS)}")
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise NotImplementedError("bert_fast implements the BERT encoder only: is_decoder and "
+                                  "add_cross_attention must be False")
+    pos = getattr(config, "position_embedding_type", "absolute")
+    if pos not in (None, "absolute"):
+        raise NotImplementedError(f"position_embedding_type={pos!r} is not supported (only 'absolute')")
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size={config.hidden_size} is not a multiple of "
+                         f"num_attention_heads={config.num_attention_heads}")
+    head_dim = config.hidden_size // config.num_attention_heads
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} (hidden_size / num_attention_heads) is outside "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], which the attention kernel supports")
+
+
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels run in: autocast's when it is on (weights are cast, as autocast would
+    for nn.Linear), else the parameters' own."""
+    dev = param.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return param.dtype
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def fused_qkv(self_attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cat(Wq, Wk, Wv) [3H, H] and cat(bq, bk, bv) for one BertSelfAttention, in ``dtype``."""
+    parts = (self_attn.query, self_attn.key, self_attn.value)
+    tensors = [p.weight for p in parts] + [p.bias for p in parts]
+    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if needs_graph or torch.compiler.is_compiling():
+        return (torch.cat([_cast(p.weight, dtype) for p in parts]),
+                torch.cat([_cast(p.bias, dtype) for p in parts]))
+    key = (dtype,) + tuple((t.data_ptr(), t._version, t.device) for t in tensors)
+    cached = self_attn.__dict__.get("_bert_fast_qkv")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            w = torch.cat([_cast(p.weight, dtype) for p in parts])
+            b = torch.cat([_cast(p.bias, dtype) for p in parts])
+        cached = (key, w, b)
+        self_attn.__dict__["_bert_fast_qkv"] = cached  # not a buffer: never in the state dict
+    return cached[1], cached[2]
+
+
+@dataclass
+class _Batch:
+    """What every layer needs to know about the batch layout."""
+    padded: bool
+    unpadded: Optional[Unpadded]         # varlen path
+    mask: Optional[torch.Tensor]         # padded path: [B, S] key-padding mask
+    batch: int
+    seqlen: int
+
+
+def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool) -> torch.Tensor:
+    """One transformers BertLayer, run by our kernels. h: [T, H] (varlen) or [B, S, H] (padded)."""
+    dtype = h.dtype
+    heads = config.num_attention_heads
+    hidden = config.hidden_size
+    p_hidden = config.hidden_dropout_prob if training else 0.0
+    p_attn = config.attention_probs_dropout_prob if training else 0.0
+    att = layer.attention
+
+    wqkv, bqkv = fused_qkv(att.self, dtype)
+    qkv = ops.linear(h, wqkv, bqkv)
+    if batch.padded:
+        ctx = ops.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
+                            batch.mask, dropout_p=p_attn)
+    else:
+        u = batch.unpadded
+        ctx = ops.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
+                                   u.max_seqlen, dropout_p=p_attn)
+    ctx = ctx.reshape(h.shape)
+
+    dense, ln = att.output.dense, att.output.LayerNorm
+    a = ops.linear(ctx, _cast(dense.weight, dtype), _cast(dense.bias, dtype))
+    h1 = ops.residual_layer_norm(a, h, _cast(ln.weight, dtype), _cast(ln.bias, dtype), ln.eps, p_hidden)
+
+    up = layer.intermediate.dense
+    f = ops.linear(h1, _cast(up.weight, dtype), _cast(up.bias, dtype),
+                   activation=ACTIVATIONS[config.hidden_act])
+    down, ln2 = layer.output.dense, layer.output.LayerNorm
+    o = ops.linear(f, _cast(down.weight, dtype), _cast(down.bias, dtype))
+    return ops.residual_layer_norm(o, h1, _cast(ln2.weight, dtype), _cast(ln2.bias, dtype), ln2.eps, p_hidden)
+
+
+def _check_mask(attention_mask, input_shape, device) -> torch.Tensor:
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != tuple(input_shape):
+        raise ValueError(f"attention_mask must have shape {tuple(input_shape)} (batch, seq), "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.device != device:
+        raise ValueError(f"attention_mask is on {attention_mask.device} but input is on {device}")
+    if attention_mask.dtype == torch.bool or not attention_mask.is_floating_point() and not attention_mask.is_complex():
+        return attention_mask
+    if attention_mask.is_floating_point():
+        bad = ((attention_mask != 0) & (attention_mask != 1)).any()
+        if bool(bad):
+            raise ValueError("a floating attention_mask must hold only 0 and 1 (1 = attend); "
+                             "extended additive masks are not accepted")
+        return attention_mask
+    raise TypeError(f"attention_mask dtype {attention_mask.dtype} is not supported: use bool, an integer "
+                    "type or 0/1 floats")
+
+
+class BertModel(transformers.BertModel):
+    """transformers.BertModel with bert_fast's kernels as its forward. Same constructor, parameters,
+    state dict, outputs; ``padded=True`` computes every position (masked attention) instead of the
+    real tokens only."""
+
+    def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
+        check_config(config)
+        super().__init__(config, add_pooling_layer=add_pooling_layer)
+        self.setup_fast(padded)
+
+    def setup_fast(self, padded: bool = False) -> "BertModel":
+        """Make this (possibly class-swapped) module ready for the fast forward."""
+        check_config(self.config)
+        self.padded = bool(padded)
+        return self
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, output_hidden_states=None, return_dict=None, output_attentions=None,
+                encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
+                use_cache=None, head_mask=None, padded: Optional[bool] = None, **kwargs):
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: bert_fast's flash attention never "
+                             "materializes the attention probabilities")
+        if encoder_hidden_states is not None or encoder_attention_mask is not None:
+            raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
+        if past_key_values is not None or use_cache:
+            raise ValueError("past_key_values / use_cache are decoder features, not supported by bert_fast")
+        if head_mask is not None:
+            raise ValueError("head_mask is not supported by bert_fast")
+        unknown = {k for k, v in kwargs.items() if v is not None and v is not False}
+        if unknown:
+            raise TypeError(f"unexpected arguments for bert_fast.BertModel.forward: {sorted(unknown)}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        config = self.config
+        padded = self.padded if padded is None else bool(padded)
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else getattr(config, "output_hidden_states", False))
+        return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
+        emb = self.embeddings
+        device = emb.word_embeddings.weight.device
+
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source.device != device:
+            raise ValueError(f"input is on {source.device} but the model is on {device}")
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if inputs_embeds is not None and inputs_embeds.dim() != 3:
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
+        b, s = source.shape[:2]
+        if position_ids is None and s > config.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+        if attention_mask is None:
+            attention_mask = torch.ones((b, s), dtype=torch.bool, device=device)
+        else:
+            attention_mask = _check_mask(attention_mask, (b, s), device)
+        if position_ids is not None:
+            position_ids = position_ids.expand(b, s)
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.expand(b, s)
+
+        batch = _Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
+                       mask=attention_mask if padded else None, batch=b, seqlen=s)
+        h = self._embed(input_ids, inputs_embeds, position_ids, token_type_ids, batch)
+        dtype = compute_dtype(emb.word_embeddings.weight)
+        h = _cast(h, dtype)
+
+        def to_bsh(x):
+            return x if padded else pad(x, batch.unpadded)
+
+        all_hidden = [to_bsh(h)] if output_hidden_states else None
+        grad_ckpt = self.training and torch.is_grad_enabled() and (
+            getattr(self.encoder, "gradient_checkpointing", False) or getattr(self, "gradient_checkpointing", False))
+        for layer in self.encoder.layer:
+            if grad_ckpt or (self.training and getattr(layer, "gradient_checkpointing", False)):
+                # Dropout seeds come from torch's RNG, which checkpoint restores before recomputing,
+                # so the recomputed masks are the forward's.
+                h = checkpoint(_layer_forward, layer, h, batch, config, True, use_reentrant=False)
+            else:
+                h = _layer_forward(layer, h, batch, config, self.training)
+            if output_hidden_states:
+                all_hidden.append(to_bsh(h))
+
+        last = to_bsh(h)
+        pooled = self.pooler(last) if self.pooler is not None and s > 0 else None
+        if self.pooler is not None and s == 0:
+            # No CLS position: pool the all-zero state, as for a fully padded row.
+            pooled = self.pooler(last.new_zeros((b, 1, config.hidden_size)))
+        hidden_states = tuple(all_hidden) if output_hidden_states else None
+        if not return_dict:
+            return tuple(v for v in (last, pooled, hidden_states) if v is not None)
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=last, pooler_output=pooled, hidden_states=hidden_states)
+
+    def _embed(self, input_ids, inputs_embeds, position_ids, token_type_ids, batch: _Batch) -> torch.Tensor:
+        """Embedding sum + LayerNorm + dropout, for the real tokens only on the varlen path."""
+        emb = self.embeddings
+        p = self.config.hidden_dropout_prob if self.training else 0.0
+        indices = None if batch.padded else batch.unpadded.indices
+        if inputs_embeds is None:
+            return ops.embedding_layer_norm(
+                input_ids, position_ids, token_type_ids, emb.word_embeddings.weight,
+                emb.position_embeddings.weight, emb.token_type_embeddings.weight, emb.LayerNorm.weight,
+                emb.LayerNorm.bias, eps=emb.LayerNorm.eps, dropout_p=p,
+                padding_idx=emb.word_embeddings.padding_idx, indices=indices)
+        # inputs_embeds: the word vectors are given, so only positions and token types are looked up.
+        b, s = inputs_embeds.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(s, device=inputs_embeds.device).expand(b, s)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros((b, s), dtype=torch.long, device=inputs_embeds.device)
+        x = inputs_embeds + emb.position_embeddings(position_ids) + emb.token_type_embeddings(token_type_ids)
+        if indices is not None:
+            x = x.reshape(b * s, -1).index_select(0, indices)
+        x = emb.LayerNorm(x)
+        return F.dropout(x, p=p, training=self.training)
+
+
+def to_fast_bert(module: transformers.BertModel, padded: bool = False) -> BertModel:
+    """Turn a live transformers.BertModel into ours, in place, sharing every parameter."""
+    if not isinstance(module, BertModel):
+        if type(module) is not transformers.BertModel:
+            raise TypeError(f"can only convert transformers.BertModel, got {type(module).__name__}")
+        check_config(module.config)
+        module.__class__ = BertModel
+    return module.setup_fast(padded)

@@ -1,0 +1,28 @@
+"""bert_fast.optimize(model): put the fast encoder into an existing transformers model, in place."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+from bert_fast.modeling import BertModel, to_fast_bert
+
+
+def optimize(model: torch.nn.Module, padded: bool = False) -> torch.nn.Module:
+    """Convert every transformers.BertModel inside ``model`` to bert_fast.BertModel, in place.
+
+    Works on a BertModel itself, on any BertFor* head, and on models that contain one (a
+    sentence-transformers SentenceTransformer, say). Parameters are shared, not copied: the model
+    keeps its state dict, optimizer state and device; only the encoder's forward changes. Returns
+    ``model``. Raises TypeError when there is no BertModel inside, ValueError/NotImplementedError for
+    configurations bert_fast does not implement (before anything is converted).
+    """
+    targets = [m for m in model.modules() if type(m) is transformers.BertModel or isinstance(m, BertModel)]
+    if not targets:
+        raise TypeError(f"{type(model).__name__} contains no transformers.BertModel to optimize")
+    from bert_fast.modeling import check_config
+
+    for m in targets:   # validate all first: never leave a model half converted
+        check_config(m.config)
+    for m in targets:
+        to_fast_bert(m, padded=padded)
+    return model

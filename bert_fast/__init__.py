@@ -3,18 +3,39 @@
 Our kernels (Triton: fused QKV/FFN GEMMs with epilogues, flash-style varlen attention, bias+GELU,
 residual+dropout+LayerNorm; CUDA C++: the embedding sum + LayerNorm) behind a drop-in
 transformers BertModel and its task heads.
-"""
-from bert_fast._build_info import build_info
-from bert_fast import ops
-from bert_fast.modeling import BertModel
-from bert_fast.heads import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction,
-                             BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
-                             BertForTokenClassification)
-from bert_fast.optimize import optimize
 
-__all__ = [
-    "build_info", "ops", "optimize", "BertModel", "BertForPreTraining", "BertForMaskedLM",
-    "BertForNextSentencePrediction", "BertForSequenceClassification", "BertForTokenClassification",
-    "BertForQuestionAnswering", "BertForMultipleChoice",
-]
+Imports are lazy (PEP 562) so that ``bert-fast --help`` or ``build_info()`` do not pay for
+importing transformers and triton; ``bert_fast.BertModel`` etc. load on first use.
+"""
+import importlib
+
+from bert_fast._build_info import build_info
+
 __version__ = "0.1.0"
+
+_SUBMODULES = ("ops", "reference", "testing")
+_LAZY = {
+    **{name: f"bert_fast.{name}" for name in _SUBMODULES},
+    "BertModel": "bert_fast.modeling",
+    "optimize": "bert_fast.optimize",
+    "CudaGraphRunner": "bert_fast.cuda_graphs",
+    **{name: "bert_fast.heads" for name in (
+        "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
+        "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
+        "BertForMultipleChoice")},
+}
+__all__ = ["build_info", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bert_fast' has no attribute {name!r}")
+    mod = importlib.import_module(module)
+    value = mod if name in _SUBMODULES else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

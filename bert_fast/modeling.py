@@ -128,6 +128,27 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
     return ops.residual_layer_norm(o, h1, _cast(ln2.weight, dtype), _cast(ln2.bias, dtype), ln2.eps, p_hidden)
 
 
+class BertLayer(transformers.models.bert.modeling_bert.BertLayer):
+    """transformers' BertLayer (same parameters) whose forward is our kernel path.
+
+    Layers are converted by class swap, so calls go through the module's own ``__call__``: module
+    hooks (FSDP2's per-layer all-gather, transformers' GradientCheckpointingLayer) keep working.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, batch: _Batch, *args, **kwargs) -> torch.Tensor:
+        return _layer_forward(self, hidden_states, batch, self.bert_fast_config, self.training)
+
+
+# transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__; older versions did it in
+# the encoder loop, which our forward replaces, so there we checkpoint ourselves.
+try:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:
+    GradientCheckpointingLayer = None
+_LAYER_CHECKPOINTS_ITSELF = (GradientCheckpointingLayer is not None
+                             and issubclass(transformers.models.bert.modeling_bert.BertLayer, GradientCheckpointingLayer))
+
+
 def _check_mask(attention_mask, input_shape, device) -> torch.Tensor:
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
@@ -162,6 +183,10 @@ class BertModel(transformers.BertModel):
         """Make this (possibly class-swapped) module ready for the fast forward."""
         check_config(self.config)
         self.padded = bool(padded)
+        for layer in self.encoder.layer:
+            if not isinstance(layer, BertLayer):
+                layer.__class__ = BertLayer
+            layer.bert_fast_config = self.config
         return self
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -221,15 +246,15 @@ class BertModel(transformers.BertModel):
             return x if padded else pad(x, batch.unpadded)
 
         all_hidden = [to_bsh(h)] if output_hidden_states else None
-        grad_ckpt = self.training and torch.is_grad_enabled() and (
-            getattr(self.encoder, "gradient_checkpointing", False) or getattr(self, "gradient_checkpointing", False))
+        encoder_ckpt = (self.training and torch.is_grad_enabled() and not _LAYER_CHECKPOINTS_ITSELF
+                        and getattr(self.encoder, "gradient_checkpointing", False))
         for layer in self.encoder.layer:
-            if grad_ckpt or (self.training and getattr(layer, "gradient_checkpointing", False)):
+            if encoder_ckpt:
                 # Dropout seeds come from torch's RNG, which checkpoint restores before recomputing,
                 # so the recomputed masks are the forward's.
-                h = checkpoint(_layer_forward, layer, h, batch, config, True, use_reentrant=False)
+                h = checkpoint(layer, h, batch, use_reentrant=False)
             else:
-                h = _layer_forward(layer, h, batch, config, self.training)
+                h = layer(h, batch)
             if output_hidden_states:
                 all_hidden.append(to_bsh(h))
 

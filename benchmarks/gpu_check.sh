@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The GPU check: ONE command for a CUDA machine.
+#
+#   bash benchmarks/gpu_check.sh
+#
+# Stages (each recorded in the results file with its exit status and duration; a failing stage never
+# stops the next one):
+#   1. install     pip install --no-build-isolation --no-deps -e .   (builds the CUDA extension)
+#   2. info        bert-fast info --json                              (build, device, driver, kernel per op)
+#   3. tests       python -m pytest tests -q -rs                      (the whole suite, on CUDA)
+#   4. bench-ops   bert-fast bench-ops --json --plot                  (every op case vs measured ceilings)
+#   5. bench-*     bert-fast bench over the standard grid:
+#                    infer bf16, bert-base + bert-large: dense 128x128, padded 16x512 random:0.2,
+#                    1x128 with --cuda-graphs; train bf16 bert-base: 32x128 and 8x512
+#   6. pytest-bench  python -m pytest benchmarks -o python_files='bench_*.py' --benchmark-json
+#                  (last: it repeats what the CLI measured, so it is the first thing a tight
+#                  budget drops)
+#   7. merge       benchmarks/results/<date>-<gpu>-<commit>.json: device, driver, versions, commit,
+#                  pytest passed/failed/skipped, stages, every figure; plots and logs beside it in
+#                  benchmarks/results/<date>-<gpu>-<commit>/; then the README Performance section.
+#
+# The whole run stays within BERT_FAST_CHECK_BUDGET_S seconds (default 1500 = 25 min): each stage
+# runs under `timeout` with min(its own cap, what is left); stages with no time left are recorded
+# as skipped. With $OUT set, the results file, its folder and README.md are copied there too.
+#
+# Environment: PYTHON (default python), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1.
+
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+PY="${PYTHON:-python}"
+BUDGET="${BERT_FAST_CHECK_BUDGET_S:-1500}"
+RESERVE=60                       # kept for the merge, the plots and the copies
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TQDM_DISABLE=1
+
+DATE=$(date -u +%Y%m%d-%H%M%S)
+COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+if [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    COMMIT="${COMMIT}-dirty"
+fi
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
+if [ -z "$GPU" ]; then
+    GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no-gpu')" 2>/dev/null || echo unknown)
+fi
+GPU_SLUG=$(printf '%s' "$GPU" | tr '[:upper:]' '[:lower:]' | sed -E 's/nvidia//g; s/[^a-z0-9]+/-/g; s/^-+//; s/-+$//')
+NAME="${DATE}-${GPU_SLUG:-gpu}-${COMMIT}"
+RESULTS="$ROOT/benchmarks/results"
+RUN_DIR="$RESULTS/$NAME"
+mkdir -p "$RUN_DIR"
+STAGES="$RUN_DIR/stages.tsv"
+: > "$STAGES"
+FAILED=0
+
+echo "GPU check $NAME  (device: $GPU, commit: $COMMIT, budget ${BUDGET}s)"
+echo "results: $RESULTS/$NAME.json and $RUN_DIR/"
+
+
+# run_stage NAME CAP_SECONDS LOG CMD... : run CMD under timeout, tee its output to LOG, record it.
+run_stage() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local now left limit t0 rc dt status
+    now=$(date +%s)
+    left=$(( BUDGET - (now - START) - RESERVE ))
+    if (( left < 20 )); then
+        printf '%s\t%s\t%s\t%s\n' "$name" "skipped" 0 "skipped: time budget exhausted" >> "$STAGES"
+        echo "== [$name] SKIPPED: time budget exhausted"
+        return 0
+    fi
+    limit=$cap
+    (( limit > left )) && limit=$left
+    echo "== [$name] (limit ${limit}s): $*"
+    t0=$(date +%s)
+    timeout --signal=INT --kill-after=30 "$limit" "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    dt=$(( $(date +%s) - t0 ))
+    if (( rc == 0 )); then status=ok
+    elif (( rc == 124 )); then status="timeout after ${limit}s"; FAILED=1
+    else status=failed; FAILED=1
+    fi
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$status" >> "$STAGES"
+    echo "== [$name] $status (rc=$rc, ${dt}s)"
+    return 0
+}
+
+# 1. install (builds bert_fast._C with the CUDA kernel)
+if [ "${BERT_FAST_CHECK_SKIP_INSTALL:-0}" != 1 ]; then
+    run_stage install 420 "$RUN_DIR/install.log" "$PY" -m pip install --no-build-isolation --no-deps -e .
+fi
+
+# bert-fast CLI: the console script when installed, else the module (an array: `timeout` runs it).
+if command -v bert-fast >/dev/null 2>&1; then BF=(bert-fast); else BF=("$PY" -m bert_fast); fi
+
+# 2. info
+run_stage info 90 "$RUN_DIR/info.log" "${BF[@]}" info --json "$RUN_DIR/info.json"
+
+# 3. the whole test suite on CUDA
+run_stage tests 540 "$RUN_DIR/pytest.log" "$PY" -m pytest tests -q -rs --junitxml="$RUN_DIR/pytest.xml"
+
+# 4. per-op benchmark
+run_stage bench-ops 180 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progress --dtype bf16 \
+    --warmup 10 --iters 50 --max-seconds 3 --json "$RUN_DIR/ops.json" --plot "$RUN_DIR/ops.png"
+
+# 5. model benchmark grid (bf16)
+COMMON=(--dtype bf16 --warmup 5 --iters 30 --max-seconds 20 --no-progress)
+ALL=bert_fast,hf-eager,hf-sdpa,hf-compile
+run_stage bench-dense 240 "$RUN_DIR/bench-dense.log" "${BF[@]}" bench --model bert-base,bert-large --batch 128 --seq 128 \
+    --lengths full --mode infer --providers "$ALL" "${COMMON[@]}" \
+    --json "$RUN_DIR/model-dense.json" --plot "$RUN_DIR/model-dense.png"
+run_stage bench-padded 200 "$RUN_DIR/bench-padded.log" "${BF[@]}" bench --model bert-base,bert-large --batch 16 --seq 512 \
+    --lengths random:0.2 --mode infer --providers "$ALL" "${COMMON[@]}" \
+    --json "$RUN_DIR/model-padded.json" --plot "$RUN_DIR/model-padded.png"
+run_stage bench-graphs 150 "$RUN_DIR/bench-graphs.log" "${BF[@]}" bench --model bert-base,bert-large --batch 1 --seq 128 \
+    --lengths full --mode infer --cuda-graphs --providers "$ALL" "${COMMON[@]}" \
+    --json "$RUN_DIR/model-graphs.json" --plot "$RUN_DIR/model-graphs.png"
+run_stage bench-train-128 150 "$RUN_DIR/bench-train-128.log" "${BF[@]}" bench --model bert-base --batch 32 --seq 128 \
+    --lengths full --mode train --providers "$ALL" "${COMMON[@]}" \
+    --json "$RUN_DIR/model-train-128.json" --plot "$RUN_DIR/model-train-128.png"
+run_stage bench-train-512 150 "$RUN_DIR/bench-train-512.log" "${BF[@]}" bench --model bert-base --batch 8 --seq 512 \
+    --lengths full --mode train --providers "$ALL" "${COMMON[@]}" \
+    --json "$RUN_DIR/model-train-512.json" --plot "$RUN_DIR/model-train-512.png"
+
+# 6. pytest-benchmark suites (op suites of the other files + bench_model.py)
+run_stage pytest-bench 180 "$RUN_DIR/pytest-bench.log" "$PY" -m pytest benchmarks -q -o python_files='bench_*.py' \
+    --benchmark-json="$RUN_DIR/pytest-benchmark.json" --benchmark-max-time=0.5 --benchmark-min-rounds=5
+
+# 7. merge into one results file (run as a script path: works even when bert_fast does not import)
+MODEL_JSONS=()
+for f in "$RUN_DIR"/model-*.json; do [ -e "$f" ] && MODEL_JSONS+=("$f"); done
+"$PY" "$ROOT/bert_fast/bench/results.py" merge --out "$RESULTS/$NAME.json" --run-dir "$RUN_DIR" \
+    --stages "$STAGES" --info "$RUN_DIR/info.json" --ops "$RUN_DIR/ops.json" --model ${MODEL_JSONS[@]+"${MODEL_JSONS[@]}"} \
+    --pytest-log "$RUN_DIR/pytest.log" --pytest-xml "$RUN_DIR/pytest.xml" \
+    --pytest-bench "$RUN_DIR/pytest-benchmark.json" --plot "$RUN_DIR/summary.png" \
+    || { echo "merge FAILED"; FAILED=1; }
+"$PY" "$ROOT/benchmarks/make_readme_performance.py" --results-dir "$RESULTS" --readme "$ROOT/README.md" \
+    || echo "README Performance section not regenerated"
+
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/results"
+    cp -r "$RESULTS/$NAME.json" "$RUN_DIR" "$OUT/results/" 2>/dev/null
+    cp "$ROOT/README.md" "$OUT/README.md" 2>/dev/null
+    echo "copied results to $OUT/results/"
+fi
+
+echo
+echo "== stages (name, rc, seconds, status)"
+cat "$STAGES"
+echo "results: $RESULTS/$NAME.json"
+echo "total: $(( $(date +%s) - START ))s"
+exit $FAILED

@@ -1,0 +1,283 @@
+"""``bert-fast bench-ops``: every OpCase of every op module present, per provider.
+
+Cases come from ``bert_fast/bench/op_cases/<op>.py`` (``cases(device, dtype) -> list[OpCase]``).
+A memory-bound case reports GB/s = case.bytes / time and its % of the measured copy bandwidth; a
+compute-bound case reports TFLOP/s = case.flops / time and its % of the measured GEMM rate (both
+figures are given whenever the case declares bytes / flops).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Tuple
+
+OP_NAMES = ("embedding", "linear", "bias_gelu", "residual_layer_norm", "attention")
+CASES_PACKAGE = "bert_fast.bench.op_cases"
+
+
+class OpsBenchError(Exception):
+    pass
+
+
+def discover_modules(ops: Optional[List[str]] = None) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """({op: module}, {op: import error}) for the op-case modules that exist.
+
+    The known ops come first, in data-flow order, then any other module of the package.
+    A module that is absent is skipped silently; one that fails to import is reported.
+    """
+    names = list(OP_NAMES)
+    try:
+        pkg = importlib.import_module(CASES_PACKAGE)
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_") and info.name not in names:
+                names.append(info.name)
+    except ImportError:
+        pass
+    if ops:
+        unknown = [o for o in ops if o not in names]
+        if unknown:
+            raise OpsBenchError(f"unknown op(s) {', '.join(unknown)}; op case modules present or "
+                                f"expected: {', '.join(names)}")
+        names = [n for n in names if n in ops]
+    modules, errors = {}, {}
+    for name in names:
+        full = f"{CASES_PACKAGE}.{name}"
+        try:
+            modules[name] = importlib.import_module(full)
+        except ModuleNotFoundError as exc:
+            if exc.name == full:
+                continue
+            errors[name] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return modules, errors
+
+
+def _summ_provider(case, rec, ceilings):
+    sec = rec["median_ms"] * 1e-3
+    rec["gbs"] = case.bytes / sec / 1e9 if case.bytes else None
+    rec["tflops"] = case.flops / sec / 1e12 if case.flops else None
+    if case.bound == "compute" and rec["tflops"] is not None:
+        rec["ceiling"] = "matmul_tflops"
+        rec["pct_of_ceiling"] = 100.0 * rec["tflops"] / ceilings["matmul_tflops"]
+    elif rec["gbs"] is not None:
+        rec["ceiling"] = "copy_bandwidth_gbs"
+        rec["pct_of_ceiling"] = 100.0 * rec["gbs"] / ceilings["copy_bandwidth_gbs"]
+    else:
+        rec["ceiling"] = None
+        rec["pct_of_ceiling"] = None
+
+
+def format_table(doc: Dict[str, Any]) -> str:
+    header = (f"{'case':<50} {'provider':<18} {'median ms':>10} {'p20-p80 ms':>17} {'GB/s':>9} "
+              f"{'TFLOP/s':>8} {'% ceiling':>10}")
+    lines = [header, "-" * len(header)]
+    for c in doc.get("cases", []):
+        name = c["name"]
+        for r in c.get("results", []):
+            if r["status"] != "ok":
+                err = (r.get("error") or "").splitlines()[0][:80] if r.get("error") else ""
+                lines.append(f"{name:<50.50} {r['provider']:<18} {r['status'].upper():>10}  {err}")
+                continue
+            gbs = f"{r['gbs']:.1f}" if r.get("gbs") is not None else "-"
+            tfl = f"{r['tflops']:.2f}" if r.get("tflops") is not None else "-"
+            pct = f"{r['pct_of_ceiling']:.1f}%" if r.get("pct_of_ceiling") is not None else "-"
+            tag = {"matmul_tflops": " mm", "copy_bandwidth_gbs": " bw"}.get(r.get("ceiling"), "")
+            lines.append(f"{name:<50.50} {r['provider']:<18} {r['median_ms']:>10.4f} "
+                         f"{r['p20_ms']:>8.4f}-{r['p80_ms']:<8.4f} {gbs:>9} {tfl:>8} {pct + tag:>10}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ops", default=None, help=f"comma-separated subset of the ops ({', '.join(OP_NAMES)})")
+    p.add_argument("--providers", default=None, help="comma-separated subset of the providers of each case "
+                                                     "(e.g. bert_fast,torch); default: all")
+    p.add_argument("--filter", default=None, help="only cases whose name contains this text")
+    p.add_argument("--direction", choices=("fwd", "bwd", "all"), default="all")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--warmup", type=int, default=None, help="default: 10 on CUDA, 1 on the CPU")
+    p.add_argument("--iters", type=int, default=None, help="default: 50 on CUDA, 3 on the CPU")
+    p.add_argument("--inputs", type=int, default=3, dest="n_inputs",
+                   help="input sets (factory calls) rotated among the timed calls (default: 3)")
+    p.add_argument("--max-cases", type=int, default=None,
+                   help="at most this many cases per op (default: all on CUDA, 1 on the CPU)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop timing one provider after this many seconds (at least 5 calls)")
+    p.add_argument("--flush-l2", action="store_true", help="flush the L2 cache before each timed call (CUDA)")
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of the per-op % of roofline")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
+    """``bert-fast bench-ops``. ``modules`` ({op: module with cases()}) replaces discovery (tests)."""
+    import torch
+
+    from bert_fast.bench import ceilings as ceil_mod
+    from bert_fast.bench.model_bench import BenchError, resolve_device
+    from bert_fast.bench.results import new_document, write_json
+    from bert_fast.bench.timing import time_factory
+
+    try:
+        device = resolve_device(args.device)
+    except BenchError as exc:
+        raise OpsBenchError(str(exc)) from None
+    cuda = device.type == "cuda"
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.warmup = (10 if cuda else 1) if args.warmup is None else args.warmup
+    args.iters = (50 if cuda else 3) if args.iters is None else args.iters
+    if args.iters < 1 or args.warmup < 0 or args.n_inputs < 1:
+        raise OpsBenchError("--iters and --inputs must be >= 1 and --warmup >= 0")
+    if args.max_cases is None and not cuda:
+        args.max_cases = 1
+    dtype = ceil_mod.parse_dtype(args.dtype)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    wanted_providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
+    skip_compile = not cuda and wanted_providers is None
+
+    notes: List[str] = []
+    import_errors: Dict[str, str] = {}
+    if modules is None:
+        modules, import_errors = discover_modules(ops)
+    if not cuda:
+        notes.append("No CUDA GPU: bert_fast's Triton and CUDA kernels need a CUDA GPU. On the CPU the "
+                     "bert_fast provider runs the pure-PyTorch reference (or the Triton interpreter with "
+                     f"TRITON_INTERPRET=1), so these figures measure CPU PyTorch, not the kernels; at most "
+                     f"{args.max_cases} case(s) per op (--max-cases); torch.compile providers are left out "
+                     f"unless named in --providers (compiling C++ on the CPU takes minutes).")
+    for op, err in import_errors.items():
+        notes.append(f"op case module {op} failed to import: {err}")
+    if not modules:
+        msg = (f"no op case modules found in {CASES_PACKAGE} (expected modules named "
+               f"{', '.join(OP_NAMES)}, each with cases(device, dtype)); nothing to benchmark")
+        notes.append(msg)
+        print(f"bert-fast bench-ops: {msg}", file=sys.stderr)
+
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    ceilings = ceil_mod.measure(device, dtype)
+    print(f"ceilings on {device}: copy {ceilings['copy_bandwidth_gbs']:.1f} GB/s, {args.dtype} GEMM "
+          f"{ceilings['matmul_tflops']:.2f} TFLOP/s", file=sys.stderr)
+    arguments = {k: v for k, v in vars(args).items() if k not in ("func", "handler")}
+    arguments["device"] = str(device)
+    doc = new_document("ops", device, arguments, ceilings, notes)
+    doc["import_errors"] = import_errors
+    doc["cases"] = out_cases = []
+
+    todo = []
+    for op, mod in modules.items():
+        try:
+            cases = list(mod.cases(device, dtype))
+        except Exception as exc:  # noqa: BLE001
+            out_cases.append({"name": f"{op}/cases()", "op": op, "label": "cases()", "direction": "-",
+                              "bound": "-", "flops": 0, "bytes": 0, "params": {}, "dtype": args.dtype,
+                              "results": [{"provider": "-", "status": "error",
+                                           "error": f"cases() raised {type(exc).__name__}: {exc}"}]})
+            continue
+        if args.direction != "all":
+            cases = [c for c in cases if c.direction == args.direction]
+        if args.filter:
+            cases = [c for c in cases if args.filter in c.name]
+        if args.max_cases is not None:
+            cases = cases[: args.max_cases]
+        todo.extend(cases)
+
+    bar = None
+    def selected(provider: str) -> bool:
+        if wanted_providers:
+            return provider in wanted_providers
+        return not (skip_compile and "compile" in provider)
+
+    total = sum(len([p for p in c.providers if selected(p)]) for c in todo)
+    if not args.no_progress and total:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="bench-ops", unit="provider", file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+
+    def save():
+        if args.json:
+            write_json(args.json, doc)
+
+    interrupted = False
+    t0 = time.perf_counter()
+    try:
+        for case in todo:
+            entry = {"name": case.name, "op": case.op, "label": case.label, "direction": case.direction,
+                     "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "params": case.params,
+                     "dtype": args.dtype, "results": []}
+            out_cases.append(entry)
+            for provider, factory in case.providers.items():
+                if not selected(provider):
+                    continue
+                if bar is not None:
+                    bar.set_postfix_str(f"{case.name} {provider}"[:60])
+                rec: Dict[str, Any] = {"provider": provider, "status": "ok", "error": None,
+                                       **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "gbs", "tflops",
+                                                            "pct_of_ceiling", "ceiling", "peak_mem_bytes")}}
+                try:
+                    t = time_factory(factory, device, n_inputs=args.n_inputs, warmup=args.warmup,
+                                     iters=args.iters, flush_l2=args.flush_l2, max_seconds=args.max_seconds)
+                    rec.update(t.to_dict())
+                    _summ_provider(case, rec, ceilings)
+                except KeyboardInterrupt:
+                    rec.update(status="interrupted", error="interrupted")
+                    entry["results"].append(rec)
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
+                               traceback=traceback.format_exc(limit=6)[-3000:])
+                    print(f"  {case.name} {provider}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+                finally:
+                    if cuda:
+                        torch.cuda.empty_cache()
+                entry["results"].append(rec)
+                if bar is not None:
+                    bar.update(1)
+                save()
+            speedups = {}
+            bf = next((r for r in entry["results"] if r["provider"] == "bert_fast" and r["status"] == "ok"), None)
+            for r in entry["results"]:
+                r["speedup_of_bert_fast"] = (r["median_ms"] / bf["median_ms"]
+                                             if bf is not None and r["status"] == "ok" else None)
+                if r["provider"] != "bert_fast" and r["speedup_of_bert_fast"] is not None:
+                    speedups[r["provider"]] = r["speedup_of_bert_fast"]
+            entry["speedups"] = speedups
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: writing what was measured", file=sys.stderr)
+    finally:
+        if bar is not None:
+            bar.close()
+    doc["status"] = "interrupted" if interrupted else "complete"
+    doc["wall_seconds"] = time.perf_counter() - t0
+    if out_cases:
+        print(format_table(doc))
+    for n in notes:
+        print(f"note: {n}")
+    if args.json:
+        write_json(args.json, doc)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from bert_fast.bench.plots import plot_ops
+
+        if plot_ops(doc, args.plot):
+            print(f"wrote {args.plot}")
+        else:
+            print(f"no successful op figures to plot; {args.plot} not written", file=sys.stderr)
+    if interrupted:
+        return 130
+    failed = [c["name"] for c in out_cases for r in c["results"] if r["status"] == "error"]
+    if failed or import_errors:
+        print(f"bert-fast bench-ops: {len(failed)} case/provider run(s) failed"
+              + (f", {len(import_errors)} op module(s) failed to import" if import_errors else ""), file=sys.stderr)
+        return 1
+    return 0

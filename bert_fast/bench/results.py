@@ -1,0 +1,338 @@
+"""JSON results of the benchmarks: environment, ceilings, arguments and every figure.
+
+Schema of ``bert-fast bench --json`` (kind "model") and ``bert-fast bench-ops --json`` (kind "ops"):
+
+    {
+      "schema": "bert_fast.bench/1",
+      "kind": "model" | "ops",
+      "created": "2025-01-01T00:00:00Z",
+      "status": "complete" | "interrupted",
+      "environment": {device, device_type, device_name, device_capability, device_memory_bytes,
+                      driver_version, cuda_runtime, python, platform, torch, triton,
+                      transformers, bert_fast, git_commit, build_info, env},
+      "arguments": {every CLI argument},
+      "ceilings": {copy_bandwidth_gbs, matmul_tflops, matmul_dtype, matmul_shape, ...},
+      "notes": ["...", ...],
+      # kind "model":
+      "runs": [{model, config, batch, seq, lengths, real_tokens, padded_tokens, mode, dtype,
+                cuda_graphs, flops_per_token, flops_per_step, parity,
+                "results": [{provider, status, error, median_ms, p20_ms, p80_ms, mean_ms, min_ms,
+                             max_ms, iters, tokens_per_s, tflops, mfu, peak_mem_bytes,
+                             peak_mem_mb, speedup_of_bert_fast, ...}]}],
+      # kind "ops":
+      "cases": [{name, op, label, direction, bound, flops, bytes, params, dtype,
+                 "results": [{provider, status, error, median_ms, p20_ms, p80_ms, gbs, tflops,
+                              pct_of_ceiling, ceiling, peak_mem_bytes, ...}]}]
+    }
+
+``python -m bert_fast.bench.results merge ...`` (used by benchmarks/gpu_check.sh) combines the
+files of one GPU run into benchmarks/results/<date>-<gpu>-<commit>.json (schema
+"bert_fast.gpu_check/1"): environment, tests (pytest counts), stages, ops, model, plots.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+SCHEMA = "bert_fast.bench/1"
+GPU_CHECK_SCHEMA = "bert_fast.gpu_check/1"
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+MODEL_RUN_KEYS = ("model", "config", "batch", "seq", "lengths", "real_tokens", "padded_tokens", "mode",
+                  "dtype", "cuda_graphs", "flops_per_token", "flops_per_step", "parity", "results")
+MODEL_RESULT_KEYS = ("provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "tokens_per_s",
+                     "tflops", "mfu", "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast")
+OPS_CASE_KEYS = ("name", "op", "label", "direction", "bound", "flops", "bytes", "params", "dtype", "results")
+OPS_RESULT_KEYS = ("provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "gbs", "tflops",
+                   "pct_of_ceiling", "peak_mem_bytes")
+TOP_KEYS = ("schema", "kind", "created", "status", "environment", "arguments", "ceilings", "notes")
+ENV_KEYS = ("device", "device_type", "device_name", "driver_version", "python", "torch", "triton",
+            "transformers", "bert_fast", "git_commit", "build_info")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def git_commit(root: Optional[Path] = None) -> str:
+    """``git rev-parse HEAD`` of the source tree (marked ``+dirty`` with local changes), or "unknown"."""
+    root = Path(root or REPO_ROOT)
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+        if out.returncode != 0:
+            return "unknown"
+        commit = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        if dirty.returncode == 0 and dirty.stdout.strip():
+            commit += "+dirty"
+        return commit or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def driver_version() -> Optional[str]:
+    """The NVIDIA driver version (nvidia-smi, else /proc/driver/nvidia/version), None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        m = re.search(r"Kernel Module\s+([0-9.]+)", text) or re.search(r"\s([0-9]{3,}\.[0-9.]+)\s", text)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
+def _version(mod: str) -> Optional[str]:
+    try:
+        m = __import__(mod)
+        return getattr(m, "__version__", None)
+    except Exception:  # noqa: BLE001 - a broken optional import must not kill the report
+        return None
+
+
+def environment(device=None) -> Dict[str, Any]:
+    """Where the figures come from: device, driver, versions, commit, build."""
+    import torch
+
+    import bert_fast
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    env: Dict[str, Any] = {"device": str(device), "device_type": device.type}
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        env.update(device_name=props.name, device_capability=f"{props.major}.{props.minor}",
+                   device_memory_bytes=int(props.total_memory),
+                   device_sm_count=int(props.multi_processor_count),
+                   driver_version=driver_version(), cuda_runtime=torch.version.cuda)
+    else:
+        env.update(device_name=platform.processor() or platform.machine() or "cpu",
+                   device_capability=None, device_memory_bytes=None,
+                   driver_version=None, cuda_runtime=torch.version.cuda,
+                   cpu_threads=torch.get_num_threads())
+    try:
+        build = bert_fast.build_info()
+    except Exception as exc:  # noqa: BLE001
+        build = {"error": str(exc)}
+    env.update(python=platform.python_version(), platform=platform.platform(),
+               torch=torch.__version__, triton=_version("triton"),
+               transformers=_version("transformers"), bert_fast=getattr(bert_fast, "__version__", None),
+               git_commit=git_commit(), build_info=build,
+               env={k: os.environ.get(k) for k in ("TRITON_INTERPRET", "BERT_FAST_BACKEND",
+                                                   "CUDA_VISIBLE_DEVICES") if k in os.environ})
+    return env
+
+
+def new_document(kind: str, device, arguments: Dict[str, Any], ceilings: Dict[str, Any],
+                 notes: List[str]) -> Dict[str, Any]:
+    return {"schema": SCHEMA, "kind": kind, "created": now_iso(), "status": "running",
+            "environment": environment(device), "arguments": arguments, "ceilings": ceilings,
+            "notes": list(notes)}
+
+
+def _jsonable(obj):
+    import math
+
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def write_json(path, doc: Dict[str, Any]) -> None:
+    """Write ``doc`` atomically (a partial run never leaves half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(doc), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path) -> Dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------- pytest counts
+_COUNT_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+
+
+def parse_pytest_counts(log_text: str) -> Dict[str, int]:
+    """passed/failed/skipped/errors/xfailed/xpassed from the last summary line of a pytest log."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "xfailed": 0, "xpassed": 0}
+    lines = [ln for ln in log_text.splitlines() if _COUNT_RE.search(ln) and (" in " in ln or "=" in ln)]
+    if not lines:
+        return {**counts, "summary_found": False}
+    for n, what in _COUNT_RE.findall(lines[-1]):
+        key = {"error": "errors", "warning": "warnings"}.get(what, what)
+        counts[key] = int(n)
+    counts["summary_found"] = True
+    counts["summary"] = lines[-1].strip().strip("=").strip()
+    return counts
+
+
+def parse_junit_counts(xml_path) -> Optional[Dict[str, int]]:
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    tot = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for s in suites:
+        for k in tot:
+            tot[k] += int(s.get(k, 0))
+    return {"passed": tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"],
+            "failed": tot["failures"], "errors": tot["errors"], "skipped": tot["skipped"],
+            "total": tot["tests"]}
+
+
+# ----------------------------------------------------------------------------- merge (gpu_check)
+def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None, model_jsons=(),
+          pytest_log=None, pytest_xml=None, pytest_bench_json=None, plot=None) -> Dict[str, Any]:
+    """Combine the files of one GPU-check run into one document (schema bert_fast.gpu_check/1)."""
+    run_dir = Path(run_dir)
+    doc: Dict[str, Any] = {"schema": GPU_CHECK_SCHEMA, "created": now_iso(), "run_dir": str(run_dir)}
+    stages = []
+    if stages_file and Path(stages_file).exists():
+        for ln in Path(stages_file).read_text().splitlines():
+            parts = ln.split("\t")
+            if len(parts) >= 3:
+                stages.append({"name": parts[0], "rc": int(parts[1]) if parts[1].lstrip("-").isdigit() else parts[1],
+                               "seconds": float(parts[2]),
+                               "status": parts[3] if len(parts) > 3 else ("ok" if parts[1] == "0" else "failed")})
+    doc["stages"] = stages
+    env = None
+    if info_json and Path(info_json).exists():
+        try:
+            info = read_json(info_json)
+            env = info.get("environment")
+            doc["info"] = info
+        except (OSError, ValueError) as exc:
+            doc["info_error"] = str(exc)
+    tests: Dict[str, Any] = {}
+    if pytest_log and Path(pytest_log).exists():
+        tests.update(parse_pytest_counts(Path(pytest_log).read_text(errors="replace")))
+        tests["log"] = os.path.relpath(pytest_log, Path(out_path).parent)
+    if pytest_xml and Path(pytest_xml).exists():
+        junit = parse_junit_counts(pytest_xml)
+        if junit is not None:
+            tests["junit"] = junit
+            if not tests.get("summary_found"):
+                tests.update({k: junit[k] for k in ("passed", "failed", "errors", "skipped")})
+    doc["tests"] = tests
+    if ops_json and Path(ops_json).exists():
+        try:
+            doc["ops"] = read_json(ops_json)
+            env = env or doc["ops"].get("environment")
+        except (OSError, ValueError) as exc:
+            doc["ops_error"] = str(exc)
+    runs, model_docs = [], []
+    for p in model_jsons:
+        if not Path(p).exists():
+            continue
+        try:
+            d = read_json(p)
+        except (OSError, ValueError) as exc:
+            model_docs.append({"file": str(p), "error": str(exc)})
+            continue
+        env = env or d.get("environment")
+        model_docs.append({"file": os.path.relpath(p, Path(out_path).parent), "arguments": d.get("arguments"),
+                           "status": d.get("status"), "ceilings": d.get("ceilings"), "notes": d.get("notes")})
+        for r in d.get("runs", []):
+            runs.append(dict(r, arguments=d.get("arguments")))
+    doc["model"] = {"runs": runs, "files": model_docs}
+    if pytest_bench_json and Path(pytest_bench_json).exists():
+        try:
+            pb = read_json(pytest_bench_json)
+            doc["pytest_benchmark"] = [
+                {"name": b.get("fullname") or b.get("name"), "median_s": b.get("stats", {}).get("median"),
+                 "iqr_s": b.get("stats", {}).get("iqr"), "rounds": b.get("stats", {}).get("rounds"),
+                 "extra_info": b.get("extra_info")} for b in pb.get("benchmarks", [])]
+        except (OSError, ValueError) as exc:
+            doc["pytest_benchmark_error"] = str(exc)
+    if env is None:
+        try:
+            env = environment()
+        except Exception as exc:  # noqa: BLE001
+            env = {"error": str(exc), "git_commit": git_commit()}
+    doc["environment"] = env
+    plots = []
+    if plot:
+        try:
+            from bert_fast.bench.plots import plot_combined
+
+            if plot_combined(doc, plot):
+                plots.append(os.path.relpath(plot, Path(out_path).parent))
+        except Exception as exc:  # noqa: BLE001 - a plot must never lose the figures
+            doc["plot_error"] = f"{type(exc).__name__}: {exc}"
+    for extra in sorted(run_dir.glob("*.png")):
+        rel = os.path.relpath(extra, Path(out_path).parent)
+        if rel not in plots:
+            plots.append(rel)
+    doc["plots"] = plots
+    write_json(out_path, doc)
+    return doc
+
+
+def _main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bert_fast.bench.results",
+                                description="Merge the files of one GPU-check run (benchmarks/gpu_check.sh).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge")
+    m.add_argument("--out", required=True)
+    m.add_argument("--run-dir", required=True)
+    m.add_argument("--stages")
+    m.add_argument("--info")
+    m.add_argument("--ops")
+    m.add_argument("--model", nargs="*", default=[])
+    m.add_argument("--pytest-log")
+    m.add_argument("--pytest-xml")
+    m.add_argument("--pytest-bench")
+    m.add_argument("--plot")
+    c = sub.add_parser("counts", help="print pytest counts parsed from a log")
+    c.add_argument("log")
+    args = p.parse_args(argv)
+    if args.cmd == "counts":
+        print(json.dumps(parse_pytest_counts(Path(args.log).read_text(errors="replace"))))
+        return 0
+    doc = merge(args.out, run_dir=args.run_dir, stages_file=args.stages, info_json=args.info,
+                ops_json=args.ops, model_jsons=args.model, pytest_log=args.pytest_log,
+                pytest_xml=args.pytest_xml, pytest_bench_json=args.pytest_bench, plot=args.plot)
+    t = doc.get("tests", {})
+    print(f"wrote {args.out}: tests passed={t.get('passed')} failed={t.get('failed')} "
+          f"skipped={t.get('skipped')} errors={t.get('errors')}; {len(doc['model']['runs'])} model runs; "
+          f"{len((doc.get('ops') or {}).get('cases', []))} op cases")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,333 @@
+"""The ``bert-fast`` command line (also ``python -m bert_fast``).
+
+    bert-fast info [--device D] [--json PATH|-]      build, device, driver, versions, kernel per op
+    bert-fast bench [options]                        model benchmark (see bert-fast bench --help)
+    bert-fast bench-ops [options]                    per-op benchmark against measured ceilings
+    bert-fast train ...                              training (bert_fast.training.cli, when present)
+
+The parser is modular: each subcommand is one ``_add_<name>(subparsers)`` function in SUBCOMMANDS,
+which registers its arguments and a ``handler(args) -> int``. Heavy imports (torch, transformers)
+happen inside the handlers, so ``--help`` is fast.
+
+Hook for ``train``: ``bert-fast train ARGS...`` imports ``bert_fast.training.cli`` lazily and calls
+its ``main(argv: list[str]) -> int`` with ARGS (the training CLI owns its parser and its --help).
+Alternatively that module may define ``add_arguments(parser)`` and ``run(args) -> int``.
+Without that module ``train`` exits 2 saying it is not available.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Callable, Dict, List, Optional
+
+PROG = "bert-fast"
+TRAIN_MODULE = "bert_fast.training.cli"
+
+
+class CLIError(Exception):
+    """A user error: printed as 'bert-fast <cmd>: error: ...', exit status 2."""
+
+
+# ----------------------------------------------------------------------------- info
+OP_KERNELS: Dict[str, Dict[str, object]] = {
+    # op -> how its fast path is built; "uses_dot": the Triton kernel uses tl.dot (see _dispatch)
+    "embedding": {"impl": "cuda", "uses_dot": False},
+    "linear": {"impl": "triton", "uses_dot": True},
+    "bias_gelu": {"impl": "triton", "uses_dot": False},
+    "residual_layer_norm": {"impl": "triton", "uses_dot": False},
+    "attention": {"impl": "triton", "uses_dot": True},
+}
+
+
+def op_backend(op: str, device, dtype, build: Optional[dict] = None) -> str:
+    """Which implementation of ``op`` runs for tensors of ``dtype`` on ``device``, per
+    bert_fast.ops._dispatch (an op module may override with ``backend(device, dtype) -> str``)."""
+    import torch
+
+    from bert_fast.ops import _dispatch
+
+    mod = None
+    try:
+        mod = importlib.import_module(f"bert_fast.ops.{op}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"bert_fast.ops.{op}":
+            return f"import error: {exc}"
+    except Exception as exc:  # noqa: BLE001
+        return f"import error: {type(exc).__name__}: {exc}"
+    hook = getattr(mod, "backend", None) if mod is not None else None
+    if callable(hook):
+        try:
+            return str(hook(torch.device(device), dtype))
+        except Exception as exc:  # noqa: BLE001
+            return f"backend() error: {exc}"
+    suffix = "" if mod is not None else " [op module not present yet]"
+    spec = OP_KERNELS.get(op, {"impl": "triton", "uses_dot": False})
+    device = torch.device(device)
+    if _dispatch.reference_forced():
+        return "reference (BERT_FAST_BACKEND=reference)" + suffix
+    if spec["impl"] == "cuda":
+        build = build or {}
+        if device.type == "cuda":
+            if build.get("extension_loaded") and build.get("cuda_compiled"):
+                return "CUDA kernel (bert_fast._C)" + suffix
+            return "CUDA kernel NOT BUILT (bert_fast._C compiled without CUDA)" + suffix
+        if _dispatch.interpreter_enabled():
+            if build.get("extension_loaded"):
+                return "C++ CPU twin (bert_fast._C)" + suffix
+            return "C++ CPU twin NOT BUILT (bert_fast._C missing)" + suffix
+        return "reference (pure PyTorch)" + suffix
+    probe = torch.empty(0, dtype=dtype, device=device)
+    if _dispatch.use_triton(probe, uses_dot=bool(spec["uses_dot"])):
+        if device.type == "cuda" and op == "linear" and hasattr(mod, "choose_backend"):
+            return "Triton or cuBLAS (auto, per shape)"
+        return ("Triton" if device.type == "cuda" else "Triton interpreter") + suffix
+    if device.type == "cpu" and _dispatch.interpreter_enabled():
+        return "reference (bf16 tl.dot)" + suffix
+    return "reference (pure PyTorch)" + suffix
+
+
+def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:
+    """The backend bert_fast.ops.linear picks (auto) for bert-base's GEMMs at M=8192 tokens, when
+    that module exposes choose_backend(x, n, k, activation, direction)."""
+    import torch
+
+    try:
+        mod = importlib.import_module("bert_fast.ops.linear")
+        choose = getattr(mod, "choose_backend")
+    except Exception:  # noqa: BLE001
+        return None
+    h, m = 768, 8192
+    out = {}
+    for name, n, k, act in (("qkv", 3 * h, h, "none"), ("ffn_up+gelu", 4 * h, h, "gelu"),
+                            ("ffn_down", h, 4 * h, "none")):
+        x = torch.empty(1, device=device, dtype=dtype).expand(m, k)   # shape only, no allocation
+        try:
+            out[name] = str(choose(x, n, k, act, "fwd"))
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"error: {exc}"
+    return out
+
+
+def gather_info(device_name: Optional[str] = None) -> dict:
+    import torch
+
+    import bert_fast
+    from bert_fast.bench.model_bench import BenchError, resolve_device
+    from bert_fast.bench.results import environment
+
+    try:
+        device = resolve_device(device_name)
+    except BenchError as exc:
+        raise CLIError(str(exc)) from None
+    env = environment(device)
+    build = env.get("build_info") or {}
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    ops = {op: {name: op_backend(op, device, dt, build) for name, dt in dtypes.items()} for op in OP_KERNELS}
+    lin = {name: linear_dispatch(device, dt) for name, dt in dtypes.items()}
+    info = {"bert_fast": getattr(bert_fast, "__version__", None), "environment": env, "kernels": ops,
+            "linear_dispatch": lin if any(lin.values()) else None,
+            "cuda_available": torch.cuda.is_available(),
+            "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "model_available": _model_available()}
+    if device.type != "cuda":
+        info["note"] = ("No CUDA GPU visible: bert_fast's Triton and CUDA kernels need a CUDA GPU; on this "
+                        "machine every op runs its CPU path shown above.")
+    return info
+
+
+def _model_available() -> bool:
+    try:
+        from bert_fast.bench.model_bench import bert_fast_model_class
+
+        return bert_fast_model_class() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def format_info(info: dict) -> str:
+    env = info["environment"]
+    b = env.get("build_info") or {}
+    lines = [f"bert_fast {info.get('bert_fast')}  (commit {env.get('git_commit')})", ""]
+    lines.append("build_info:")
+    for k in sorted(b):
+        lines.append(f"  {k:<24} {b[k]}")
+    lines.append("")
+    lines.append("device:")
+    lines.append(f"  {'device':<24} {env.get('device')}  ({env.get('device_name')})")
+    if env.get("device_type") == "cuda":
+        lines.append(f"  {'compute capability':<24} {env.get('device_capability')}")
+        mem = env.get("device_memory_bytes")
+        lines.append(f"  {'memory':<24} {mem / 2**30:.1f} GiB" if mem else f"  {'memory':<24} ?")
+        lines.append(f"  {'driver':<24} {env.get('driver_version') or 'unknown'}")
+        lines.append(f"  {'CUDA runtime (torch)':<24} {env.get('cuda_runtime')}")
+    else:
+        lines.append(f"  {'driver':<24} n/a (no CUDA GPU visible; torch CUDA build: {env.get('cuda_runtime')})")
+        lines.append(f"  {'CPU threads':<24} {env.get('cpu_threads')}")
+    lines.append("")
+    lines.append("versions:")
+    for k in ("python", "torch", "triton", "transformers"):
+        lines.append(f"  {k:<24} {env.get(k)}")
+    lines.append(f"  {'platform':<24} {env.get('platform')}")
+    flags = env.get("env") or {}
+    lines.append(f"  {'env':<24} " + (", ".join(f"{k}={v}" for k, v in flags.items()) or "-"))
+    lines.append(f"  {'bert_fast.BertModel':<24} {'available' if info.get('model_available') else 'not importable'}")
+    lines.append("")
+    lines.append(f"kernels on {env.get('device')} (which implementation runs, per bert_fast.ops._dispatch):")
+    missing = "[op module not present yet]"
+    lines.append(f"  {'op':<21} {'fp32':<28} {'fp16':<28} {'bf16'}")
+    for op, per in info["kernels"].items():
+        cells = [per[k].replace(" " + missing, "") for k in ("fp32", "fp16", "bf16")]
+        tail = "  " + missing if any(missing in per[k] for k in per) else ""
+        lines.append(f"  {op:<21} {cells[0]:<28} {cells[1]:<28} {cells[2]}{tail}")
+    if info.get("linear_dispatch"):
+        lines.append("  linear auto dispatch, forward, bert-base GEMMs at M=8192 tokens:")
+        for name, per in info["linear_dispatch"].items():
+            if per:
+                lines.append(f"    {name:<6} " + ", ".join(f"{g}={b}" for g, b in per.items()))
+    if info.get("note"):
+        lines += ["", "note: " + info["note"]]
+    return "\n".join(lines)
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="build, device, driver, versions and the kernel that runs for each op",
+                       description="Print how bert_fast was built, the device, driver and versions, and "
+                                   "which implementation of each op runs on this device.")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the information as JSON ('-': stdout only)")
+    p.set_defaults(handler=_run_info)
+
+
+def _run_info(args) -> int:
+    info = gather_info(args.device)
+    if args.json == "-":
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print(format_info(info))
+    if args.json:
+        from bert_fast.bench.results import write_json
+
+        write_json(args.json, info)
+        print(f"wrote {args.json}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- bench, bench-ops
+def _add_bench(sub) -> None:
+    from bert_fast.bench import model_bench
+
+    p = sub.add_parser("bench", help="model benchmark: bert_fast against transformers (eager, sdpa, compile)",
+                       description=(model_bench.__doc__ or "").strip() + "\n\nWith no options: a sensible "
+                       "default for the device present (bert-base, bf16, B=32, S=128 on CUDA; a tiny config "
+                       "in fp32 on the CPU).",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_bench.add_arguments(p)
+    p.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from bert_fast.bench import model_bench
+
+    try:
+        return model_bench.run(args)
+    except model_bench.BenchError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _add_bench_ops(sub) -> None:
+    from bert_fast.bench import ops_bench
+
+    p = sub.add_parser("bench-ops", help="per-op benchmark: GB/s or TFLOP/s and %% of measured ceilings",
+                       description=(ops_bench.__doc__ or "").strip(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ops_bench.add_arguments(p)
+    p.set_defaults(handler=_run_bench_ops)
+
+
+def _run_bench_ops(args) -> int:
+    from bert_fast.bench import ops_bench
+
+    try:
+        return ops_bench.run(args)
+    except ops_bench.OpsBenchError as exc:
+        raise CLIError(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------- train (hook)
+def _load_train_module():
+    try:
+        return importlib.import_module(TRAIN_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name in (TRAIN_MODULE, "bert_fast.training"):
+            return None
+        raise
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", add_help=False, help="train / fine-tune (from bert_fast.training.cli; "
+                                                     "'bert-fast train --help' for its options)")
+    p.add_argument("train_argv", nargs=argparse.REMAINDER)
+    p.set_defaults(handler=lambda args: _run_train(args.train_argv))
+
+
+def _run_train(argv: List[str]) -> int:
+    mod = _load_train_module()
+    if mod is None:
+        raise CLIError(f"the train subcommand is not available in this build ({TRAIN_MODULE} not found)")
+    if hasattr(mod, "main"):
+        return int(mod.main(list(argv)) or 0)
+    if hasattr(mod, "add_arguments") and hasattr(mod, "run"):
+        p = argparse.ArgumentParser(prog=f"{PROG} train")
+        mod.add_arguments(p)
+        return int(mod.run(p.parse_args(argv)) or 0)
+    raise CLIError(f"{TRAIN_MODULE} defines neither main(argv) nor add_arguments(parser) + run(args)")
+
+
+# ----------------------------------------------------------------------------- main
+SUBCOMMANDS: List[Callable] = [_add_info, _add_bench, _add_bench_ops, _add_train]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import bert_fast
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="bert_fast: a fast BERT encoder for NVIDIA GPUs (Triton + CUDA kernels).",
+        epilog="Run 'bert-fast COMMAND --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {bert_fast.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``bert-fast``; returns the exit status (argparse errors raise SystemExit(2))."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The training CLI owns its arguments (and --help): hand them over untouched.
+    if argv and argv[0] == "train":
+        try:
+            return _run_train(argv[1:])
+        except CLIError as exc:
+            print(f"{PROG} train: error: {exc}", file=sys.stderr)
+            return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        print(f"\n{PROG}: error: a command is required (info, bench, bench-ops, train)", file=sys.stderr)
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except CLIError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""residual_layer_norm: LayerNorm(dropout(x) + residual) * weight + bias as the torch ops
+``bert_fast::residual_layer_norm_fwd`` -> (y, mean, rstd) and ``bert_fast::residual_layer_norm_bwd``.
+
+Dropout: the public function draws one int64 seed from torch's CPU generator
+(``_dispatch.draw_seed``) and passes it to the op, which saves it; backward rebuilds the mask from
+it (the mask is never stored), and torch.utils.checkpoint, which restores the RNG state, redraws the
+same seed and so recomputes the same mask. The Triton path draws its mask with Philox
+(``tl.rand(seed, row * N + col)``, int64 offsets; see kernels/residual_layer_norm.py); the
+reference path uses ``_dispatch.reference_dropout_mask``. ``residual_layer_norm_dropout_mask``
+returns the exact mask either path uses, for tests and debugging.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from bert_fast import reference
+from bert_fast.ops import _dispatch
+
+__all__ = ["residual_layer_norm", "residual_layer_norm_dropout_mask"]
+
+_DTYPES = _dispatch.FLOAT_DTYPES + (torch.float64,)
+
+
+def _as_2d(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def residual_layer_norm_dropout_mask(shape, dropout_p: float, seed: Optional[Tensor],
+                                     device) -> Tensor:
+    """The exact bool keep-mask residual_layer_norm applies to x (shape [..., N]) for this seed
+    (the tensor ``draw_seed`` returned) on ``device``; all True when dropout is off."""
+    shape = tuple(int(s) for s in shape)
+    device = torch.device(device)
+    if seed is None or dropout_p == 0.0:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    if _dispatch.use_triton(torch.empty(0, device=device)):
+        from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+        return dropout_keep_mask(shape, dropout_p, _dispatch.seed_value(seed), device)
+    return _dispatch.reference_dropout_mask(shape, dropout_p, seed, device)
+
+
+def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
+    mask = _dispatch.reference_dropout_mask(x.shape, dropout_p, seed, x.device)
+    y = reference.residual_layer_norm(x, residual, weight, bias, eps, dropout_p, mask)
+    return y, mask
+
+
+@torch.library.custom_op("bert_fast::residual_layer_norm_fwd", mutates_args=())
+def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
+                            dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    if _dispatch.use_triton(x):
+        from bert_fast.kernels.residual_layer_norm import residual_layer_norm_fwd as launch
+        y, mean, rstd = launch(_as_2d(x), _as_2d(residual), weight, bias, eps, dropout_p,
+                               _dispatch.seed_value(seed))
+        return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+    y, mask = _reference_forward(x, residual, weight, bias, eps, dropout_p, seed)
+    h = reference._apply_dropout(x, dropout_p, mask) + residual
+    h = h.to(_stat_dtype(x.dtype))
+    mean = h.mean(dim=-1)
+    rstd = torch.rsqrt(h.var(dim=-1, unbiased=False) + eps)
+    return y.contiguous(), mean.contiguous(), rstd.contiguous()
+
+
+@residual_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, seed):
+    stats = x.new_empty(x.shape[:-1], dtype=_stat_dtype(x.dtype))
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("bert_fast::residual_layer_norm_bwd", mutates_args=())
+def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor,
+                            mean: Tensor, rstd: Tensor, eps: float, dropout_p: float,
+                            seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _dispatch.use_triton(x):
+        from bert_fast.kernels.residual_layer_norm import residual_layer_norm_bwd as launch
+        dx, dres, dw, db = launch(_as_2d(dy), _as_2d(x), _as_2d(residual), weight, bias,
+                                  mean.reshape(-1), rstd.reshape(-1), dropout_p, _dispatch.seed_value(seed))
+        return dx.view(x.shape), dres.view(x.shape), dw, db
+    # Reference backward = autograd's own LayerNorm backward (aten native_layer_norm_backward) on
+    # h recomputed from x, residual and the seed's mask. (torch.autograd.grad records nothing here: a
+    # custom op's implementation runs below the Autograd key; torch.func.vjp trips opcheck.)
+    mask = _dispatch.reference_dropout_mask(x.shape, dropout_p, seed, x.device)
+    h = reference._apply_dropout(x, dropout_p, mask) + residual
+    n = [x.shape[-1]]
+    _, mean_r, rstd_r = torch.ops.aten.native_layer_norm(h, n, weight, bias, eps)
+    dres, dw, db = torch.ops.aten.native_layer_norm_backward(dy, h, n, mean_r, rstd_r, weight, bias, [True, True, True])
+    dx = reference._apply_dropout(dres, dropout_p, mask) if mask is not None else dres.clone()
+    grads = (dx, dres, dw, db)
+    return tuple(g.contiguous() for g in grads)
+
+
+@residual_layer_norm_bwd.register_fake
+def _(dy, x, residual, weight, bias, mean, rstd, eps, dropout_p, seed):
+    return x.new_empty(x.shape), x.new_empty(x.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, dropout_p, seed = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, residual, weight, bias, mean, rstd, seed)
+    ctx.eps, ctx.dropout_p = eps, dropout_p
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, residual, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    need = ctx.needs_input_grad[:4]
+    if not any(need):
+        return None, None, None, None, None, None, None
+    grads = torch.ops.bert_fast.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd,
+                                                         ctx.eps, ctx.dropout_p, seed)
+    return tuple(g if n else None for g, n in zip(grads, need)) + (None, None, None)
+
+
+residual_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12,
+                        dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
+                        return_dropout_mask: bool = False):
+    """LayerNorm(dropout(x) + residual) * weight + bias over the last dimension.
+
+    x, residual [..., N] (same shape); weight, bias [N]; one float dtype for all four. Dropout
+    (p in [0, 1)) is drawn inside the kernel from a seed taken from torch's CPU generator
+    (or ``generator``), so torch.manual_seed reproduces it. ``return_dropout_mask=True`` returns
+    ``(y, keep_mask)``, the exact bool mask applied to x (debugging/tests).
+    """
+    for name, t in (("x", x), ("residual", residual)):
+        _dispatch.check_tensor(name, t, dtypes=_DTYPES)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _dispatch.check_tensor(name, t, ndim=1, dtypes=_DTYPES)
+    if x.dim() < 1 or residual.shape != x.shape:
+        raise ValueError(f"residual_layer_norm: x shape {tuple(x.shape)} and residual shape "
+                         f"{tuple(residual.shape)} must be equal and at least 1-D")
+    n = x.shape[-1]
+    if weight.shape[0] != n or bias.shape[0] != n:
+        raise ValueError(f"residual_layer_norm: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} "
+                         f"must have the size of the last dimension of x {tuple(x.shape)}")
+    _dispatch.check_same_dtype(x=x, residual=residual, weight=weight, bias=bias)
+    _dispatch.check_same_device(x=x, residual=residual, weight=weight, bias=bias)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    p = _dispatch.check_dropout_p(dropout_p)
+    seed = _dispatch.draw_seed(p, generator)
+    y, _, _ = torch.ops.bert_fast.residual_layer_norm_fwd(x, residual, weight, bias, float(eps), p, seed)
+    if return_dropout_mask:
+        return y, residual_layer_norm_dropout_mask(x.shape, p, seed, x.device)
+    return y

@@ -1,0 +1,132 @@
+"""bias_gelu: forward and both gradients vs a float64 oracle under the 2x rule (CPU interpreter and CUDA)."""
+import pytest
+import torch
+
+from bert_fast import reference
+from bert_fast.ops import bias_gelu
+from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+
+DTYPES = dtypes_for(pick_test_device())
+
+
+def _fwd_bwd(fn, x, b, dy, approximate, dtype=None):
+    """Output and (dx, db) of fn run on detached copies of (x, b) (cast to ``dtype`` if given)."""
+    xs = (x if dtype is None else x.to(dtype)).detach().requires_grad_(True)
+    bs = (b if dtype is None else b.to(dtype)).detach().requires_grad_(True)
+    y = fn(xs, bs, approximate)
+    dx, db = torch.autograd.grad(y, (xs, bs), dy if dtype is None else dy.to(dtype))
+    return y, dx, db
+
+
+def _check_2x(x, b, dy, approximate):
+    """x/b/dy may be non-contiguous views; the kernel gets them as given."""
+    y, dx, db = _fwd_bwd(bias_gelu, x, b, dy, approximate)
+    y64, dx64, db64 = _fwd_bwd(reference.bias_gelu, x, b, dy, approximate, torch.float64)
+    yt, dxt, dbt = _fwd_bwd(reference.bias_gelu, x, b, dy, approximate)
+    assert y.is_contiguous() and dx.shape == x.shape
+    assert_close_2x(y, y64, yt, name="y")
+    assert_close_2x(dx, dx64, dxt, name="dx")
+    # db sums M terms: allow the rounding floor to grow with the row count.
+    m = max(1, x.numel() // max(1, x.shape[-1]))
+    floor = 4 * torch.finfo(x.dtype).eps * max(1.0, db64.abs().max().item()) * max(1.0, m ** 0.5)
+    assert_close_2x(db, db64, dbt, name="dbias", floor=floor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [312, 384, 1000, 3000])
+@pytest.mark.parametrize("m", [1, 7, 129])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_2x(device, approximate, m, n, dtype):
+    g = torch.Generator().manual_seed(1000 * m + n)
+    x = (torch.randn(m, n, generator=g) * 2).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype)
+    dy = torch.randn(m, n, generator=g).to(device, dtype)
+    _check_2x(x, b, dy, approximate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_noncontiguous(device, approximate, dtype):
+    g = torch.Generator().manual_seed(0)
+    n = 1000
+    big = torch.randn(2 * 17, n + 24, generator=g).to(device, dtype)
+    x = big[::2, 8:8 + n]                             # strided rows and a column offset
+    b = torch.randn(2 * n, generator=g).to(device, dtype)[::2]   # strided bias
+    dy = torch.randn(n, 17, generator=g).to(device, dtype).t()    # transposed gradient
+    assert not x.is_contiguous() and not dy.is_contiguous() and not b.is_contiguous()
+    _check_2x(x, b, dy, approximate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_leading_dims(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 384, generator=g).to(device, dtype)
+    b = torch.randn(384, generator=g).to(device, dtype)
+    dy = torch.randn(2, 5, 384, generator=g).to(device, dtype)
+    _check_2x(x, b, dy, "none")
+    # a [B, S, N] view whose rows cannot be flattened without a copy
+    xt = torch.randn(5, 2, 384, generator=g).to(device, dtype).transpose(0, 1)
+    _check_2x(xt, b, dy, "tanh")
+
+
+def test_bias_gelu_grad_only_where_required(device):
+    x = torch.randn(3, 312, device=device, requires_grad=True)
+    b = torch.randn(312, device=device)
+    bias_gelu(x, b).sum().backward()
+    assert x.grad is not None and b.grad is None
+    x2 = torch.randn(3, 312, device=device)
+    b2 = torch.randn(312, device=device, requires_grad=True)
+    bias_gelu(x2, b2).sum().backward()
+    assert b2.grad is not None and x2.grad is None
+
+
+def test_bias_gelu_deterministic_dbias(device):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(129, 1000, generator=g).to(device)
+    b = torch.randn(1000, generator=g).to(device)
+    dy = torch.randn(129, 1000, generator=g).to(device)
+    dbs = [_fwd_bwd(bias_gelu, x, b, dy, "none")[2] for _ in range(2)]
+    assert torch.equal(dbs[0], dbs[1])
+
+
+def test_bias_gelu_empty(device):
+    x = torch.randn(0, 384, device=device, requires_grad=True)
+    b = torch.randn(384, device=device, requires_grad=True)
+    y = bias_gelu(x, b)
+    assert y.shape == (0, 384)
+    y.sum().backward()
+    assert x.grad.shape == (0, 384) and torch.equal(b.grad, torch.zeros_like(b))
+    assert bias_gelu(torch.randn(2, 0, 384, device=device), b).shape == (2, 0, 384)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_gradcheck_fp64(device, approximate):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    b = torch.randn(5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x, b: bias_gelu(x, b, approximate), (x, b))
+
+
+def test_bias_gelu_opcheck(device):
+    x = torch.randn(4, 312, device=device, requires_grad=True)
+    b = torch.randn(312, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.bert_fast.bias_gelu_fwd.default, (x, b, "tanh"))
+    dy = torch.randn(4, 312, device=device)
+    torch.library.opcheck(torch.ops.bert_fast.bias_gelu_bwd.default, (dy, x.detach(), b.detach(), "none"))
+
+
+def test_bias_gelu_bad_inputs(device):
+    x = torch.randn(4, 8, device=device)
+    b = torch.randn(8, device=device)
+    with pytest.raises(ValueError, match=r"\(7,\)"):
+        bias_gelu(x, torch.randn(7, device=device))
+    with pytest.raises(ValueError):
+        bias_gelu(x, torch.randn(2, 8, device=device))
+    with pytest.raises(TypeError):
+        bias_gelu(x, b.half())
+    with pytest.raises(TypeError):
+        bias_gelu(x.to(torch.int32), b.to(torch.int32))
+    with pytest.raises(TypeError):
+        bias_gelu(x.numpy() if x.device.type == "cpu" else [1.0], b)
+    with pytest.raises(ValueError, match="approximate"):
+        bias_gelu(x, b, approximate="sigmoid")

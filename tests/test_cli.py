@@ -1,0 +1,368 @@
+"""The bert-fast CLI: parsing, info, bench / bench-ops JSON schema and plots, clear errors.
+
+Runs on the CPU in CI (tiny configs, few iterations); main(argv) is called in-process to keep it fast.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_fast import cli
+from bert_fast.bench import model_bench, ops_bench
+from bert_fast.bench.op_case import OpCase
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# The documented JSON schema (bert_fast/bench/results.py docstring).
+TOP_KEYS = {"schema", "kind", "created", "status", "environment", "arguments", "ceilings", "notes"}
+ENV_KEYS = {"device", "device_type", "device_name", "driver_version", "python", "torch", "triton",
+            "transformers", "bert_fast", "git_commit", "build_info"}
+CEILING_KEYS = {"copy_bandwidth_gbs", "matmul_tflops", "matmul_dtype", "matmul_shape"}
+RUN_KEYS = {"model", "config", "batch", "seq", "lengths", "real_tokens", "padded_tokens", "mode", "dtype",
+            "cuda_graphs", "flops_per_token", "flops_per_step", "parity", "results"}
+RESULT_KEYS = {"provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "tokens_per_s", "tflops", "mfu",
+               "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast", "iters", "method"}
+OPS_CASE_KEYS = {"name", "op", "label", "direction", "bound", "flops", "bytes", "params", "dtype", "results"}
+OPS_RESULT_KEYS = {"provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "gbs", "tflops",
+                   "pct_of_ceiling", "peak_mem_bytes"}
+
+FAST = ["--device", "cpu", "--warmup", "1", "--iters", "2", "--inputs", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A local checkpoint directory holding only config.json (hidden 32, 1 layer, head dim 16)."""
+    from transformers import BertConfig
+
+    d = tmp_path_factory.mktemp("tiny_bert")
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               vocab_size=128, max_position_embeddings=64).save_pretrained(d)
+    return d
+
+
+# ----------------------------------------------------------------------------- parsing
+def test_parser_subcommands_and_defaults():
+    p = cli.build_parser()
+    args = p.parse_args(["bench", "--batch", "2,4", "--seq", "16", "--providers", "hf-eager,bert_fast"])
+    assert args.command == "bench" and args.batch == [2, 4] and args.seq == [16]
+    assert args.providers == ["hf-eager", "bert_fast"] and args.mode == "infer" and args.lengths == "full"
+    args = p.parse_args(["bench-ops", "--ops", "linear", "--dtype", "fp16"])
+    assert args.command == "bench-ops" and args.ops == "linear" and args.dtype == "fp16"
+    assert p.parse_args(["info"]).command == "info"
+    help_text = p.format_help()
+    for name in ("info", "bench", "bench-ops", "train"):
+        assert name in help_text
+
+
+def test_cpu_defaults_are_tiny():
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu"])
+    device, notes = model_bench.apply_defaults(args)
+    assert device.type == "cpu" and args.model == "tiny" and args.dtype == "fp32"
+    assert "bert_fast" in args.providers and "hf-eager" in args.providers
+    assert any("need a CUDA GPU" in n for n in notes)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "--providers", "hf-eager,nope"], "valid providers: bert_fast, hf-eager, hf-sdpa, hf-compile"),
+    (["bench", "--batch", "0"], "--batch"),
+    (["bench", "--mode", "serve"], "invalid choice"),
+    (["bench", "--dtype", "int8"], "invalid choice"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_nonzero(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code != 0
+    assert needle in capsys.readouterr().err
+
+
+def test_no_command_is_an_error(capsys):
+    assert cli.main([]) == 2
+    assert "a command is required" in capsys.readouterr().err
+
+
+def test_missing_checkpoint_directory(tmp_path, capsys):
+    missing = tmp_path / "no_such_checkpoint"
+    assert cli.main(["bench", "--model", str(missing), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint directory not found" in err and str(missing) in err
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    assert cli.main(["bench", "--model", str(empty), *FAST]) == 2
+    assert f"no config.json in checkpoint directory {empty}" in capsys.readouterr().err
+
+
+def test_unknown_model_name(capsys):
+    assert cli.main(["bench", "--model", "bert-gigantic", *FAST]) == 2
+    assert "unknown model 'bert-gigantic'" in capsys.readouterr().err
+
+
+def test_cuda_graphs_need_infer(capsys):
+    assert cli.main(["bench", "--mode", "train", "--cuda-graphs", *FAST]) == 2
+    assert "--cuda-graphs applies to --mode infer only" in capsys.readouterr().err
+
+
+def test_train_hook_without_module(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load_train_module", lambda: None)
+    assert cli.main(["train", "--help"]) == 2
+    assert "train subcommand is not available" in capsys.readouterr().err
+
+
+def test_train_hook_forwards_argv(monkeypatch):
+    seen = {}
+    fake = types.SimpleNamespace(main=lambda argv: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(cli, "_load_train_module", lambda: fake)
+    assert cli.main(["train", "--epochs", "1", "--help"]) == 0
+    assert seen["argv"] == ["--epochs", "1", "--help"]
+
+
+# ----------------------------------------------------------------------------- lengths and FLOPs
+def test_lengths(tmp_path):
+    assert model_bench.parse_lengths("full", 3, 16) == [16, 16, 16]
+    r = model_bench.parse_lengths("random:0.25", 64, 100)
+    assert r == model_bench.parse_lengths("random:0.25", 64, 100)       # fixed seed
+    assert min(r) >= 25 and max(r) <= 100 and len(set(r)) > 1
+    f = tmp_path / "lens.txt"
+    f.write_text("3, 5\n7")
+    assert model_bench.parse_lengths(str(f), 5, 8) == [3, 5, 7, 3, 5]
+    for bad in ("random:0", "random:1.5", "random:x", str(tmp_path / "nope.txt")):
+        with pytest.raises(model_bench.BenchError):
+            model_bench.parse_lengths(bad, 2, 8)
+    f.write_text("9")
+    with pytest.raises(model_bench.BenchError, match=r"\[1, 8\]"):
+        model_bench.parse_lengths(str(f), 2, 8)
+
+
+def test_inputs_never_zero_at_real_tokens():
+    cfg = model_bench.load_config("tiny")
+    (inp,) = model_bench.make_inputs(cfg, [5, 8], 8, "cpu", n_sets=1)
+    mask = inp["attention_mask"].bool()
+    assert (inp["input_ids"][mask] > 0).all() and (inp["input_ids"][~mask] == 0).all()
+    assert mask.sum(1).tolist() == [5, 8]
+
+
+def test_flops_formula_bert_base():
+    cfg = model_bench.load_config("bert-base")
+    per_token = model_bench.step_flops(cfg, [128] * 4, "infer") / (4 * 128)
+    assert per_token == pytest.approx(174.6e6, rel=1e-3)
+    assert model_bench.step_flops(cfg, [128], "train") == pytest.approx(3 * 128 * per_token)
+
+
+# ----------------------------------------------------------------------------- info
+def test_info_output(capsys, tmp_path):
+    out_json = tmp_path / "info.json"
+    assert cli.main(["info", "--device", "cpu", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("build_info", "cuda_compiled", "torch", "triton", "transformers", "driver",
+                   "embedding", "linear", "bias_gelu", "residual_layer_norm", "attention", "need a CUDA GPU"):
+        assert needle in out, needle
+    info = json.loads(out_json.read_text())
+    assert set(info["kernels"]) == {"embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"}
+    assert set(info["kernels"]["linear"]) == {"fp32", "fp16", "bf16"}
+    assert ENV_KEYS <= set(info["environment"])
+
+
+def test_op_backend_reference_forced(monkeypatch):
+    monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
+    assert cli.op_backend("linear", "cpu", torch.float32).startswith("reference")
+
+
+# ----------------------------------------------------------------------------- bench
+def _check_model_doc(doc, providers):
+    assert TOP_KEYS <= set(doc), TOP_KEYS - set(doc)
+    assert doc["schema"] == "bert_fast.bench/1" and doc["kind"] == "model" and doc["status"] == "complete"
+    assert ENV_KEYS <= set(doc["environment"]), ENV_KEYS - set(doc["environment"])
+    assert CEILING_KEYS <= set(doc["ceilings"]) and doc["ceilings"]["copy_bandwidth_gbs"] > 0
+    assert doc["ceilings"]["matmul_tflops"] > 0
+    assert doc["arguments"]["providers"] == providers
+    for run in doc["runs"]:
+        assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
+        assert [r["provider"] for r in run["results"]] == providers
+        for r in run["results"]:
+            assert RESULT_KEYS <= set(r), RESULT_KEYS - set(r)
+            assert r["status"] == "ok", r["error"]
+            assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+            assert r["tokens_per_s"] > 0 and r["mfu"] > 0
+
+
+def test_bench_hf_eager_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = cli.main(["bench", "--model", "tiny", "--batch", "2", "--seq", "16,32", "--lengths", "random:0.5",
+                   "--providers", "hf-eager,hf-sdpa", *FAST, "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "hf-eager" in out and "median ms" in out and "need a CUDA GPU" in out
+    doc = json.loads(out_json.read_text())
+    _check_model_doc(doc, ["hf-eager", "hf-sdpa"])
+    assert [r["seq"] for r in doc["runs"]] == [16, 32]
+    assert doc["runs"][0]["real_tokens"] < 2 * 16
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_train_mode(tmp_path, tiny_ckpt):
+    out_json = tmp_path / "train.json"
+    assert cli.main(["bench", "--model", str(tiny_ckpt), "--batch", "2", "--seq", "8", "--mode", "train",
+                     "--providers", "hf-sdpa", *FAST, "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    _check_model_doc(doc, ["hf-sdpa"])
+    run = doc["runs"][0]
+    assert run["mode"] == "train" and run["config"]["hidden_size"] == 32
+
+
+def _bert_fast_runnable(ckpt) -> str:
+    """'' when bert_fast.BertModel runs a tiny forward here, else why not (parallel development)."""
+    try:
+        cls = model_bench.bert_fast_model_class()
+        cfg = model_bench.load_config(str(ckpt))
+        m = cls(cfg).eval()
+        (inp,) = model_bench.make_inputs(cfg, [3, 4], 4, "cpu", n_sets=1)
+        with torch.no_grad():
+            m(**inp)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def test_bench_bert_fast_provider(tmp_path, tiny_ckpt):
+    why = _bert_fast_runnable(tiny_ckpt)
+    if why:
+        pytest.skip(f"bert_fast.BertModel not runnable on this tree yet: {why[:200]}")
+    out_json = tmp_path / "bf.json"
+    assert cli.main(["bench", "--model", str(tiny_ckpt), "--batch", "2", "--seq", "8", "--lengths", "random:0.5",
+                     "--providers", "bert_fast,hf-eager", "--device", "cpu", "--warmup", "0", "--iters", "1",
+                     "--inputs", "1", "--no-progress", "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    _check_model_doc(doc, ["bert_fast", "hf-eager"])
+    run = doc["runs"][0]
+    assert run["parity"]["reference"] == "hf-eager" and run["parity"]["max_abs_diff"] < 1e-3
+    assert run["results"][0]["speedup_of_bert_fast"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- bench-ops
+def _tiny_cases(device, dtype):
+    def copy_factory():
+        x = torch.randn(64, 64, device=device, dtype=dtype)
+        return lambda: x.clone()
+
+    def mm_factory():
+        a = torch.randn(32, 32, device=device, dtype=dtype)
+        b = torch.randn(32, 32, device=device, dtype=dtype)
+        return lambda: a @ b
+
+    def broken_factory():
+        raise RuntimeError("kernel exploded")
+
+    n = 64 * 64 * torch.tensor([], dtype=dtype).element_size()
+    return [OpCase(op="toy", label="N=4096", direction="fwd", bound="memory", bytes=2 * n,
+                   providers={"torch": copy_factory, "bert_fast": copy_factory}, params={"N": 4096}),
+            OpCase(op="toy", label="M=N=K=32", direction="fwd", bound="compute", flops=2 * 32 ** 3,
+                   bytes=3 * 32 * 32 * 4, providers={"torch": mm_factory, "bert_fast": broken_factory})]
+
+
+def test_bench_ops_tiny_cases(tmp_path, monkeypatch, capsys):
+    fake = types.SimpleNamespace(cases=_tiny_cases)
+    monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({"toy": fake}, {}))
+    out_json, out_png = tmp_path / "ops.json", tmp_path / "ops.png"
+    rc = cli.main(["bench-ops", "--device", "cpu", "--max-cases", "5", "--warmup", "1", "--iters", "3",
+                   "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 1                                   # the broken provider is reported, not hidden
+    captured = capsys.readouterr()
+    assert "kernel exploded" in captured.err + captured.out and "need a CUDA GPU" in captured.out
+    doc = json.loads(out_json.read_text())
+    assert TOP_KEYS <= set(doc) and doc["kind"] == "ops"
+    assert len(doc["cases"]) == 2
+    for case in doc["cases"]:
+        assert OPS_CASE_KEYS <= set(case)
+        for r in case["results"]:
+            assert OPS_RESULT_KEYS <= set(r)
+    mem, comp = doc["cases"]
+    assert all(r["status"] == "ok" and r["gbs"] > 0 and r["pct_of_ceiling"] > 0 for r in mem["results"])
+    assert comp["results"][0]["tflops"] > 0 and comp["results"][0]["ceiling"] == "matmul_tflops"
+    assert comp["results"][1]["status"] == "error" and "kernel exploded" in comp["results"][1]["error"]
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_ops_no_modules(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({}, {}))
+    out_json = tmp_path / "ops.json"
+    assert cli.main(["bench-ops", "--device", "cpu", "--no-progress", "--json", str(out_json)]) == 0
+    assert "no op case modules found" in capsys.readouterr().err
+    assert json.loads(out_json.read_text())["cases"] == []
+
+
+def test_bench_ops_unknown_op(capsys):
+    assert cli.main(["bench-ops", "--device", "cpu", "--ops", "convolution"]) == 2
+    assert "unknown op(s) convolution" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- results, README, script
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_merge_and_readme(tmp_path):
+    from bert_fast.bench import results
+
+    run_dir = tmp_path / "results" / "run"
+    run_dir.mkdir(parents=True)
+    assert cli.main(["bench", "--model", "tiny", "--batch", "1", "--seq", "8", "--providers", "hf-eager",
+                     *FAST, "--json", str(run_dir / "model-a.json")]) == 0
+    (run_dir / "pytest.log").write_text("....s\n=== 4 passed, 1 skipped, 2 failed in 3.2s ===\n")
+    (run_dir / "stages.tsv").write_text("tests\t1\t3.5\tfailed\nbench\t0\t9.0\tok\n")
+    out = tmp_path / "results" / "20250101-000000-h100-abc.json"
+    doc = results.merge(out, run_dir=run_dir, stages_file=run_dir / "stages.tsv",
+                        model_jsons=[run_dir / "model-a.json"], pytest_log=run_dir / "pytest.log",
+                        plot=run_dir / "summary.png")
+    assert doc["schema"] == "bert_fast.gpu_check/1"
+    assert (doc["tests"]["passed"], doc["tests"]["failed"], doc["tests"]["skipped"]) == (4, 2, 1)
+    assert [s["status"] for s in doc["stages"]] == ["failed", "ok"]
+    assert len(doc["model"]["runs"]) == 1 and doc["plots"]
+
+    mk = _load_script("make_readme_performance")
+    readme = tmp_path / "README.md"
+    readme.write_text("# proj\n")
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert mk.main(["--results-dir", str(empty), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert mk.START in text and mk.END in text and "No GPU results exist yet" in text
+    assert mk.main(["--results-dir", str(out.parent), "--readme", str(readme)]) == 0
+    assert "No GPU results exist yet" in readme.read_text()       # a CPU run is not a GPU result
+    assert mk.main(["--results-dir", str(out.parent), "--readme", str(readme), "--allow-cpu"]) == 0
+    text = readme.read_text()
+    assert "No GPU results" not in text and "hf-eager" in text and "4 passed, 2 failed" in text
+    assert text.count(mk.START) == 1 and "summary.png" in text
+    assert mk.main(["--results-dir", str(out.parent), "--readme", str(readme), "--check", "--allow-cpu"]) == 0
+    assert mk.main(["--results-dir", str(empty), "--readme", str(readme), "--check"]) == 1
+
+
+def test_pytest_counts_parse():
+    from bert_fast.bench.results import parse_pytest_counts
+
+    c = parse_pytest_counts("x\n==== 120 passed, 3 skipped, 1 xfailed, 2 errors in 61.2s (0:01:01) ====\n")
+    assert (c["passed"], c["skipped"], c["xfailed"], c["errors"], c["failed"]) == (120, 3, 1, 2, 0)
+    assert parse_pytest_counts("no summary")["summary_found"] is False
+
+
+def test_gpu_check_script_syntax():
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")]).returncode == 0
+
+
+def test_python_m_bert_fast(monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["bert_fast", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("bert_fast", run_name="__main__")
+    assert exc.value.code == 0 and "bench-ops" in capsys.readouterr().out

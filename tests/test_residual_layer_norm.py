@@ -1,0 +1,249 @@
+"""residual_layer_norm: LayerNorm(dropout(x) + residual), forward and all four gradients vs a float64
+oracle under the 2x rule, dropout statistics/reproducibility, checkpointing, determinism, opcheck,
+gradcheck and input validation. Runs on the CPU interpreter and on CUDA."""
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from bert_fast import reference
+from bert_fast.ops import _dispatch
+from bert_fast.ops import residual_layer_norm, residual_layer_norm_dropout_mask
+from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+
+DTYPES = dtypes_for(pick_test_device())
+NAMES = ("dx", "dresidual", "dweight", "dbias")
+
+
+def _inputs(m, n, dtype, device, seed=0, lead=None):
+    g = torch.Generator().manual_seed(seed)
+    shape = (lead or ()) + (m, n)
+    x = torch.randn(shape, generator=g).to(device, dtype)
+    r = torch.randn(shape, generator=g).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(n, generator=g)).to(device, dtype)
+    b = (0.5 * torch.randn(n, generator=g)).to(device, dtype)
+    dy = torch.randn(shape, generator=g).to(device, dtype)
+    return x, r, w, b, dy
+
+
+def _fwd_bwd(fn, tensors, dy, dtype=None):
+    ins = [(t if dtype is None else t.to(dtype)).detach().requires_grad_(True) for t in tensors]
+    y = fn(*ins)
+    grads = torch.autograd.grad(y, ins, dy if dtype is None else dy.to(dtype))
+    return y, grads
+
+
+def _ref(dropout_p=0.0, mask=None, eps=1e-12):
+    return lambda x, r, w, b: reference.residual_layer_norm(x, r, w, b, eps, dropout_p, mask)
+
+
+def _check_2x(y, grads, tensors, dy, dropout_p=0.0, mask=None):
+    y64, g64 = _fwd_bwd(_ref(dropout_p, mask), tensors, dy, torch.float64)
+    yt, gt = _fwd_bwd(_ref(dropout_p, mask), tensors, dy)
+    assert_close_2x(y, y64, yt, name="y")
+    m = max(1, tensors[0].numel() // tensors[0].shape[-1])
+    for name, a, o, t in zip(NAMES, grads, g64, gt):
+        floor = None
+        if name in ("dweight", "dbias"):   # sums over m rows: the rounding floor grows like sqrt(m)
+            floor = 4 * torch.finfo(a.dtype).eps * max(1.0, o.abs().max().item()) * max(1.0, math.sqrt(m))
+        assert_close_2x(a, o, t, name=name, floor=floor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [312, 384, 1000, 3000])
+@pytest.mark.parametrize("m", [1, 7, 129])
+def test_residual_layer_norm_2x(device, m, n, dtype):
+    x, r, w, b, dy = _inputs(m, n, dtype, device, seed=m * 10000 + n)
+    y, grads = _fwd_bwd(residual_layer_norm, (x, r, w, b), dy)
+    assert y.is_contiguous()
+    _check_2x(y, grads, (x, r, w, b), dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_layer_norm_noncontiguous(device, dtype):
+    n = 384
+    x0, r0, w, b, _ = _inputs(2 * 9, n + 40, dtype, device, seed=5)
+    x = x0[::2, :n]                                   # strided rows
+    r = r0[1::2, 40:]                                 # other row stride, column offset
+    dy = torch.randn(n, 9).to(device, dtype).t()      # transposed gradient
+    w, b = w[:n], b[:n]
+    assert not (x.is_contiguous() or r.is_contiguous() or dy.is_contiguous())
+    y, grads = _fwd_bwd(residual_layer_norm, (x, r, w, b), dy)
+    _check_2x(y, grads, (x, r, w, b), dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_layer_norm_leading_dims(device, dtype):
+    x, r, w, b, dy = _inputs(5, 768, dtype, device, seed=6, lead=(2,))    # [B, S, N]
+    y, grads = _fwd_bwd(lambda *t: residual_layer_norm(*t, eps=1e-5), (x, r, w, b), dy)
+    assert y.shape == (2, 5, 768)
+    y64, g64 = _fwd_bwd(_ref(eps=1e-5), (x, r, w, b), dy, torch.float64)
+    yt, gt = _fwd_bwd(_ref(eps=1e-5), (x, r, w, b), dy)
+    assert_close_2x(y, y64, yt, name="y")
+    for name, a, o, t in zip(NAMES, grads, g64, gt):
+        assert_close_2x(a, o, t, name=name, floor=8 * torch.finfo(dtype).eps * max(1.0, o.abs().max().item()))
+
+
+# ----------------------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n", [(7, 1000), (33, 384)])
+def test_dropout_exact_mask_rebuilds_reference(device, dtype, m, n):
+    p = 0.2
+    x, r, w, b, dy = _inputs(m, n, dtype, device, seed=7)
+    torch.manual_seed(123)
+    ins = [t.detach().requires_grad_(True) for t in (x, r, w, b)]
+    y, mask = residual_layer_norm(*ins, dropout_p=p, return_dropout_mask=True)
+    grads = torch.autograd.grad(y, ins, dy)
+    assert mask.dtype == torch.bool and mask.shape == x.shape
+    assert 0 < mask.sum() < mask.numel()
+    _check_2x(y, grads, (x, r, w, b), dy, dropout_p=p, mask=mask)
+    # dropped positions of x get exactly zero gradient
+    assert torch.all(grads[0][~mask] == 0)
+
+
+def test_dropout_keep_fraction_binomial(device):
+    m, n, p = 64, 1000, 0.1
+    for s in (11, 12):
+        torch.manual_seed(s)
+        x, r, w, b, _ = _inputs(m, n, torch.float32, device)
+        _, mask = residual_layer_norm(x, r, w, b, dropout_p=p, return_dropout_mask=True)
+        count, total = mask.sum().item(), mask.numel()
+        sigma = math.sqrt(total * p * (1 - p))
+        assert abs(count - total * (1 - p)) <= 5 * sigma, (count, total)
+        # no structure: each row and each column keeps about 1 - p of its entries
+        assert abs(mask.float().mean(0).mean().item() - (1 - p)) < 0.01
+        assert mask.float().mean(1).min().item() > 1 - p - 6 * math.sqrt(p * (1 - p) / n)
+
+
+def test_dropout_mask_matches_output_seed_draw(device):
+    """The debug mask of a drawn seed equals what the op applied (same seed draw, same mask)."""
+    x, r, w, b, _ = _inputs(5, 312, torch.float32, device, seed=8)
+    torch.manual_seed(5)
+    y1, mask1 = residual_layer_norm(x, r, w, b, dropout_p=0.3, return_dropout_mask=True)
+    torch.manual_seed(5)
+    seed = _dispatch.draw_seed(0.3)
+    mask2 = residual_layer_norm_dropout_mask(x.shape, 0.3, seed, device)
+    assert torch.equal(mask1, mask2)
+    y_ref = reference.residual_layer_norm(x, r, w, b, 1e-12, 0.3, mask1)
+    torch.testing.assert_close(y1, y_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_dropout_seed_reproducibility(device):
+    x, r, w, b, _ = _inputs(9, 384, torch.float32, device, seed=9)
+    torch.manual_seed(0)
+    y1 = residual_layer_norm(x, r, w, b, dropout_p=0.1)
+    torch.manual_seed(0)
+    y2 = residual_layer_norm(x, r, w, b, dropout_p=0.1)
+    torch.manual_seed(1)
+    y3 = residual_layer_norm(x, r, w, b, dropout_p=0.1)
+    y4 = residual_layer_norm(x, r, w, b, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
+    y5 = residual_layer_norm(x, r, w, b, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(y1, y2)
+    assert not torch.equal(y1, y3)
+    assert torch.equal(y4, y5)
+    y0 = residual_layer_norm(x, r, w, b, dropout_p=0.0)
+    assert not torch.equal(y0, y1)
+
+
+@pytest.mark.skipif(not (_dispatch.use_triton(torch.empty(0, device=pick_test_device()))),
+                    reason="the Philox offset scheme belongs to the Triton kernels")
+def test_dropout_offsets_do_not_wrap(device):
+    """Rows whose linear offset row * N + col passes 2^32 get fresh random numbers (int64 offsets)."""
+    from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+    n, seed = 1024, 987654321
+    base = dropout_keep_mask((4, n), 0.5, seed, device)
+    wrapped = dropout_keep_mask((4, n), 0.5, seed, device, row_start=2 ** 32 // n)   # offset 2^32 + ...
+    assert not torch.equal(base, wrapped)
+    far = dropout_keep_mask((4, n), 0.5, seed, device, row_start=3 * 2 ** 31 // n)
+    assert 0.3 < far.float().mean().item() < 0.7
+    # independent of tiling / rows requested: row 2 alone equals row 2 of the block
+    assert torch.equal(dropout_keep_mask((1, n), 0.5, seed, device, row_start=2)[0], base[2])
+
+
+def test_dropout_checkpoint_recompute(device):
+    x, r, w, b, dy = _inputs(7, 312, torch.float32, device, seed=10)
+
+    def run(use_ckpt):
+        ins = [t.detach().requires_grad_(True) for t in (x, r, w, b)]
+        torch.manual_seed(42)
+        fn = lambda *a: residual_layer_norm(*a, dropout_p=0.25) * 1.5
+        y = checkpoint(fn, *ins, use_reentrant=False) if use_ckpt else fn(*ins)
+        torch.manual_seed(777)   # the RNG moves on before backward; checkpoint must restore it
+        return y, torch.autograd.grad(y, ins, dy)
+
+    y1, g1 = run(False)
+    y2, g2 = run(True)
+    assert torch.equal(y1, y2)
+    for a, c in zip(g1, g2):
+        assert torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- properties
+def test_deterministic_dweight(device):
+    x, r, w, b, dy = _inputs(129, 1000, torch.float32, device, seed=11)
+    runs = [_fwd_bwd(residual_layer_norm, (x, r, w, b), dy)[1] for _ in range(2)]
+    for a, c in zip(runs[0], runs[1]):
+        assert torch.equal(a, c)
+
+
+def test_grads_only_where_required(device):
+    x, r, w, b, dy = _inputs(3, 312, torch.float32, device, seed=12)
+    x.requires_grad_(True)
+    residual_layer_norm(x, r, w, b).backward(dy)
+    assert x.grad is not None and r.grad is None and w.grad is None
+    w.requires_grad_(True)
+    x.grad = None
+    residual_layer_norm(x.detach(), r, w, b).backward(dy)
+    assert w.grad is not None and x.grad is None
+
+
+def test_empty(device):
+    x, r, w, b, _ = _inputs(0, 384, torch.float32, device)
+    ins = [t.requires_grad_(True) for t in (x, r, w, b)]
+    y = residual_layer_norm(*ins, dropout_p=0.1)
+    assert y.shape == (0, 384)
+    y.sum().backward()
+    assert ins[0].grad.shape == (0, 384) and torch.equal(ins[2].grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_gradcheck_fp64(device, p):
+    x, r, w, b, _ = _inputs(3, 6, torch.float64, device, seed=13)
+    ins = [t.requires_grad_(True) for t in (x, r, w, b)]
+
+    def fn(*a):   # a fresh generator per call: every evaluation uses the same mask
+        return residual_layer_norm(*a, eps=1e-5, dropout_p=p, generator=torch.Generator().manual_seed(3))
+
+    assert torch.autograd.gradcheck(fn, ins)
+
+
+def test_opcheck(device):
+    x, r, w, b, dy = _inputs(4, 312, torch.float32, device, seed=14)
+    ins = [t.requires_grad_(True) for t in (x, r, w, b)]
+    seed = torch.tensor([12345], dtype=torch.int64)
+    op = torch.ops.bert_fast.residual_layer_norm_fwd.default
+    torch.library.opcheck(op, (*ins, 1e-5, 0.0, None))
+    torch.library.opcheck(op, (*ins, 1e-5, 0.1, seed))
+    _, mean, rstd = op(x, r, w, b, 1e-5, 0.1, seed)
+    torch.library.opcheck(torch.ops.bert_fast.residual_layer_norm_bwd.default,
+                          (dy, x.detach(), r.detach(), w.detach(), b.detach(), mean, rstd, 1e-5, 0.1, seed))
+
+
+def test_bad_inputs(device):
+    x, r, w, b, _ = _inputs(4, 8, torch.float32, device)
+    with pytest.raises(ValueError, match=r"\(4, 7\)"):
+        residual_layer_norm(x, r[:, :7], w, b)
+    with pytest.raises(ValueError, match=r"\(7,\)"):
+        residual_layer_norm(x, r, w[:7], b)
+    with pytest.raises(ValueError):
+        residual_layer_norm(x, r, w, b.reshape(2, 4))
+    with pytest.raises(TypeError):
+        residual_layer_norm(x, r.half(), w, b)
+    with pytest.raises(TypeError):
+        residual_layer_norm(x.long(), r.long(), w.long(), b.long())
+    with pytest.raises(TypeError):
+        residual_layer_norm("x", r, w, b)
+    for p in (-0.1, 1.0, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="dropout_p"):
+            residual_layer_norm(x, r, w, b, dropout_p=p)

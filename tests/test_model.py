@@ -182,6 +182,8 @@ def _head_cases(cfg, b=3, s=8):
 def test_heads_match_transformers(name):
     base = make_config(hidden=64, heads=2, layers=1)
     inputs, cfg_kw = _head_cases(base)[name]
+    if name == "BertForQuestionAnswering":   # full rows: see test_question_answering_padded_mode_matches_with_pads
+        inputs = dict(inputs, attention_mask=torch.ones_like(inputs["attention_mask"]))
     cfg = make_config(hidden=64, heads=2, layers=1, **cfg_kw)
     hf, fast = pair(getattr(transformers, name), getattr(bert_fast, name), cfg)
     with torch.no_grad():
@@ -197,6 +199,18 @@ def test_heads_match_transformers(name):
                 assert max_diff_real(out[key], val, mask) <= ATOL, key
             elif key == "loss" or val.dim() < 2 or val.shape[0] != mask.shape[0]:
                 assert (out[key] - val).abs().max().item() <= ATOL, key
+
+
+def test_question_answering_padded_mode_matches_with_pads():
+    """transformers' span softmax runs over pad positions too; at pads our default (unpadded) path has
+    zero hidden states by design, so the loss on padded batches equals transformers' with padded=True."""
+    cfg = make_config(hidden=64, heads=2, layers=1)
+    inputs, _ = _head_cases(cfg)["BertForQuestionAnswering"]
+    hf, fast = pair(transformers.BertForQuestionAnswering, bert_fast.BertForQuestionAnswering, cfg, padded=True)
+    with torch.no_grad():
+        ref, out = hf(**inputs), fast(**inputs)
+    assert abs(out.loss.item() - ref.loss.item()) <= ATOL
+    assert (out.start_logits - ref.start_logits).abs().max().item() <= ATOL
 
 
 @pytest.mark.parametrize("problem", ["regression", "single_label_classification", "multi_label_classification"])

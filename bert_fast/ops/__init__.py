@@ -1,19 +1,13 @@
 """bert_fast ops: each fused op registered as a torch op in the ``bert_fast`` namespace.
 
-One module per op (registration, validation, dispatch, autograd); kernels live in bert_fast.kernels.
+One module per op (registration with torch.library, validation, dispatch, autograd); the kernels
+themselves live in bert_fast.kernels (Triton) and bert_fast._C (CUDA C++ embedding). Dispatch rules:
+bert_fast/ops/_dispatch.py.
 """
-import importlib as _importlib
+from bert_fast.ops.attention import attention, varlen_attention
+from bert_fast.ops.bias_gelu import bias_gelu
+from bert_fast.ops.embedding import embedding_layer_norm
+from bert_fast.ops.linear import linear
+from bert_fast.ops.residual_layer_norm import residual_layer_norm
 
-# TEMPORARY during parallel development: import the op modules that exist. Replaced by explicit
-# imports once every op module is in.
-__all__ = []
-for _name in ("embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"):
-    try:
-        _mod = _importlib.import_module(f"bert_fast.ops.{_name}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"bert_fast.ops.{_name}":
-            raise
-        continue
-    for _pub in getattr(_mod, "__all__", []):
-        globals()[_pub] = getattr(_mod, _pub)
-        __all__.append(_pub)
+__all__ = ["attention", "bias_gelu", "embedding_layer_norm", "linear", "residual_layer_norm", "varlen_attention"]

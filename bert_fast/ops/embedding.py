@@ -103,11 +103,18 @@ def _num_partials(rows: int, device: torch.device) -> int:
 def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
                              indices: Optional[Tensor], word_embeddings: Tensor, position_embeddings: Tensor,
                              token_type_embeddings: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                             dropout_p: float, seed: Optional[Tensor], padding_idx: int
+                             dropout_p: float, seed: Optional[Tensor], padding_idx: int, validate: bool = False
                              ) -> tuple[Tensor, Tensor, Tensor]:
     """Inputs are validated by :func:`embedding_layer_norm`: ids/positions/types contiguous and of one
-    shape (positions/types may be None), indices contiguous int64 or None, tables contiguous."""
+    shape (positions/types may be None), indices contiguous int64 or None, tables contiguous.
+
+    ``validate``: check the index ranges here, before the launch. It runs inside the op (opaque to
+    torch.compile, so the data-dependent check causes no graph break) and is skipped while a CUDA
+    graph is being captured (a host sync is illegal there)."""
     word = word_embeddings
+    if validate and _dispatch.host_checks_allowed(input_ids):
+        _validate_ranges(input_ids, position_ids, token_type_ids, indices, word.shape[0],
+                         position_embeddings.shape[0], token_type_embeddings.shape[0])
     rows = _out_rows(input_ids, indices)
     hidden = word.shape[1]
     out_shape = (rows, hidden) if indices is not None else tuple(input_ids.shape) + (hidden,)
@@ -131,7 +138,7 @@ def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], 
 
 @embedding_layer_norm_fwd.register_fake
 def _(input_ids, position_ids, token_type_ids, indices, word_embeddings, position_embeddings,
-      token_type_embeddings, weight, bias, eps, dropout_p, seed, padding_idx):
+      token_type_embeddings, weight, bias, eps, dropout_p, seed, padding_idx, validate=False):
     word = word_embeddings
     hidden = word.shape[1]
     if indices is not None:
@@ -250,7 +257,7 @@ def _(grad_out, input_ids, position_ids, token_type_ids, indices, word_embedding
 # ----------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, bias, eps, dropout_p, seed,
-     padding_idx) = inputs
+     padding_idx, _validate) = inputs
     _, mean, rstd = output
     ctx.save_for_backward(input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean,
                           rstd)
@@ -262,7 +269,7 @@ def _backward(ctx, grad_out, grad_mean, grad_rstd):
     (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean,
      rstd) = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[4:9])
-    grads = [None] * 13
+    grads = [None] * 14
     if not any(mask):
         return tuple(grads)
     out = torch.ops.bert_fast.embedding_layer_norm_bwd(
@@ -405,12 +412,11 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
     input_ids = input_ids.contiguous()
     if indices is not None:
         indices = indices.to(torch.int64).contiguous()
-    if validate and _dispatch.host_checks_allowed(input_ids):   # no sync inside CUDA-graph capture
-        _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, position_embeddings.shape[0],
-                         token_type_embeddings.shape[0])
-
     seed = _dispatch.draw_seed(dropout_p, generator)
     if _backend(word_embeddings) == "reference":
+        if validate and not torch.compiler.is_compiling():
+            _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, position_embeddings.shape[0],
+                             token_type_embeddings.shape[0])
         rows = _out_rows(input_ids, indices)
         out_shape = (rows, hidden) if indices is not None else shape + (hidden,)
         mask = _dispatch.reference_dropout_mask(out_shape, dropout_p, seed, word_embeddings.device)
@@ -420,7 +426,7 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
     out, _, _ = torch.ops.bert_fast.embedding_layer_norm_fwd(
         input_ids, position_ids, token_type_ids, indices, word_embeddings.contiguous(),
         position_embeddings.contiguous(), token_type_embeddings.contiguous(), weight.contiguous(),
-        bias.contiguous(), float(eps), dropout_p, seed, -1 if padding_idx is None else padding_idx)
+        bias.contiguous(), float(eps), dropout_p, seed, -1 if padding_idx is None else padding_idx, validate)
     return out
 
 

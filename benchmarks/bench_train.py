@@ -1,0 +1,126 @@
+"""pytest-benchmark: one MLM training step (forward, backward, AdamW) per round (CUDA only).
+
+    python -m pytest benchmarks/bench_train.py -o python_files='bench_*.py' --benchmark-json=train.json
+
+Cases: bert-base at S=128 (B=256) and S=512 (B=32), bert-large at S=512 (B=16), every sequence full
+length (no padding: the comparison is kernels, not pad skipping), 15% of positions labelled.
+Precision: torch.autocast bf16 with fp32 master weights, fused AdamW -- what ``bert-fast train
+--precision bf16`` runs.
+
+Providers:
+  bert_fast            bert_fast.BertForMaskedLM, MLM head on the masked positions only (its default)
+  bert_fast-full-head  the same encoder with the MLM head over every position (transformers' head)
+  hf-sdpa              transformers.BertForMaskedLM, attn_implementation="sdpa", AMP
+  hf-compile           torch.compile(transformers sdpa model), AMP
+
+extra_info: tokens/s (real tokens), MFU = (6 * params * tokens + 12 * L * H * B * S^2) / time / peak
+(peak: BERT_FAST_PEAK_TFLOPS or the measured bf16 GEMM rate of this GPU), peak memory (GiB).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="training benchmarks need a CUDA GPU")
+
+CASES = [  # (id, preset, batch, seq)
+    ("bert-base-S128-B256", "base", 256, 128),
+    ("bert-base-S512-B32", "base", 32, 512),
+    ("bert-large-S512-B16", "large", 16, 512),
+]
+PROVIDERS = ["bert_fast", "bert_fast-full-head", "hf-sdpa", "hf-compile"]
+
+
+@pytest.fixture(scope="module")
+def peak_tflops():
+    env = os.environ.get("BERT_FAST_PEAK_TFLOPS")
+    if env:
+        return float(env)
+    from bert_fast.training.loop import measure_peak_tflops
+
+    return measure_peak_tflops(torch.device("cuda"), torch.bfloat16)
+
+
+def _config(preset: str):
+    import transformers
+
+    from bert_fast.training.loop import MODEL_SIZES
+
+    return transformers.BertConfig(vocab_size=30528, max_position_embeddings=512, type_vocab_size=2,
+                                   hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                                   **MODEL_SIZES[preset])
+
+
+def _model(provider: str, config):
+    import transformers
+
+    import bert_fast
+
+    torch.manual_seed(0)
+    if provider.startswith("bert_fast"):
+        model = bert_fast.BertForMaskedLM(config, mlm_masked_positions_only=(provider == "bert_fast"))
+    else:
+        config._attn_implementation = "sdpa"
+        model = transformers.BertForMaskedLM(config)
+    model = model.cuda().train()
+    step_model = torch.compile(model) if provider == "hf-compile" else model
+    return model, step_model
+
+
+def _batch(config, b: int, s: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, config.vocab_size, (b, s), generator=g)
+    labels = torch.where(torch.rand(b, s, generator=g) < 0.15, ids, torch.full_like(ids, -100))
+    mask = torch.ones(b, s, dtype=torch.long)
+    return ids.cuda(), mask.cuda(), labels.cuda()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_train_step(benchmark, peak_tflops, case, provider):
+    from bert_fast.training.loop import build_optimizer, count_params, model_flops
+
+    name, preset, b, s = case
+    config = _config(preset)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        model, step_model = _model(provider, config)
+    except Exception as exc:  # noqa: BLE001 - a provider that cannot be built is reported, not fatal
+        pytest.skip(f"{provider} unavailable: {type(exc).__name__}: {exc}")
+    ids, mask, labels = _batch(config, b, s)
+
+    class _Args:
+        lr, beta1, beta2, adam_eps, weight_decay = 1e-4, 0.9, 0.999, 1e-6, 0.01
+
+    opt = build_optimizer(model, _Args, torch.device("cuda"))
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    try:
+        for _ in range(3):
+            step()
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip(f"{provider} {name}: out of memory")
+    torch.cuda.reset_peak_memory_stats()
+    benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=2)
+    t = benchmark.stats.stats.median
+    tokens = b * s
+    flops = model_flops(count_params(model), tokens, float(b * s * s), config.num_hidden_layers, config.hidden_size)
+    benchmark.extra_info.update({
+        "case": name, "provider": provider, "batch": b, "seq": s, "tokens": tokens,
+        "tokens_per_s": tokens / t, "tflops": flops / t / 1e12, "peak_tflops": peak_tflops,
+        "mfu": flops / t / (peak_tflops * 1e12),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "device": torch.cuda.get_device_name(), "precision": "bf16 autocast, fp32 master weights, fused AdamW",
+    })
+    del model, step_model, opt
+    torch.cuda.empty_cache()

@@ -1,0 +1,94 @@
+"""Measure both linear backends on this GPU at BERT's shapes and write the dispatch table.
+
+    python benchmarks/tune_linear_dispatch.py                  # merges into bert_fast/data/linear_dispatch.json
+    python benchmarks/tune_linear_dispatch.py --out table.json --hidden 768 --tokens 4096 16384
+
+For every (direction, activation, dtype, M bucket, N, K) it times
+  fwd: linear_fwd with backend "triton" (our GEMM + fused epilogue) vs "cublas" (torch.mm + our
+       bias_gelu kernel), saving z as training does;
+  bwd: linear_bwd with the same dZ/db kernel and the GEMMs of each backend (the only part the
+       backward choice controls),
+with triton.testing.do_bench (CUDA events, L2 flushed between calls, median), and records the
+faster one (ties within --margin go to cuBLAS, the path with less of our code to trust).
+Entries are stored under the device name with its compute capability; bert_fast.ops.linear looks up
+the name first, then the capability.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+
+def _shapes(h: int, intermediate: int):
+    # (N, K, activation): fused QKV, attention output, FFN up (+GELU), FFN down
+    return [(3 * h, h, "none"), (h, h, "none"), (intermediate, h, "gelu"), (h, intermediate, "none")]
+
+
+def main() -> None:
+    import triton
+    from triton.testing import do_bench
+
+    import bert_fast.ops.linear as L
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[384, 768, 1024])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096, 8192, 16384])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
+    ap.add_argument("--margin", type=float, default=0.02, help="triton must win by this fraction")
+    ap.add_argument("--out", type=Path, default=L.DISPATCH_TABLE)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_linear_dispatch.py needs a CUDA GPU")
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    major, minor = torch.cuda.get_device_capability(dev)
+    entries = {}
+    for dname in args.dtypes:
+        dtype = dtypes[dname]
+        for h in args.hidden:
+            for m in args.tokens:
+                for n, k, act in _shapes(h, 4 * h):
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    w = torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5
+                    b = torch.randn(n, device=dev, dtype=dtype)
+                    dy = torch.randn(m, n, device=dev, dtype=dtype)
+                    fwd = torch.ops.bert_fast.linear_fwd
+                    t_fwd = {be: do_bench(lambda: fwd(x, w, b, act, be, True), return_mode="median")
+                             for be in ("triton", "cublas")}
+                    _, z = fwd(x, w, b, act, "triton", True)
+                    bwd = torch.ops.bert_fast.linear_bwd
+                    t_bwd = {be: do_bench(lambda: bwd(dy, x, w, b, z, act, "triton", be, True, True, True),
+                                          return_mode="median")
+                             for be in ("triton", "cublas")}
+                    for direction, t in (("fwd", t_fwd), ("bwd", t_bwd)):
+                        best = "triton" if t["triton"] < (1.0 - args.margin) * t["cublas"] else "cublas"
+                        key = L.table_key(direction, act, dtype, m, n, k)
+                        entries[key] = {"backend": best, "triton_ms": round(t["triton"], 5),
+                                        "cublas_ms": round(t["cublas"], 5)}
+                        flops = (2 if direction == "fwd" else 4) * m * n * k
+                        print(f"{key:42s} triton {t['triton'] * 1e3:8.1f} us "
+                              f"({flops / t['triton'] / 1e9:6.0f} TFLOP/s)  cublas {t['cublas'] * 1e3:8.1f} us "
+                              f"({flops / t['cublas'] / 1e9:6.0f} TFLOP/s)  -> {best}", flush=True)
+                    del x, w, b, dy, z
+
+    table = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
+    table.setdefault("devices", {})[name] = {
+        "capability": f"sm{major}{minor}",
+        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "entries": dict(sorted(entries.items())),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {len(entries)} entries for {name} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

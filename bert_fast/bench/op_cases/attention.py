@@ -1,0 +1,138 @@
+"""Benchmark cases of attention: B*S = 16384 tokens, S in {128, 256, 512}, 12 heads, d = 64
+(bert-base shapes), forward and backward; compute-bound, figure of merit TFLOP/s.
+
+FLOPs are counted on real tokens only: forward 4 * L^2 * d * heads per sequence of length L
+(QK^T and PV, 2 FLOPs per multiply-add), backward 2.5x the forward (5 matmuls instead of 2), so a
+provider that computes on padding gets no credit for it.
+
+Dense cases (every sequence full): providers
+  * "bert_fast": our varlen op on the packed batch (cu_seqlens = 0, S, 2S, ...). It calls the op
+    with ``validate=False``: the default cu_seqlens check costs one host sync per call, an API
+    choice (the model builds cu_seqlens itself), not kernel time;
+  * "torch-sdpa-flash" / "torch-sdpa-efficient": F.scaled_dot_product_attention pinned to one
+    backend with torch.nn.attention.sdpa_kernel, q/k/v [B, heads, S, d] strided views of qkv;
+  * "torch-eager": softmax(q k^T * scale) v in the same dtype; "torch.compile": the same compiled.
+Padded case (lengths uniform in [0.2, 1.0] x S, fixed seed): "bert_fast" runs varlen on the real
+tokens only, "bert_fast-padded" our padded kernel with the key-padding mask, "torch-sdpa-efficient"
+SDPA with a bool key mask [B, 1, 1, S] (the flash backend takes no mask).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from bert_fast.bench.op_case import OpCase
+
+TOKENS = 16384
+SEQLENS = (128, 256, 512)
+HEADS = 12
+HEAD_DIM = 64
+PADDED_SEQLEN = 512
+
+
+def _eager(q, k, v, mask=None):
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_eager, dynamic=False)
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
+
+    def run(q, k, v, mask=None):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return run
+
+
+def _lengths(batch, seqlen, padded, seed=0):
+    if not padded:
+        return [seqlen] * batch
+    g = torch.Generator().manual_seed(seed)
+    frac = 0.2 + 0.8 * torch.rand(batch, generator=g)
+    return [max(1, min(seqlen, int(round(f * seqlen)))) for f in frac.tolist()]
+
+
+def _make_inputs(provider, lengths, seqlen, device, dtype):
+    """(callable taking the leaf tensor, leaf tensor) for one provider, fresh random data."""
+    batch = len(lengths)
+    if provider == "bert_fast":
+        from bert_fast.ops import varlen_attention
+
+        t = sum(lengths)
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        cu = cu.to(device)
+        qkv = torch.randn(t, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
+        return (lambda x: varlen_attention(x, cu, max(lengths), validate=False)), qkv
+    qkv = torch.randn(batch, seqlen, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    key_mask = None
+    if any(n < seqlen for n in lengths):
+        key_mask = torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]
+        key_mask = key_mask.to(device)
+    if provider == "bert_fast-padded":
+        from bert_fast.ops import attention
+
+        return (lambda x: attention(x, key_mask)), qkv
+    fn = {"torch-sdpa-flash": _sdpa("flash"), "torch-sdpa-efficient": _sdpa("efficient"),
+          "torch-eager": _eager, "torch.compile": _compiled()}[provider]
+    mask4 = None if key_mask is None else key_mask[:, None, None, :]
+
+    def call(x):
+        q, k, v = (u.transpose(1, 2) for u in x.unbind(2))        # [B, heads, S, d] views
+        return fn(q, k, v, mask4)
+    return call, qkv
+
+
+def _factory(provider, direction, lengths, seqlen, device, dtype):
+    def make():
+        fn, qkv = _make_inputs(provider, lengths, seqlen, device, dtype)
+        if direction == "fwd":
+            return lambda: fn(qkv)
+        qkv.requires_grad_(True)
+        out = fn(qkv)
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+    return make
+
+
+def cases(device, dtype) -> list[OpCase]:
+    device = torch.device(device)
+    es = torch.empty((), dtype=dtype).element_size()
+    out = []
+    specs = [(s, False) for s in SEQLENS] + [(PADDED_SEQLEN, True)]
+    for seqlen, padded in specs:
+        batch = TOKENS // seqlen
+        lengths = _lengths(batch, seqlen, padded)
+        real = sum(lengths)
+        fwd_flops = float(sum(4 * n * n * HEAD_DIM * HEADS for n in lengths))
+        row = HEADS * HEAD_DIM * es                       # bytes of one token's q (or k, v, out)
+        if padded:
+            providers = ("bert_fast", "bert_fast-padded", "torch-sdpa-efficient")
+            label = f"B={batch} S={seqlen} padded(0.2-1.0, T={real}) h={HEADS} d={HEAD_DIM}"
+        else:
+            providers = ("bert_fast", "torch-sdpa-flash", "torch-sdpa-efficient", "torch-eager", "torch.compile")
+            label = f"B={batch} S={seqlen} h={HEADS} d={HEAD_DIM}"
+        for direction in ("fwd", "bwd"):
+            if direction == "fwd":      # read qkv, write out and the fp32 lse
+                flops, nbytes = fwd_flops, real * (4 * row + HEADS * 4)
+            else:                       # read qkv, out, dout, lse; write dqkv
+                flops, nbytes = 2.5 * fwd_flops, real * (8 * row + HEADS * 4)
+            out.append(OpCase(
+                op="attention", label=label, direction=direction, bound="compute",
+                flops=flops, bytes=float(nbytes),
+                providers={p: _factory(p, direction, lengths, seqlen, device, dtype) for p in providers},
+                params={"B": batch, "S": seqlen, "heads": HEADS, "head_dim": HEAD_DIM, "padded": padded,
+                        "real_tokens": real, "dtype": str(dtype).replace("torch.", "")}))
+    return out

@@ -1,0 +1,88 @@
+"""Benchmark cases of ``linear`` at BERT's GEMM shapes (fused QKV, FFN up + GELU, FFN down).
+
+Providers: "bert_fast" (auto dispatch), "bert_fast-triton" and "bert_fast-cublas" (each path
+forced), "torch" (F.linear + F.gelu) and "torch.compile" (the same, compiled). Compute-bound:
+flops = 2*M*N*K forward, 4*M*N*K backward (dX and dW); ``bytes`` is the minimal traffic of one call.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from bert_fast.bench.op_case import OpCase
+
+# (name, N, K, activation) per hidden size H
+def _shapes(h: int):
+    return [("qkv", 3 * h, h, None), ("ffn_up", 4 * h, h, "gelu"), ("ffn_down", h, 4 * h, None)]
+
+
+HIDDEN = (768, 1024)
+TOKENS = (8192, 16384)
+
+
+def _torch_linear(x, w, b, activation):
+    y = F.linear(x, w, b)
+    return y if activation is None else F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(activation):
+    return torch.compile(functools.partial(_torch_linear, activation=activation))
+
+
+def _make_fn(provider: str, activation):
+    if provider.startswith("bert_fast"):
+        from bert_fast.ops.linear import linear
+        backend = provider.split("-", 1)[1] if "-" in provider else None
+        return lambda x, w, b: linear(x, w, b, activation, backend=backend)
+    if provider == "torch":
+        return lambda x, w, b: _torch_linear(x, w, b, activation)
+    if provider == "torch.compile":
+        return _compiled(activation)
+    raise ValueError(provider)
+
+
+def _factory(provider, direction, m, n, k, activation, device, dtype):
+    def factory():
+        fn = _make_fn(provider, activation)
+        grad = direction == "bwd"
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=grad)
+        w = (torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5).requires_grad_(grad)
+        b = torch.randn(n, device=device, dtype=dtype, requires_grad=grad)
+        if not grad:
+            return lambda: fn(x, w, b)
+        y = fn(x, w, b)
+        dy = torch.randn_like(y)
+        return lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+    return factory
+
+
+PROVIDERS = ("bert_fast", "bert_fast-triton", "bert_fast-cublas", "torch", "torch.compile")
+
+
+def cases(device, dtype) -> List[OpCase]:
+    device = torch.device(device)
+    esize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for h in HIDDEN:
+        for m in TOKENS:
+            for name, n, k, act in _shapes(h):
+                for direction in ("fwd", "bwd"):
+                    if direction == "fwd":
+                        flops = 2.0 * m * n * k
+                        nbytes = (m * k + n * k + n + m * n) * esize
+                    else:
+                        flops = 4.0 * m * n * k
+                        # read dy, x, W (+ z); write dx, dW, db
+                        nbytes = (m * n * (2 if act else 1) + 2 * m * k + 2 * n * k + n) * esize
+                    out.append(OpCase(
+                        op="linear", label=f"{name} H={h} M={m} N={n} K={k}", direction=direction,
+                        bound="compute", flops=flops, bytes=nbytes,
+                        providers={p: _factory(p, direction, m, n, k, act, device, dtype) for p in PROVIDERS},
+                        params={"name": name, "H": h, "M": m, "N": n, "K": k, "activation": act,
+                                "dtype": str(dtype).replace("torch.", "")},
+                    ))
+    return out

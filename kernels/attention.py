@@ -1,0 +1,680 @@
+"""Flash-attention-2 style fused attention: forward, backward (dK/dV + dQ), dropout-mask debug kernel.
+
+One kernel family serves both layouts of bert_fast:
+  * padded: qkv [B, S, 3, heads, d] with an optional key-padding mask [B, S] (any pattern),
+            out [B, S, heads, d], lse [B, heads, S];
+  * varlen: packed qkv [T, 3, heads, d] with cu_seqlens int32 [B+1] and max_seqlen,
+            out [T, heads, d], lse [heads, T].
+q, k and v are read by strides straight from the fused QKV tensor (no transposes, no copies);
+dQ, dK and dV are written by strides into the slices of one dqkv buffer.
+
+Algorithm (FlashAttention-2): the S x S score matrix is never materialized. The forward streams key
+blocks through an online softmax with fp32 running max / sum / accumulator and saves the fp32
+log-sum-exp (natural log) of every query row. The backward recomputes P = exp(S - lse) tile by tile:
+  1. ``_attention_bwd_preprocess_kernel``: delta = rowsum(dO * O) (fp32, lse's layout);
+  2. ``_attention_bwd_dkdv_kernel``: one program per key block, loop over query blocks, dK and dV in
+     fp32 registers; with ATOMIC_DQ it also adds each tile's dQ contribution into an fp32 buffer
+     with atomics (fast path, order of additions not reproducible);
+  3. ``_attention_bwd_dq_kernel``: deterministic dQ, one program per query block, loop over key
+     blocks (used when torch.are_deterministic_algorithms_enabled()).
+
+Masking: every load is bounded by the sequence length (no multiple-of-block assumption) and by the
+head dim (BLOCK_D = next_power_of_2(d) >= 16). A masked key gets score -inf in the forward; the
+running max starts at a large finite negative (-1e30) instead of -inf so that a row whose keys are
+all masked never computes (-inf) - (-inf): it ends with l = 0, output 0 and lse = +inf, and
++inf makes the backward's recomputed P exactly 0 for it (zero gradients, never NaN). In the backward,
+a masked key's recomputed P is selected to exactly 0 and its dK/dV rows are written as zeros.
+
+Dropout (on the probabilities, as in BERT): Philox-4x32-10 (``tl.philox``) keyed by the 64-bit seed,
+with a 4 x 32-bit *counter* per score element
+        (c0, c1, c2, c3) = (key position, query position, b * heads + h, 0)
+positions counted from the start of the element's own sequence. Nothing is folded into one linear
+offset, so no counter can overflow int32 whatever the sequence length (each word < 2**32), and the
+padded and varlen layouts draw the same bits for the same (sequence, head, query, key). keep =
+uniform(first Philox word) >= p; kept probabilities are scaled by 1/(1-p). The backward and the
+debug kernel ``_attention_dropout_mask_kernel`` call the same ``_dropout_keep``, so the mask it
+returns is exactly the one the forward and backward used.
+
+Offsets: program ids, sequence starts and row indices are widened to int64 before they multiply a
+stride; pointers then advance by pointer arithmetic, so tensors over 2**31 elements are safe.
+
+Launch configs are picked per head dim, dtype and GPU generation (``_configs``); under
+TRITON_INTERPRET=1 a single small config (asymmetric blocks, to exercise the tails).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _dropout_keep(seed, bh, q_idx, k_idx, dropout_p):
+    """Keep-mask (True = keep) for score elements at query positions ``q_idx`` and key positions
+    ``k_idx`` (int32 tensors of one shape) of sequence-head ``bh`` = b * heads + h."""
+    zero = q_idx * 0
+    c0 = k_idx.to(tl.uint32, bitcast=True)
+    c1 = q_idx.to(tl.uint32, bitcast=True)
+    c2 = (zero + bh).to(tl.uint32, bitcast=True)
+    c3 = zero.to(tl.uint32, bitcast=True)
+    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    return tl.uint_to_uniform_float(r0) >= dropout_p
+
+
+@triton.jit
+def _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN: tl.constexpr):
+    """(first row of the sequence as int64, its length as int32)."""
+    if IS_VARLEN:
+        start32 = tl.load(CU_SEQLENS + off_b)
+        length = tl.load(CU_SEQLENS + off_b + 1) - start32
+        start = start32.to(tl.int64)
+    else:
+        start = off_b.to(tl.int64) * 0
+        length = seqlen + off_b * 0
+    return start, length
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
+              qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
+              stride_ks, stride_vs, stride_ms,
+              BOUNDS: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key block at n0: BOUNDS=False for a full block (no length check), True for the tail."""
+    k_pos = n0 + offs_n
+    if BOUNDS:
+        n_in = k_pos < seq_len
+        if EVEN_D:
+            kv_mask = n_in[:, None]
+        else:
+            kv_mask = n_in[:, None] & d_valid[None, :]
+    else:
+        kv_mask = d_valid[None, :]
+    if BOUNDS or not EVEN_D:
+        k = tl.load(k_ptrs + n0 * stride_ks, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs + n0 * stride_ks)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if HAS_MASK:
+        if BOUNDS:
+            key_ok = tl.load(mask_ptrs + n0 * stride_ms, mask=n_in, other=0) != 0
+        else:
+            key_ok = tl.load(mask_ptrs + n0 * stride_ms) != 0
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    elif BOUNDS:
+        s = tl.where(n_in[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, bh, q_pos[:, None] + offs_n[None, :] * 0,
+                             k_pos[None, :] + q_pos[:, None] * 0, dropout_p)
+        p = tl.where(keep, p, 0.0)
+    if BOUNDS or not EVEN_D:
+        v = tl.load(v_ptrs + n0 * stride_vs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs + n0 * stride_vs)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V, O, LSE, KEY_MASK, CU_SEQLENS,
+    qk_scale, dropout_p, seed,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    nheads, seqlen, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One program per (query block, sequence, head); 1-D grid (no 65535 limit on B * heads).
+    qk_scale = softmax_scale * log2(e) (exp2 domain); LSE stores the natural-log lse."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid = tl.program_id(0)
+    start_m = pid % num_m_blocks
+    bh = pid // num_m_blocks
+    off_b = bh // nheads
+    off_h = bh % nheads
+    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    if start_m * BLOCK_M >= seq_len:
+        return
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_pos = start_m * BLOCK_M + offs_m                  # query positions within the sequence
+    m_valid = q_pos < seq_len
+    d_valid = offs_d < HEAD_DIM
+    rows_q = (seq_start + q_pos.to(tl.int64))[:, None]
+    q_ptrs = (Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q * stride_qs
+              + offs_d[None, :] * stride_qd)
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    rows_k = (seq_start + offs_n.to(tl.int64))[:, None]
+    k_ptrs = K + off_b64 * stride_kb + off_h64 * stride_kh + rows_k * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k * stride_vs + offs_d[None, :] * stride_vd
+    mask_ptrs = KEY_MASK + off_b64 * stride_mb + offs_n * stride_ms
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n_full = (seq_len // BLOCK_N) * BLOCK_N
+    # Full key blocks without length checks, then one masked tail block.
+    if INTERPRET:
+        # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound under numpy 2.x
+        # (int() of a 1-element array): a while loop there, the pipelined for loop on the GPU.
+        n0 = 0
+        while n0 < n_full:
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
+                                      qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
+                                      stride_ks, stride_vs, stride_ms,
+                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, n_full, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
+                                      qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
+                                      stride_ks, stride_vs, stride_ms,
+                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC)
+    if n_full < seq_len:
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n_full, seq_len,
+                                  qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
+                                  stride_ks, stride_vs, stride_ms,
+                                  True, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC)
+    empty = l_i == 0.0                                  # no key at all: output 0, lse +inf
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l * (1.0 / (1.0 - dropout_p))
+    acc = acc * inv_l[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse_ptrs = LSE + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64))
+    tl.store(lse_ptrs, lse, mask=m_valid)
+    o_ptrs = (O + off_b64 * stride_ob + off_h64 * stride_oh + rows_q * stride_os
+              + offs_d[None, :] * stride_od)
+    if EVEN_D:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    O, DO, DELTA, CU_SEQLENS,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh,
+    nheads, seqlen, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32 (lse's layout)."""
+    pid = tl.program_id(0)
+    start_m = pid % num_m_blocks
+    bh = pid // num_m_blocks
+    off_b = bh // nheads
+    off_h = bh % nheads
+    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    if start_m * BLOCK_M >= seq_len:
+        return
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_pos = start_m * BLOCK_M + offs_m
+    m_valid = q_pos < seq_len
+    rows = (seq_start + q_pos.to(tl.int64))[:, None]
+    mask = m_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + off_b64 * stride_ob + off_h64 * stride_oh + rows * stride_os + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_b64 * stride_dob + off_h64 * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64)), delta,
+             mask=m_valid)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
+               stride_qs, stride_dos, stride_dqs, softmax_scale, qk_scale, dropout_p, seed, bh,
+               offs_m, offs_n, d_valid,
+               HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One query block at m0 for the key block (k, v) of _attention_bwd_dkdv_kernel."""
+    q_pos = m0 + offs_m
+    m_valid = q_pos < seq_len
+    qd_mask = m_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptrs + m0 * stride_qs, mask=qd_mask, other=0.0)
+    do = tl.load(do_ptrs + m0 * stride_dos, mask=qd_mask, other=0.0)
+    lse2 = tl.load(lse_ptrs + m0, mask=m_valid, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptrs + m0, mask=m_valid, other=0.0)
+    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)               # [BLOCK_N, BLOCK_M]
+    # select, not only zero K rows: exp2(0 - lse) of a masked key may overflow for extreme lse
+    pT = tl.where(key_ok[:, None], tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, bh, q_pos[None, :] + offs_n[:, None] * 0,
+                             k_pos[:, None] + offs_m[None, :] * 0, dropout_p)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        pdT = tl.where(keep, pT * inv_keep, 0.0)
+        dpT = tl.where(keep, dpT * inv_keep, 0.0)
+    else:
+        pdT = pT
+    dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC) * softmax_scale
+        tl.atomic_add(dq_ptrs + m0 * stride_dqs, dq, mask=qd_mask, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KEY_MASK, CU_SEQLENS,
+    softmax_scale, qk_scale, dropout_p, seed,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    nheads, seqlen, num_n_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One program per (key block, sequence, head): loop over query blocks, accumulate dK and dV in
+    fp32; with ATOMIC_DQ also atomically add scale * dS K into the fp32 buffer DQ."""
+    pid = tl.program_id(0)
+    start_n = pid % num_n_blocks
+    bh = pid // num_n_blocks
+    off_b = bh // nheads
+    off_h = bh % nheads
+    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    if start_n * BLOCK_N >= seq_len:
+        return
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    k_pos = start_n * BLOCK_N + offs_n
+    n_in = k_pos < seq_len
+    key_ok = n_in
+    if HAS_MASK:
+        key_ok = key_ok & (tl.load(KEY_MASK + off_b64 * stride_mb + k_pos * stride_ms, mask=n_in, other=0) != 0)
+    rows_k = (seq_start + k_pos.to(tl.int64))[:, None]
+    # Masked keys: zero rows of K and V, P = 0 (so dS = 0 and no dQ contribution), dK/dV rows zeroed.
+    k = tl.load(K + off_b64 * stride_kb + off_h64 * stride_kh + rows_k * stride_ks + offs_d[None, :] * stride_kd,
+                mask=key_ok[:, None] & d_valid[None, :], other=0.0)
+    v = tl.load(V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k * stride_vs + offs_d[None, :] * stride_vd,
+                mask=key_ok[:, None] & d_valid[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    rows_q0 = (seq_start + offs_m.to(tl.int64))[:, None]
+    q_ptrs = Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q0 * stride_qs + offs_d[None, :] * stride_qd
+    do_ptrs = DO + off_b64 * stride_dob + off_h64 * stride_doh + rows_q0 * stride_dos + offs_d[None, :] * stride_dod
+    dq_ptrs = DQ + off_b64 * stride_dqb + off_h64 * stride_dqh + rows_q0 * stride_dqs + offs_d[None, :] * stride_dqd
+    lse_ptrs = LSE + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + offs_m.to(tl.int64))
+    delta_ptrs = DELTA + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + offs_m.to(tl.int64))
+
+    # A key block with no real key has zero gradients: skip its loop.
+    hi = tl.where(tl.max(key_ok.to(tl.int32), 0) > 0, seq_len, 0)
+    if INTERPRET:       # see _attention_fwd_kernel: no runtime range() bound in the interpreter
+        m0 = 0
+        while m0 < hi:
+            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
+                                lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+                                softmax_scale, qk_scale, dropout_p, seed, bh, offs_m, offs_n, d_valid,
+                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC)
+            m0 += BLOCK_M
+    else:
+        for m0 in range(0, hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
+                                lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+                                softmax_scale, qk_scale, dropout_p, seed, bh, offs_m, offs_n, d_valid,
+                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC)
+    dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
+    dv = tl.where(key_ok[:, None], dv, 0.0)
+    st_mask = n_in[:, None] & d_valid[None, :]
+    tl.store(DK + off_b64 * stride_dkb + off_h64 * stride_dkh + rows_k * stride_dks + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=st_mask)
+    tl.store(DV + off_b64 * stride_dvb + off_h64 * stride_dvh + rows_k * stride_dvs + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
+             stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
+             q_pos, offs_m, offs_n, d_valid,
+             HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key block at n0 for the query block of _attention_bwd_dq_kernel."""
+    k_pos = n0 + offs_n
+    key_ok = k_pos < seq_len
+    if HAS_MASK:
+        key_ok = key_ok & (tl.load(mask_ptrs + n0 * stride_ms, mask=key_ok, other=0) != 0)
+    kv_mask = key_ok[:, None] & d_valid[None, :]
+    k = tl.load(k_ptrs + n0 * stride_ks, mask=kv_mask, other=0.0)      # masked keys: zero rows
+    v = tl.load(v_ptrs + n0 * stride_vs, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    p = tl.where(key_ok[None, :], tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, bh, q_pos[:, None] + offs_n[None, :] * 0,
+                             k_pos[None, :] + offs_m[:, None] * 0, dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KEY_MASK, CU_SEQLENS,
+    softmax_scale, qk_scale, dropout_p, seed,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    stride_mb, stride_ms,
+    nheads, seqlen, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Deterministic dQ: one program per (query block, sequence, head), loop over key blocks."""
+    pid = tl.program_id(0)
+    start_m = pid % num_m_blocks
+    bh = pid // num_m_blocks
+    off_b = bh // nheads
+    off_h = bh % nheads
+    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    if start_m * BLOCK_M >= seq_len:
+        return
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    q_pos = start_m * BLOCK_M + offs_m
+    m_valid = q_pos < seq_len
+    qd_mask = m_valid[:, None] & d_valid[None, :]
+    rows_q = (seq_start + q_pos.to(tl.int64))[:, None]
+    q = tl.load(Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q * stride_qs + offs_d[None, :] * stride_qd,
+                mask=qd_mask, other=0.0)
+    do = tl.load(DO + off_b64 * stride_dob + off_h64 * stride_doh + rows_q * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=qd_mask, other=0.0)
+    row_off = off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64))
+    lse2 = tl.load(LSE + row_off, mask=m_valid, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + row_off, mask=m_valid, other=0.0)
+
+    rows_k0 = (seq_start + offs_n.to(tl.int64))[:, None]
+    k_ptrs = K + off_b64 * stride_kb + off_h64 * stride_kh + rows_k0 * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k0 * stride_vs + offs_d[None, :] * stride_vd
+    mask_ptrs = KEY_MASK + off_b64 * stride_mb + offs_n * stride_ms
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if INTERPRET:       # see _attention_fwd_kernel: no runtime range() bound in the interpreter
+        n0 = 0
+        while n0 < seq_len:
+            dq = _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
+                          stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
+                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, seq_len, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
+                          stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
+                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC)
+    dq = dq * softmax_scale
+    tl.store(DQ + off_b64 * stride_dqb + off_h64 * stride_dqh + rows_q * stride_dqs + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+# ----------------------------------------------------------------------------- dropout debug
+@triton.jit
+def _attention_dropout_mask_kernel(OUT, dropout_p, seed, stride_ob, stride_om, stride_on, seqlen,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes the keep-mask (1 = keep) the attention kernels use, for OUT [B * heads, S, S] (uint8)."""
+    bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_idx = offs_m[:, None] + offs_n[None, :] * 0
+    k_idx = offs_n[None, :] + offs_m[:, None] * 0
+    keep = _dropout_keep(seed, bh, q_idx, k_idx, dropout_p)
+    ptrs = (OUT + bh.to(tl.int64) * stride_ob + offs_m.to(tl.int64)[:, None] * stride_om
+            + offs_n[None, :] * stride_on)
+    tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
+
+
+# ----------------------------------------------------------------------------- launch configs
+def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Block sizes / warps / stages per kernel ``kind`` ("fwd", "dkdv", "dq"), head dim, dtype, GPU.
+
+    Hopper (sm_90): 228 KB shared memory, wgmma; Ampere sm_80: 164 KB; other parts (sm_86/89:
+    ~100 KB) get smaller tiles. fp32 (tests only) uses small tiles. No autotuning: the same config
+    every call, so the first call never pays for a sweep (see benchmarks/NOTES.attention.md).
+    """
+    if device.type != "cuda":      # Triton interpreter: one small config, asymmetric on purpose
+        return {"fwd": dict(BLOCK_M=32, BLOCK_N=64), "dkdv": dict(BLOCK_M=64, BLOCK_N=32),
+                "dq": dict(BLOCK_M=32, BLOCK_N=64)}[kind] | dict(num_warps=4, num_stages=1)
+    major, minor = torch.cuda.get_device_capability(device)
+    if dtype == torch.float32:
+        bm, bn = (32, 32) if block_d > 64 else (64, 32)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+    big_smem = (major, minor) in ((8, 0), (9, 0)) or major >= 10
+    if kind == "fwd":
+        if major >= 9:
+            return (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3) if block_d <= 64
+                    else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+        if big_smem:
+            return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3) if block_d <= 64
+                    else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2))
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    if kind == "dkdv":
+        if big_smem:
+            return (dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2) if block_d <= 64
+                    else dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2))
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+    # dq
+    if big_smem:
+        return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2) if block_d <= 64
+                else dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2))
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _dot_prec(dtype: torch.dtype):
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _strides4(t: torch.Tensor, varlen: bool):
+    """(batch, seq, head, dim) strides of a [B, S, h, d] or (varlen, batch stride 0) [T, h, d] view."""
+    if varlen:
+        return (0,) + tuple(t.stride())
+    return tuple(t.stride())
+
+
+class _Device:
+    """Context: the CUDA device of ``t`` (no-op on the CPU / interpreter)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _check_layout(qkv: torch.Tensor, varlen: bool) -> None:
+    if qkv.dim() != (4 if varlen else 5) or qkv.shape[-3] != 3:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}, expected "
+                         f"{'[T, 3, heads, d]' if varlen else '[B, S, 3, heads, d]'}")
+    if not 16 <= qkv.shape[-1] <= 128:
+        raise ValueError(f"head dim must be in 16..128, got {qkv.shape[-1]}")
+
+
+# ----------------------------------------------------------------------------- launchers
+def attention_fwd(qkv: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                  max_seqlen: int, softmax_scale: float, dropout_p: float, seed: int):
+    """Forward launcher. Padded (cu_seqlens None): qkv [B, S, 3, h, d], key_mask None or uint8 [B, S];
+    varlen: qkv [T, 3, h, d], cu_seqlens int32 [B+1]. Returns (out, lse) as described above."""
+    varlen = cu_seqlens is not None
+    _check_layout(qkv, varlen)
+    q, k, v = qkv.unbind(-3)
+    if varlen:
+        t, _, nheads, d = qkv.shape
+        batch = cu_seqlens.numel() - 1
+        seqlen = int(max_seqlen)
+        out = qkv.new_empty((t, nheads, d))
+        lse = torch.empty((nheads, t), device=qkv.device, dtype=torch.float32)
+        stride_lb, stride_lh = 0, lse.stride(0)
+    else:
+        batch, seqlen, _, nheads, d = qkv.shape
+        out = qkv.new_empty((batch, seqlen, nheads, d))
+        lse = torch.empty((batch, nheads, seqlen), device=qkv.device, dtype=torch.float32)
+        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
+    if out.numel() == 0 or batch == 0 or seqlen == 0:
+        return out, lse
+    block_d = max(16, triton.next_power_of_2(d))
+    cfg = _configs("fwd", block_d, qkv.dtype, qkv.device)
+    num_m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
+    has_mask = key_mask is not None
+    mask_arg = key_mask if has_mask else out           # dummy pointer, never read
+    smb, sms = key_mask.stride() if has_mask else (0, 0)
+    cu_arg = cu_seqlens if varlen else lse             # dummy pointer, never read
+    grid = (num_m_blocks * batch * nheads,)
+    with _Device(qkv):
+        _attention_fwd_kernel[grid](
+            q, k, v, out, lse, mask_arg, cu_arg,
+            softmax_scale * LOG2E, dropout_p, seed,
+            *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(out, varlen),
+            stride_lb, stride_lh, smb, sms,
+            nheads, seqlen, num_m_blocks,
+            HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_MASK=has_mask,
+            HAS_DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_prec(qkv.dtype), INTERPRET=_interpreting(), **cfg)
+    return out, lse
+
+
+def attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, key_mask: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], max_seqlen: int, out: torch.Tensor, lse: torch.Tensor,
+                  softmax_scale: float, dropout_p: float, seed: int, deterministic: bool = False) -> torch.Tensor:
+    """Backward launcher: returns dqkv, a new buffer of qkv's shape whose q/k/v slices the kernels
+    write directly (never the saved qkv). ``deterministic`` picks the atomics-free dQ kernel."""
+    varlen = cu_seqlens is not None
+    _check_layout(qkv, varlen)
+    # BERT_FAST_ATTN_DQ=separate: the atomics-free dQ kernel also outside deterministic mode (for
+    # measuring which is faster per shape: the atomic path moves an fp32 dQ buffer through DRAM).
+    deterministic = deterministic or os.environ.get("BERT_FAST_ATTN_DQ", "") == "separate"
+    if dout.dtype != qkv.dtype:
+        dout = dout.to(qkv.dtype)
+    dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+    if dqkv.numel() == 0:
+        return dqkv
+    q, k, v = qkv.unbind(-3)
+    dq, dk, dv = dqkv.unbind(-3)
+    if varlen:
+        t, _, nheads, d = qkv.shape
+        batch = cu_seqlens.numel() - 1
+        seqlen = int(max_seqlen)
+        stride_lb, stride_lh = 0, lse.stride(0)
+    else:
+        batch, seqlen, _, nheads, d = qkv.shape
+        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
+    if batch == 0 or seqlen == 0:
+        return dqkv.zero_()
+    block_d = max(16, triton.next_power_of_2(d))
+    has_mask = key_mask is not None
+    smb, sms = key_mask.stride() if has_mask else (0, 0)
+    cu_arg = cu_seqlens if varlen else lse
+    mask_arg = key_mask if has_mask else lse
+    has_dropout = dropout_p > 0.0
+    prec = _dot_prec(qkv.dtype)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen)
+
+    delta = torch.empty_like(lse)
+    pre_bm = 64
+    n_pre = triton.cdiv(seqlen, pre_bm)
+    with _Device(qkv):
+        _attention_bwd_preprocess_kernel[(n_pre * batch * nheads,)](
+            out, dout, delta, cu_arg,
+            *_strides4(out, varlen), *_strides4(dout, varlen), stride_lb, stride_lh,
+            nheads, seqlen, n_pre, BLOCK_M=pre_bm, num_warps=4, **common)
+
+        dq_buf = dq if deterministic else torch.zeros(dq.shape, device=qkv.device, dtype=torch.float32)
+        cfg = _configs("dkdv", block_d, qkv.dtype, qkv.device)
+        n_blocks = triton.cdiv(seqlen, cfg["BLOCK_N"])
+        _attention_bwd_dkdv_kernel[(n_blocks * batch * nheads,)](
+            q, k, v, dout, lse, delta, dq_buf, dk, dv, mask_arg, cu_arg,
+            softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
+            *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+            *_strides4(dq_buf, varlen), *_strides4(dk, varlen), *_strides4(dv, varlen),
+            stride_lb, stride_lh, smb, sms,
+            nheads, seqlen, n_blocks,
+            HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, ATOMIC_DQ=not deterministic, DOT_PREC=prec,
+            INTERPRET=_interpreting(),
+            **common, **cfg)
+        if deterministic:
+            cfg = _configs("dq", block_d, qkv.dtype, qkv.device)
+            n_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
+            _attention_bwd_dq_kernel[(n_blocks * batch * nheads,)](
+                q, k, v, dout, lse, delta, dq, mask_arg, cu_arg,
+                softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
+                *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+                *_strides4(dq, varlen), stride_lb, stride_lh, smb, sms,
+                nheads, seqlen, n_blocks,
+                HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, DOT_PREC=prec, INTERPRET=_interpreting(),
+                **common, **cfg)
+        else:
+            dq.copy_(dq_buf)
+    return dqkv
+
+
+def dropout_mask(batch: int, nheads: int, seqlen: int, dropout_p: float, seed: int,
+                 device: torch.device) -> torch.Tensor:
+    """The exact keep-mask (bool [B, heads, S, S], True = keep) that the attention kernels draw for
+    (seed, dropout_p); sequence b of a varlen batch uses its top-left L x L block."""
+    out = torch.empty((batch, nheads, seqlen, seqlen), device=device, dtype=torch.uint8)
+    if out.numel() == 0:
+        return out.bool()
+    flat = out.view(batch * nheads, seqlen, seqlen)
+    bm = bn = 64
+    grid = (batch * nheads, triton.cdiv(seqlen, bm), triton.cdiv(seqlen, bn))
+    with _Device(out):
+        _attention_dropout_mask_kernel[grid](flat, dropout_p, seed, *flat.stride(), seqlen,
+                                             BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out.bool()

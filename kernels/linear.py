@@ -1,0 +1,422 @@
+"""Triton kernels of ``linear``: y = act(x @ W^T + b) and its backward.
+
+Kernels
+  _linear_fwd_kernel       tiled GEMM C = A @ B with fp32 accumulation and a fused epilogue
+                           (+ bias, GELU erf / tanh, optional store of the pre-activation z).
+                           A and B are read through arbitrary strides, so the same kernel computes
+                             forward  y  = x  @ W^T   (B = W read as [K, N] by strides)
+                             backward dX = dZ @ W
+                             backward dW = dZ^T @ X   (A = dZ read transposed by strides, no copy)
+  _linear_bwd_kernel       dZ = dY * act'(z) (the GELU derivative, fused, fp32 math) and per-row-block
+                           partial column sums of dZ (fp32) for db
+  _linear_bwd_db_kernel    second pass: db[n] = sum over row blocks of the partials (fp32). Two
+                           passes and no atomics: db is bitwise deterministic.
+
+Launchers (check shapes/strides/dtypes, pick configs, nothing else):
+  linear_fwd(x2d, weight, bias, activation, save_z) -> (y, z or None)
+  linear_bwd_dz(dy, z, activation, need_dz, need_db) -> (dz or None, db fp32 or None)
+  gemm(a, b, out_dtype) -> a @ b           (any strides of a and b)
+
+Precision. Accumulation is always fp32. For fp32 inputs ``tl.dot`` runs with
+input_precision="ieee" (true fp32, parity with torch's default fp32 matmul) unless torch's
+``torch.backends.cuda.matmul.allow_tf32`` is set, in which case "tf32" (what torch itself would
+use then). fp16/bf16 inputs use the tensor cores' native precision with fp32 accumulate. The
+interpreter also accepts fp64 (used by gradcheck on the CPU).
+
+Tiling. Programs are ordered in groups of GROUP_M row-tiles (Triton tutorial 03's "grouped"
+ordering): consecutive programs share the same B column-panel and a few A row-panels, which keeps
+them in L2. Offsets are int64 (program ids are cast before multiplying by strides). Every load and
+store is masked, so any M, N, K works; a heuristic drops the K mask when K % BLOCK_K == 0.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_NONE, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
+_ACT_CODES = {None: ACT_NONE, "none": ACT_NONE, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
+
+# GEMM kinds, part of the autotune key: the three GEMMs of one layer have different layouts
+# (x row-major, W^T column-major, dZ^T column-major) and may want different tiles.
+KIND_FWD, KIND_DX, KIND_DW, KIND_OTHER = 0, 1, 2, 3
+
+_SQRT1_2 = 0.7071067811865476        # 1 / sqrt(2)
+_INV_SQRT_2PI = 0.3989422804014327   # 1 / sqrt(2 pi)
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_TANH_A = 0.044715
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- configs
+def _cfg(bm, bn, bk, warps, stages, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_warps=warps, num_stages=stages)
+
+
+def _gemm_configs():
+    """Autotune space. In the interpreter: one config (autotuning would take forever there).
+
+    Hopper (sm90) configs use BLOCK_K=64 and 3-4 stages (228 KB shared memory: 128x256x64 bf16 at
+    3 stages is 144 KB); Ampere (sm80, 164 KB) favours BLOCK_K=32 with more stages. Configs that do
+    not fit (e.g. fp32 inputs at 128x256) fail to compile with OutOfResources, which the autotuner
+    treats as infinitely slow. Both lists are given on every GPU (the autotuner picks by
+    measurement); early pruning removes tiles far larger than a small M.
+    """
+    if _interpreting():
+        return [_cfg(32, 64, 64, 4, 1)]
+    hopper = [
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(256, 128, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 4),
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(128, 64, 64, 4, 4),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(64, 64, 64, 4, 4),
+    ]
+    ampere = [
+        _cfg(128, 256, 32, 8, 3),
+        _cfg(256, 128, 32, 8, 3),
+        _cfg(128, 128, 32, 4, 4),
+        _cfg(128, 64, 32, 4, 4),
+        _cfg(64, 128, 32, 4, 4),
+        _cfg(64, 32, 32, 4, 5),
+        _cfg(32, 64, 32, 2, 5),
+    ]
+    small_m = [_cfg(16, 64, 128, 4, 4), _cfg(16, 128, 64, 4, 4), _cfg(32, 128, 64, 4, 4)]
+    return hopper + ampere + small_m
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles whose BLOCK_M is more than 2x the (bucketed) M; keep at least one config."""
+    m = named_args.get("M_BUCKET", named_args.get("M", 1 << 30))
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, 2 * m)]
+    return kept or configs[:1]
+
+
+def m_bucket(m: int, cap: int = 16384) -> int:
+    """Next power of two of M, in [16, cap]: the autotune / dispatch-table key of M."""
+    b = 16
+    while b < m and b < cap:
+        b *= 2
+    return b
+
+
+# ----------------------------------------------------------------------------- activations
+@triton.jit
+def _tanh(u):
+    # tanh(u) = 1 - 2 / (1 + exp(2u)). |u| is clamped at 20 (tanh(20) is 1 to 4e-18, beyond
+    # fp64's eps) so exp never overflows. The cancellation near u = 0 costs ~1 ulp *absolutely*,
+    # which is all GELU needs (t enters as 1 + t and 1 - t^2).
+    u = tl.minimum(tl.maximum(u, -20.0), 20.0)
+    return 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
+
+
+@triton.jit
+def _act_fwd(z, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:    # exact GELU: z * Phi(z)
+        return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    elif ACTIVATION == 2:  # tanh approximation
+        t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
+        return 0.5 * z * (1.0 + t)
+    else:
+        return z
+
+
+@triton.jit
+def _act_grad(z, ACTIVATION: tl.constexpr):
+    """d act / dz at z (fp32)."""
+    if ACTIVATION == 1:    # Phi(z) + z phi(z)
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+        return cdf + z * pdf
+    elif ACTIVATION == 2:
+        z2 = z * z
+        t = _tanh(0.7978845608028654 * (z + 0.044715 * z2 * z))
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z2)
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+    else:
+        return tl.full(z.shape, 1.0, z.dtype)
+
+
+# ----------------------------------------------------------------------------- GEMM (+ epilogue)
+@triton.jit
+def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One BLOCK_K slice of the main loop: masked loads of an A and a B tile, acc += A @ B."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+    else:
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+    if DOT_PRECISION == "native":
+        acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+    return acc
+
+
+@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "KIND"],
+                 prune_configs_by={"early_config_prune": _prune_configs})
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _linear_fwd_kernel(
+    A, B, BIAS, Y, Z,
+    M, N, K, M_BUCKET, KIND,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    stride_ym, stride_yn, stride_zm, stride_zn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Y[M, N] = act(A[M, K] @ B[K, N] + BIAS[N]); Z = A @ B + BIAS (pre-activation) if SAVE_Z."""
+    pid = tl.program_id(0).to(tl.int64)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row-tiles walk the N dimension together
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    num_k = tl.cdiv(K, BLOCK_K)
+    if INTERPRET:
+        # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound under numpy 2.x
+        # (int() of a 1-element array); a while loop there, the pipelinable for loop on the GPU.
+        k = 0
+        while k < num_k:
+            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
+                             BLOCK_K, EVEN_K, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+            k += 1
+    else:
+        for k in range(0, num_k):
+            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
+                             BLOCK_K, EVEN_K, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)
+        acc += bias[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SAVE_Z:
+        z_ptrs = Z + offs_m[:, None] * stride_zm + offs_n[None, :] * stride_zn
+        tl.store(z_ptrs, acc.to(Z.dtype.element_ty), mask=mask)
+    out = _act_fwd(acc, ACTIVATION)
+    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- dZ and db
+@triton.jit
+def _linear_bwd_kernel(
+    DY, Z, DZ, PARTIAL,
+    M, N,
+    stride_dym, stride_dyn, stride_zm, stride_zn, stride_dzm, stride_dzn,
+    ACTIVATION: tl.constexpr, WRITE_DZ: tl.constexpr, WRITE_DB: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """DZ = DY * act'(Z) (fp32 math); PARTIAL[pid_m, n] = sum of DZ over this program's rows (fp32)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    dz = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                 mask=mask, other=0.0).to(ACC_DTYPE)
+    if ACTIVATION != 0:
+        z = tl.load(Z + offs_m[:, None] * stride_zm + offs_n[None, :] * stride_zn,
+                    mask=mask, other=0.0).to(ACC_DTYPE)
+        dz = dz * _act_grad(z, ACTIVATION)
+    if WRITE_DZ:
+        tl.store(DZ + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn,
+                 dz.to(DZ.dtype.element_ty), mask=mask)
+    if WRITE_DB:
+        # masked rows loaded as 0 -> contribute 0 to the column sums
+        tl.store(PARTIAL + pid_m * N + offs_n, tl.sum(dz, axis=0), mask=mask_n)
+
+
+@triton.jit
+def _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R: tl.constexpr):
+    offs_r = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    return tl.load(PARTIAL + offs_r[:, None] * N + offs_n[None, :],
+                   mask=(offs_r < R)[:, None] & mask_n[None, :], other=0.0)
+
+
+@triton.jit
+def _linear_bwd_db_kernel(PARTIAL, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    """DB[n] = sum_r PARTIAL[r, n] in fp32, fixed order (deterministic)."""
+    pid_n = tl.program_id(0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=PARTIAL.dtype.element_ty)
+    if INTERPRET:   # see _linear_fwd_kernel: no runtime range() bound in the interpreter
+        r0 = 0
+        while r0 < R:
+            acc += _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R)
+            r0 += BLOCK_R
+    else:
+        for r0 in range(0, R, BLOCK_R):
+            acc += _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R)
+    tl.store(DB + offs_n, tl.sum(acc, axis=0).to(DB.dtype.element_ty), mask=mask_n)
+
+
+# ----------------------------------------------------------------------------- launchers
+_DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    if dtype == torch.float64:
+        return "ieee"
+    return "native"
+
+
+def _acc_dtype(dtype: torch.dtype):
+    """fp32 accumulation / epilogue math; fp64 only for fp64 inputs (gradcheck)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _check_2d(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _DOT_DTYPES:
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}")
+
+
+def _launch_gemm(a, b, y, z, bias, activation_code, kind):
+    """y (and z) = epilogue(a @ b); a [M, K], b [K, N] with any strides."""
+    M, K = a.shape
+    N = b.shape[1]
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    save_z = z is not None
+    _linear_fwd_kernel[grid](
+        a, b, bias if bias is not None else y, y, z if save_z else y,
+        M, N, K, m_bucket(M), kind,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), y.stride(1),
+        z.stride(0) if save_z else 0, z.stride(1) if save_z else 0,
+        HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=save_z,
+        DOT_PRECISION=_dot_precision(a.dtype), ACC_DTYPE=_acc_dtype(a.dtype),
+        INTERPRET=_interpreting(),
+    )
+
+
+def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias, activation=None, save_z: bool = False):
+    """y = act(x @ weight^T + bias) for x [M, K] (any strides), weight [N, K] (any strides).
+
+    Returns (y, z): z = x @ weight^T + bias (pre-activation) when ``save_z`` and an activation is
+    set, else None. Outputs are contiguous, in x's dtype.
+    """
+    _check_2d("x", x)
+    _check_2d("weight", weight)
+    M, K = x.shape
+    N, K2 = weight.shape
+    if K2 != K:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: K mismatch")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError("x, weight, bias must share one dtype")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
+        raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+    act = _ACT_CODES[activation]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    z = torch.empty_like(y) if (save_z and act != ACT_NONE) else None
+    if M == 0 or N == 0:
+        return y, z
+    if K == 0:   # empty reduction: the product is 0
+        zz = torch.zeros_like(y) if bias is None else bias.expand(M, N).clone()
+        if z is not None:
+            z.copy_(zz)
+        y.copy_(zz if act == ACT_NONE else torch.nn.functional.gelu(
+            zz.float(), approximate="tanh" if act == ACT_GELU_TANH else "none").to(y.dtype))
+        return y, z
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    # B = weight^T viewed as [K, N] by strides: no copy
+    _launch_gemm(x, weight.t(), y, z, bias, act, KIND_FWD)
+    return y, z
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, kind: int = KIND_OTHER) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> contiguous [M, N] in a's dtype, any strides of a and b, fp32 accumulate."""
+    _check_2d("a", a)
+    _check_2d("b", b)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"gemm: a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
+    if a.dtype != b.dtype:
+        raise TypeError(f"gemm: dtype {a.dtype} != {b.dtype}")
+    M, K = a.shape
+    N = b.shape[1]
+    if K == 0:
+        return torch.zeros((M, N), device=a.device, dtype=a.dtype)
+    y = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    if M == 0 or N == 0:
+        return y
+    _launch_gemm(a, b, y, None, None, ACT_NONE, kind)
+    return y
+
+
+def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, need_db: bool = True):
+    """dz = dy * act'(z) (contiguous, dy's dtype) and db = dz.sum(0) (fp32), each only if asked.
+
+    dy and z: [M, N], any strides. Without an activation dz is dy itself (returned as is, not
+    copied) and only db is computed.
+    """
+    _check_2d("dy", dy)
+    M, N = dy.shape
+    act = _ACT_CODES[activation]
+    if act != ACT_NONE:
+        if z is None or tuple(z.shape) != (M, N):
+            raise ValueError(f"z must have shape {(M, N)} when an activation is set")
+    write_dz = need_dz and act != ACT_NONE
+    dz = torch.empty((M, N), device=dy.device, dtype=dy.dtype) if write_dz else None
+    if not write_dz and not need_db:
+        return (dy if need_dz else None), None
+    BLOCK_M, BLOCK_N = (64, 64) if _interpreting() else (64, 128)
+    R = triton.cdiv(M, BLOCK_M)
+    acc_torch = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    db = torch.zeros((N,), device=dy.device, dtype=acc_torch) if need_db else None
+    if M > 0 and N > 0:
+        partial = torch.empty((R, N), device=dy.device, dtype=acc_torch) if need_db else dy
+        zz = z if act != ACT_NONE else dy
+        dzz = dz if write_dz else dy
+        _linear_bwd_kernel[(R, triton.cdiv(N, BLOCK_N))](
+            dy, zz, dzz, partial, M, N,
+            dy.stride(0), dy.stride(1), zz.stride(0), zz.stride(1), dzz.stride(0), dzz.stride(1),
+            ACTIVATION=act, WRITE_DZ=write_dz, WRITE_DB=need_db, ACC_DTYPE=_acc_dtype(dy.dtype),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4,
+        )
+        if need_db:
+            RB_N = 128 if not _interpreting() else 256
+            _linear_bwd_db_kernel[(triton.cdiv(N, RB_N),)](partial, db, R, N, BLOCK_R=32, BLOCK_N=RB_N,
+                                                           INTERPRET=_interpreting(),
+                                                           num_warps=4)
+    if not need_dz:
+        dz = None
+    elif not write_dz:
+        dz = dy
+    return dz, db

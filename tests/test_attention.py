@@ -1,0 +1,475 @@
+"""attention / varlen_attention: forward and dqkv vs a float64 oracle under the 2x rule.
+
+Same file on the CPU (Triton interpreter, fp32/fp16, small shapes) and on CUDA (all head dims and
+lengths, bf16, long sequences). The oracle is bert_fast.reference in float64; "torch in the same
+dtype" is the same reference run in the kernel's dtype.
+"""
+import math
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from bert_fast import reference
+from bert_fast.ops import _dispatch
+from bert_fast.ops import attention, varlen_attention
+from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+
+DEVICE = pick_test_device()
+CUDA = DEVICE.type == "cuda"
+DTYPES = dtypes_for(DEVICE)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+LENGTHS = [1, 17, 97, 129, 257]
+HEAD_DIMS = [16, 26, 40, 48, 64, 80, 96, 128]
+if CUDA:
+    SHAPES = [(s, d) for s in LENGTHS for d in HEAD_DIMS]
+else:   # interpreter: every length and a subset of head dims (26 and 80 included), small batches
+    SHAPES = [(1, 64), (17, 26), (97, 80), (129, 16), (257, 40), (64, 128), (33, 48), (40, 96)]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(shape, g, device, dtype, scale=1.0):
+    return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _fwd_bwd(fn, qkv, dout, *args, **kwargs):
+    """fn's output and d(qkv) for the cotangent dout; qkv keeps its strides (a detached view)."""
+    x = qkv.detach().requires_grad_(True)
+    out = fn(x, *args, **kwargs)
+    (g,) = torch.autograd.grad(out, x, dout)
+    return out, g
+
+
+def _random_key_mask(b, s, g, device, keep=0.7, empty_row=None):
+    m = torch.rand(b, s, generator=g) < keep
+    m[0, 0] = True
+    if empty_row is not None:
+        m[empty_row] = False
+    return m.to(device)
+
+
+def _check_padded(qkv, mask, dout, dropout_p=0.0, scale=None, name=""):
+    """Kernel vs reference (2x rule) for out and dqkv; with dropout, the kernel's own mask feeds the
+    reference."""
+    torch.manual_seed(1234)
+    x = qkv.detach().requires_grad_(True)
+    out, keep = attention(x, mask, dropout_p, scale, return_dropout_mask=True)
+    (g,) = torch.autograd.grad(out, x, dout)
+    ref_args = (mask, dropout_p, scale, keep)
+    out64, g64 = _fwd_bwd(reference.attention, qkv.double(), dout.double(), *ref_args)
+    outt, gt = _fwd_bwd(reference.attention, qkv, dout, *ref_args)
+    assert out.shape == out64.shape and g.shape == qkv.shape
+    assert_close_2x(out, out64, outt, name=f"out{name}")
+    assert_close_2x(g, g64, gt, name=f"dqkv{name}")
+    return out, g
+
+
+# ----------------------------------------------------------------------------- padded, 2x rule
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,d", SHAPES)
+def test_attention_2x_key_padding(device, s, d, dtype):
+    g = _gen(1000 * s + d)
+    b, h = 2, 2
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device, empty_row=1 if s % 2 else None)
+    _check_padded(qkv, mask, dout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_no_mask_and_scale(device, dtype):
+    g = _gen(7)
+    qkv = _rand((2, 65, 3, 3, 32), g, device, dtype)
+    dout = _rand((2, 65, 3, 32), g, device, dtype)
+    _check_padded(qkv, None, dout)
+    _check_padded(qkv, None, dout, scale=0.3, name=" (scale 0.3)")
+
+
+def test_attention_fully_masked_row(device):
+    g = _gen(3)
+    b, s, h, d = 3, 40, 2, 32
+    qkv = _rand((b, s, 3, h, d), g, device, torch.float32, scale=3.0)
+    dout = _rand((b, s, h, d), g, device, torch.float32)
+    mask = _random_key_mask(b, s, g, device)
+    mask[1] = False                                   # a row (sequence) with no key at all
+    out, dqkv = _check_padded(qkv, mask, dout)
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+    assert (out[1] == 0).all()
+    assert (dqkv[1] == 0).all()                      # no key: no gradient to its q, k or v
+    assert (dqkv[0, :, 1:][~mask[0]] == 0).all()     # masked keys get zero dK and dV
+
+
+def test_attention_integer_mask_equals_bool(device):
+    g = _gen(4)
+    qkv = _rand((2, 33, 3, 2, 16), g, device, torch.float32)
+    mask = _random_key_mask(2, 33, g, device)
+    as_int = mask.to(torch.int64) * 2                # any nonzero means "attend"
+    torch.testing.assert_close(attention(qkv, as_int), attention(qkv, mask), rtol=0, atol=0)
+    torch.testing.assert_close(attention(qkv, mask.to(torch.int32)), attention(qkv, mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_noncontiguous(device, dtype):
+    g = _gen(5)
+    b, s, h, d = 2, 50, 2, 40
+    big = _rand((b, s, 4, h + 1, d + 8), g, device, dtype)
+    qkv = big[:, :, 1:, 1:, 4:4 + d]                   # a strided view of a bigger tensor
+    dout = _rand((b, h, s, d), g, device, dtype).transpose(1, 2)   # non-contiguous cotangent
+    assert not qkv.is_contiguous() and not dout.is_contiguous()
+    mask = _random_key_mask(b, s, g, device)
+    _check_padded(qkv, mask, dout)
+
+
+# ----------------------------------------------------------------------------- varlen
+def _pack(qkv_padded, lengths):
+    """Real tokens of a right-padded [B, S, ...] batch -> ([T, ...], cu_seqlens int32)."""
+    parts = [qkv_padded[i, :n] for i, n in enumerate(lengths)]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return torch.cat(parts, 0), cu.to(qkv_padded.device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths,d", [([5, 0, 97, 33], 26), ([129, 1, 64], 80), ([17], 64)])
+def test_varlen_2x(device, lengths, d, dtype):
+    g = _gen(sum(lengths) + d)
+    h = 2
+    t = sum(lengths)
+    qkv = _rand((t, 3, h, d), g, device, dtype)
+    dout = _rand((t, h, d), g, device, dtype)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    cu = cu.to(device)
+    max_s = max(lengths) + 3                          # max_seqlen may exceed the longest sequence
+    out, dqkv = _fwd_bwd(varlen_attention, qkv, dout, cu, max_s)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, max_s)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, max_s)
+    assert_close_2x(out, out64, outt, name="out")
+    assert_close_2x(dqkv, g64, gt, name="dqkv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_equals_padded(device, dtype):
+    g = _gen(11)
+    lengths = [17, 3, 70, 1]
+    b, s, h, d = len(lengths), 70, 2, 48
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    mask = mask.to(device)
+    dout = _rand((b, s, h, d), g, device, dtype) * mask[:, :, None, None]   # no cotangent on pads
+    out_p, g_p = _fwd_bwd(attention, qkv, dout, mask)
+    qkv_v, cu = _pack(qkv, lengths)
+    dout_v, _ = _pack(dout, lengths)
+    out_v, g_v = _fwd_bwd(varlen_attention, qkv_v, dout_v, cu, max(lengths))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out_v, _pack(out_p, lengths)[0], **tol)
+    torch.testing.assert_close(g_v, _pack(g_p, lengths)[0], **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_noncontiguous(device, dtype):
+    g = _gen(12)
+    lengths = [40, 9]
+    t, h, d = sum(lengths), 3, 26
+    big = _rand((t, 3, 2 * h, d + 6), g, device, dtype)
+    qkv = big[:, :, ::2, 3:3 + d]
+    dout = _rand((h, t, d), g, device, dtype).transpose(0, 1)
+    assert not qkv.is_contiguous() and not dout.is_contiguous()
+    cu = torch.tensor([0, 40, 49], dtype=torch.int32, device=device)
+    out, dqkv = _fwd_bwd(varlen_attention, qkv, dout, cu, 40)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, 40)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 40)
+    assert_close_2x(out, out64, outt, name="out")
+    assert_close_2x(dqkv, g64, gt, name="dqkv")
+
+
+# ----------------------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_mask_rebuilds_reference(device, dtype):
+    g = _gen(21)
+    b, s, h, d = 2, 45, 2, 32
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device)
+    _check_padded(qkv, mask, dout, dropout_p=0.2, name=" (dropout)")
+
+
+def test_dropout_varlen_rebuilds_reference(device):
+    g = _gen(22)
+    lengths, h, d = [30, 0, 7], 2, 16
+    t = sum(lengths)
+    qkv = _rand((t, 3, h, d), g, device, torch.float32)
+    dout = _rand((t, h, d), g, device, torch.float32)
+    cu = torch.tensor([0, 30, 30, 37], dtype=torch.int32, device=device)
+    torch.manual_seed(5)
+    x = qkv.detach().requires_grad_(True)
+    out, keep = varlen_attention(x, cu, 30, 0.3, return_dropout_mask=True)
+    assert keep.shape == (3, h, 30, 30) and keep.dtype == torch.bool
+    (dqkv,) = torch.autograd.grad(out, x, dout)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, 30, 0.3, None, keep)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 30, 0.3, None, keep)
+    assert_close_2x(out, out64, outt, name="out")
+    assert_close_2x(dqkv, g64, gt, name="dqkv")
+
+
+def test_dropout_varlen_mask_equals_padded_mask(device):
+    """Same seed: varlen and padded draw the same bits for the same (sequence, head, query, key)."""
+    qkv = torch.randn(2, 20, 3, 2, 16, device=device)
+    if not (_dispatch.use_triton(qkv, uses_dot=True)):
+        pytest.skip("the reference path draws its mask from its own shape")
+    torch.manual_seed(9)
+    _, keep_p = attention(qkv, None, 0.4, return_dropout_mask=True)
+    torch.manual_seed(9)
+    qkv_v, cu = _pack(qkv, [20, 11])
+    _, keep_v = varlen_attention(qkv_v, cu, 20, 0.4, return_dropout_mask=True)
+    assert torch.equal(keep_p[0], keep_v[0]) and torch.equal(keep_p[1, :, :11, :11], keep_v[1, :, :11, :11])
+
+
+def test_dropout_keep_fraction_binomial(device):
+    b, s, h, p = 2, 128, 2, 0.3
+    qkv = torch.randn(b, s, 3, h, 16, device=device)
+    torch.manual_seed(0)
+    _, keep = attention(qkv, None, p, return_dropout_mask=True)
+    n = keep.numel()
+    frac = keep.float().mean().item()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(frac - (1 - p)) < 5 * sigma, f"keep fraction {frac:.4f} vs {1 - p} (sigma {sigma:.2e})"
+    # every (batch, head) slice, row parity and column parity: no structure in the stream
+    for part in (keep[0, 0], keep[1, 1], keep[..., ::2, :], keep[..., :, 1::2]):
+        m = part.numel()
+        assert abs(part.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / m)
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+
+
+def test_dropout_same_seed_same_output(device):
+    g = _gen(23)
+    qkv = _rand((2, 30, 3, 2, 16), g, device, torch.float32)
+    mask = _random_key_mask(2, 30, g, device)
+    torch.manual_seed(42)
+    a = attention(qkv, mask, 0.25)
+    torch.manual_seed(42)
+    b = attention(qkv, mask, 0.25)
+    c = attention(qkv, mask, 0.25)                    # next seed
+    gen = torch.Generator().manual_seed(42)
+    d = attention(qkv, mask, 0.25, generator=gen)
+    assert torch.equal(a, b) and torch.equal(a, d)
+    assert not torch.equal(a, c)
+    assert torch.equal(attention(qkv, mask, 0.0), attention(qkv, mask))
+
+
+def test_dropout_checkpoint_recompute(device):
+    g = _gen(24)
+    qkv = _rand((2, 30, 3, 2, 16), g, device, torch.float32)
+    dout = _rand((2, 30, 2, 16), g, device, torch.float32)
+
+    def f(x):
+        return attention(x, None, 0.3) * 2.0
+
+    torch.manual_seed(3)
+    out1, g1 = _fwd_bwd(f, qkv, dout)
+    torch.manual_seed(3)
+    x = qkv.detach().requires_grad_(True)
+    out2 = torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+    (g2,) = torch.autograd.grad(out2, x, dout)
+    assert torch.equal(out1, out2)
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- determinism
+@pytest.fixture
+def deterministic_mode():
+    prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(prev, warn_only=warn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deterministic_bitwise(device, dtype, deterministic_mode):
+    g = _gen(31)
+    b, s, h, d = 2, 97, 2, 26
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    _, g1 = _fwd_bwd(attention, qkv, dout, mask, 0.1, generator=torch.Generator().manual_seed(1))
+    _, g2 = _fwd_bwd(attention, qkv, dout, mask, 0.1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(g1, g2)
+    _check_padded(qkv, mask, dout, name=" (deterministic)")
+    cu = torch.tensor([0, 60, 60, 97], dtype=torch.int32, device=device)
+    qv, dv = qkv[0], dout[0]
+    _, g3 = _fwd_bwd(varlen_attention, qv, dv, cu, 60)
+    _, g4 = _fwd_bwd(varlen_attention, qv, dv, cu, 60)
+    assert torch.equal(g3, g4)
+
+
+# ----------------------------------------------------------------------------- op registration
+def test_opcheck(device):
+    g = _gen(41)
+    qkv = _rand((2, 17, 3, 2, 16), g, device, torch.float32)
+    mask = _random_key_mask(2, 17, g, device).view(torch.uint8)
+    seed = torch.tensor([123], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.bert_fast.attention_fwd.default, (qkv, mask, 0.0, 0.25, None))
+    torch.library.opcheck(torch.ops.bert_fast.attention_fwd.default, (qkv, None, 0.2, 0.25, seed))
+    qv = _rand((20, 3, 2, 16), g, device, torch.float32)
+    cu = torch.tensor([0, 3, 20], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.bert_fast.varlen_attention_fwd.default, (qv, cu, 17, 0.0, 0.25, None))
+    torch.library.opcheck(torch.ops.bert_fast.varlen_attention_fwd.default, (qv, cu, 17, 0.2, 0.25, seed))
+    out, lse = torch.ops.bert_fast.attention_fwd(qkv, mask, 0.0, 0.25, None)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.bert_fast.attention_bwd.default, (dout, qkv, mask, out, lse, 0.0, 0.25, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_gradcheck_float64(device):
+    """float64 runs the reference path: checks the op plumbing (autograd, masks) end to end."""
+    g = _gen(42)
+    qkv = _rand((2, 5, 3, 1, 16), g, device, torch.float64).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool, device=device)
+    assert torch.autograd.gradcheck(lambda x: attention(x, mask), (qkv,), fast_mode=True)
+    qv = _rand((6, 3, 1, 16), g, device, torch.float64).requires_grad_(True)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    assert torch.autograd.gradcheck(lambda x: varlen_attention(x, cu, 4), (qv,), fast_mode=True)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_reference_backend(device, monkeypatch, dropout_p):
+    """BERT_FAST_BACKEND=reference (the library's CPU path): the ops' analytic backward equals
+    autograd through bert_fast.reference with the mask the op reports."""
+    monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
+    g = _gen(44)
+    qkv = _rand((2, 9, 3, 2, 16), g, device, torch.float32)
+    dout = _rand((2, 9, 2, 16), g, device, torch.float32)
+    mask = _random_key_mask(2, 9, g, device, empty_row=1)
+    torch.manual_seed(0)
+    x = qkv.detach().requires_grad_(True)
+    out, keep = attention(x, mask, dropout_p, return_dropout_mask=True)
+    (dqkv,) = torch.autograd.grad(out, x, dout)
+    out_r, g_r = _fwd_bwd(reference.attention, qkv, dout, mask, dropout_p, None, keep)
+    torch.testing.assert_close(out, out_r)
+    torch.testing.assert_close(dqkv, g_r)
+    cu = torch.tensor([0, 9, 9, 12], dtype=torch.int32, device=device)
+    qv, dv = qkv.reshape(18, 3, 2, 16)[:12], dout.reshape(18, 2, 16)[:12]
+    torch.manual_seed(0)
+    x = qv.detach().requires_grad_(True)
+    out, keep = varlen_attention(x, cu, 9, dropout_p, return_dropout_mask=True)
+    (dqkv,) = torch.autograd.grad(out, x, dv)
+    out_r, g_r = _fwd_bwd(reference.varlen_attention, qv, dv, cu, 9, dropout_p, None, keep)
+    torch.testing.assert_close(out, out_r)
+    torch.testing.assert_close(dqkv, g_r)
+
+
+def test_lse_matches_reference(device):
+    g = _gen(43)
+    qkv = _rand((2, 33, 3, 2, 16), g, device, torch.float32)
+    mask = _random_key_mask(2, 33, g, device, empty_row=1).view(torch.uint8)
+    _, lse = torch.ops.bert_fast.attention_fwd(qkv, mask, 0.0, 0.25, None)
+    q, k = qkv[:, :, 0].transpose(1, 2).double(), qkv[:, :, 1].transpose(1, 2).double()
+    s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    ref = torch.logsumexp(s, -1)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 2, 33)
+    assert torch.isposinf(lse[1]).all()
+    torch.testing.assert_close(lse[0].double(), ref[0], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- edge cases
+@pytest.mark.parametrize("shape", [(0, 5, 3, 2, 16), (2, 0, 3, 2, 16)])
+def test_empty_padded(device, shape):
+    qkv = torch.randn(shape, device=device, requires_grad=True)
+    out = attention(qkv, torch.ones(shape[:2], dtype=torch.bool, device=device), 0.1)
+    assert out.shape == (shape[0], shape[1], shape[3], shape[4])
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape
+
+
+def test_empty_varlen(device):
+    qkv = torch.randn(0, 3, 2, 16, device=device, requires_grad=True)
+    for cu in (torch.tensor([0], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32)):
+        out = varlen_attention(qkv, cu.to(device), 0)
+        assert out.shape == (0, 2, 16)
+        out.sum().backward()
+        assert qkv.grad.shape == qkv.shape
+
+
+def test_bad_inputs(device):
+    qkv = torch.randn(2, 8, 3, 2, 16, device=device)
+    with pytest.raises(ValueError, match="5 dimensions"):
+        attention(qkv[0])
+    with pytest.raises(ValueError, match="must be 3"):
+        attention(torch.randn(2, 8, 2, 2, 16, device=device))
+    with pytest.raises(ValueError, match="head dim.*8"):
+        attention(torch.randn(2, 8, 3, 2, 8, device=device))
+    with pytest.raises(ValueError, match="head dim.*160"):
+        attention(torch.randn(2, 8, 3, 1, 160, device=device))
+    with pytest.raises(TypeError, match="dtype"):
+        attention(qkv.to(torch.int32))
+    with pytest.raises(TypeError, match="float32"):
+        attention(qkv, torch.ones(2, 8, device=device))
+    with pytest.raises(ValueError, match=r"\[2, 8\]"):
+        attention(qkv, torch.ones(2, 7, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="device"):
+        attention(qkv, torch.ones(2, 8, dtype=torch.bool, device="meta"))
+    for p in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="dropout_p"):
+            attention(qkv, None, p)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        attention(qkv, None, 0.0, float("nan"))
+
+    qv = torch.randn(10, 3, 2, 16, device=device)
+    ok = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        varlen_attention(qkv, ok, 6)
+    with pytest.raises(ValueError, match="int32"):
+        varlen_attention(qv, ok.long(), 6)
+    with pytest.raises(ValueError, match="1-D"):
+        varlen_attention(qv, ok[None], 6)
+    with pytest.raises(ValueError, match="start at 0"):
+        varlen_attention(qv, torch.tensor([1, 4, 10], dtype=torch.int32, device=device), 6)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        varlen_attention(qv, torch.tensor([0, 6, 4, 10], dtype=torch.int32, device=device), 6)
+    with pytest.raises(ValueError, match="T = 10"):
+        varlen_attention(qv, torch.tensor([0, 4, 9], dtype=torch.int32, device=device), 6)
+    with pytest.raises(ValueError, match="max_seqlen = 5"):
+        varlen_attention(qv, ok, 5)
+    with pytest.raises(ValueError, match="device"):
+        varlen_attention(qv, ok.to("meta"), 6)
+    with pytest.raises(ValueError, match="dropout_p"):
+        varlen_attention(qv, ok, 6, 1.0)
+
+
+# ----------------------------------------------------------------------------- CUDA only
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("s,d", [(1024, 64), (2048, 128), (4096, 64), (1500, 80)])
+def test_long_sequences_cuda(device, s, d, dtype):
+    g = _gen(s + d)
+    b, h = 1, 2
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device, keep=0.9)
+    _check_padded(qkv, mask, dout)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_varlen_dropout_cuda(device, dtype):
+    g = _gen(51)
+    lengths, h, d = [4096, 1000, 1], 2, 64
+    t = sum(lengths)
+    qkv = _rand((t, 3, h, d), g, device, dtype)
+    dout = _rand((t, h, d), g, device, dtype)
+    cu = torch.tensor([0, 4096, 5096, 5097], dtype=torch.int32, device=device)
+    torch.manual_seed(0)
+    x = qkv.detach().requires_grad_(True)
+    out, keep = varlen_attention(x, cu, 4096, 0.1, return_dropout_mask=True)
+    (dqkv,) = torch.autograd.grad(out, x, dout)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, 4096, 0.1, None, keep)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 4096, 0.1, None, keep)
+    assert_close_2x(out, out64, outt, name="out")
+    assert_close_2x(dqkv, g64, gt, name="dqkv")

@@ -1,0 +1,232 @@
+"""linear: act(x @ W^T + b), forward and every gradient, both dispatch paths.
+
+Runs on CUDA (kernels, fp32/fp16/bf16) and on the CPU through the Triton interpreter (fp32/fp16; the
+interpreter's tl.dot is wrong in bf16). Shapes are small because the interpreter is slow.
+Tolerance: the 2x rule of DESIGN.md (bert_fast.testing.assert_close_2x) against a float64 oracle,
+for y, dX, dW and db.
+"""
+import importlib
+import json
+
+import pytest
+import torch
+
+from bert_fast import reference
+from bert_fast.ops import _dispatch
+from bert_fast.ops.linear import linear
+
+linear_mod = importlib.import_module("bert_fast.ops.linear")
+from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+
+ACTS = [None, "gelu", "gelu_tanh"]
+BACKENDS = ["triton", "cublas"]
+DTYPES = dtypes_for(pick_test_device())
+
+
+def _inputs(device, dtype, m_shape, k, n, bias=True, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(*m_shape, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    dy = torch.randn(*m_shape, n, generator=g).to(device, dtype)
+    return x, w, b, dy
+
+
+def _fwd_bwd(fn, x, w, b, dy):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w)]
+    if b is not None:
+        leaves.append(b.detach().clone().requires_grad_(True))
+    xl, wl = leaves[0], leaves[1]
+    bl = leaves[2] if b is not None else None
+    y = fn(xl, wl, bl)
+    grads = torch.autograd.grad(y, leaves, dy)
+    return [y.detach()] + list(grads)
+
+
+def _check(x, w, b, act, dy, backend, x_view=None):
+    """Compare linear(...) against the float64 oracle with the 2x rule; x_view(leaf) -> the x fed in."""
+    view = x_view or (lambda t: t)
+    ours = _fwd_bwd(lambda a, c, d: linear(view(a), c, d, act, backend=backend), x, w, b, dy)
+    oracle = _fwd_bwd(lambda a, c, d: reference.linear(view(a), c, d, act),
+                      x.double(), w.double(), None if b is None else b.double(), dy.double())
+    same = _fwd_bwd(lambda a, c, d: reference.linear(view(a), c, d, act), x, w, b, dy)
+    for name, a, o, s in zip(["y", "dx", "dw", "db"], ours, oracle, same):
+        assert_close_2x(a, o, s, name=f"{name} ({backend}, {act}, {x.dtype})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mkn", [(1, 312, 1000), (7, 384, 1152), (129, 64, 48)])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_reference(device, dtype, act, mkn, backend):
+    m, k, n = mkn
+    x, w, b, dy = _inputs(device, dtype, (m,), k, n)
+    _check(x, w, b, act, dy, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_129x312x1000(device, backend):
+    # all of M, N, K off the tiles at once (one case only: ~5 s per GEMM triple in the interpreter)
+    x, w, b, dy = _inputs(device, DTYPES[-1], (129,), 312, 1000, seed=13)
+    _check(x, w, b, "gelu", dy, backend)
+
+
+@pytest.mark.parametrize("k", [1000, 3000])
+def test_long_odd_k(device, k):
+    x, w, b, dy = _inputs(device, torch.float32, (7,), k, 48, seed=1)
+    _check(x, w, b, "gelu", dy, "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_x_and_dy(device, dtype, backend):
+    m, k, n = 33, 96, 80
+    # x: a transposed view (column-major [M, K]); dY: a transposed view too
+    xt = torch.randn(k, m, generator=torch.Generator().manual_seed(2)).to(device, dtype)   # [K, M]
+    b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) / k ** 0.5).to(device, dtype)
+    dy = torch.randn(n, m, generator=torch.Generator().manual_seed(4)).to(device, dtype).t()
+    assert not dy.is_contiguous()
+    _check(xt, w, b, "gelu", dy, backend, x_view=lambda t: t.t())
+    # x: a column slice of a wider tensor (row stride != K), weight: a row slice
+    wide = torch.randn(m, k + 17, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    _check(wide, w, b, "gelu_tanh", dy, backend, x_view=lambda t: t[:, 3:3 + k])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ACTS)
+def test_leading_dims_no_bias(device, act, backend):
+    x, w, b, dy = _inputs(device, DTYPES[0], (2, 5), 64, 48, bias=False, seed=6)
+    _check(x, w, None, act, dy, backend)
+    y = linear(x, w, None, act, backend=backend)
+    assert y.shape == (2, 5, 48)
+
+
+def test_non_contiguous_weight(device):
+    # weight given as a transposed view (column-major [N, K])
+    x, _, b, dy = _inputs(device, DTYPES[0], (9,), 40, 24, seed=7)
+    wt = torch.randn(40, 24, generator=torch.Generator().manual_seed(8)).to(device, DTYPES[0]) / 40 ** 0.5
+    ours = _fwd_bwd(lambda a, c, d: linear(a, c.t(), d, "gelu", backend="triton"), x, wt, b, dy)
+    oracle = _fwd_bwd(lambda a, c, d: reference.linear(a, c.t(), d, "gelu"),
+                      x.double(), wt.double(), b.double(), dy.double())
+    same = _fwd_bwd(lambda a, c, d: reference.linear(a, c.t(), d, "gelu"), x, wt, b, dy)
+    for name, a, o, s in zip(["y", "dx", "dw", "db"], ours, oracle, same):
+        assert_close_2x(a, o, s, name=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_m(device, backend):
+    x = torch.randn(0, 3, 16, device=device, requires_grad=True)
+    w = torch.randn(8, 16, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    y = linear(x, w, b, "gelu", backend=backend)
+    assert y.shape == (0, 3, 8)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+    assert dx.shape == x.shape and (dw == 0).all() and (db == 0).all()
+
+
+def test_only_some_grads(device):
+    x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=9)
+    w.requires_grad_(True)
+    y = linear(x, w, b, "gelu", backend="triton")             # x and b need no gradient
+    (dw,) = torch.autograd.grad(y, (w,), dy)
+    wr = w.detach().double().requires_grad_(True)
+    (dwr,) = torch.autograd.grad(reference.linear(x.double(), wr, b.double(), "gelu"), (wr,), dy.double())
+    torch.testing.assert_close(dw.double(), dwr, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():                                       # inference: no z saved, same y
+        y2 = linear(x, w, b, "gelu", backend="triton")
+    torch.testing.assert_close(y2, y.detach())
+
+
+def test_db_deterministic(device):
+    x, w, b, dy = _inputs(device, torch.float32, (129,), 16, 40, seed=10)
+    runs = [_fwd_bwd(lambda a, c, d: linear(a, c, d, "gelu", backend="triton"), x, w, b, dy)[3]
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+# ----------------------------------------------------------------------------- dispatch
+def test_backend_env_and_argument(device, monkeypatch):
+    x, w, b, _ = _inputs(device, torch.float32, (4,), 16, 8)
+    expect_kernel = _dispatch.use_triton(x, uses_dot=True)
+    for forced in ("triton", "cublas"):
+        monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", forced)
+        got = linear_mod.choose_backend(x, 8, 16, "gelu", "fwd")
+        assert got == (forced if expect_kernel else "reference")
+        assert linear_mod.choose_backend(x, 8, 16, "gelu", "fwd", backend="cublas") in ("cublas", "reference")
+    monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="cuda-magic"):
+        linear(x, w, b)
+    monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "auto")
+    with pytest.raises(ValueError, match="nope"):
+        linear(x, w, b, backend="nope")
+    y = linear(x, w, b, "gelu")
+    assert y.shape == (4, 8)
+
+
+def test_dispatch_table_and_default():
+    table = json.loads(linear_mod.DISPATCH_TABLE.read_text())
+    assert isinstance(table["devices"], dict)
+    for dev in table["devices"].values():
+        for entry in dev["entries"].values():
+            assert (entry["backend"] if isinstance(entry, dict) else entry) in ("triton", "cublas")
+    assert linear_mod.table_key("fwd", "gelu", torch.bfloat16, 16000, 3072, 768) == \
+        "fwd|gelu|bf16|M16384|N3072|K768"
+    assert linear_mod.m_bucket(1) == 16 and linear_mod.m_bucket(129) == 256
+    assert linear_mod.m_bucket(10 ** 6) == 16384
+    d = linear_mod.default_backend
+    assert d((9, 0), "fwd", "gelu", torch.bfloat16, 16384, 3072, 768) == "triton"
+    assert d((9, 0), "fwd", "none", torch.bfloat16, 16384, 2304, 768) == "cublas"
+    assert d((9, 0), "bwd", "gelu", torch.bfloat16, 16384, 3072, 768) == "cublas"
+    assert d((8, 0), "fwd", "gelu", torch.float32, 16384, 3072, 768) == "cublas"
+    assert d((8, 0), "fwd", "gelu", torch.float16, 8, 3072, 768) == "cublas"
+
+
+# ----------------------------------------------------------------------------- op checks
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_opcheck(device, backend):
+    x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=11)
+    if not _dispatch.use_triton(x, uses_dot=True):
+        backend = "reference"
+    for t in (x, w, b):
+        t.requires_grad_(True)
+    torch.library.opcheck(torch.ops.bert_fast.linear_fwd.default, (x, w, b, "gelu", backend, True))
+    torch.library.opcheck(torch.ops.bert_fast.linear_fwd.default, (x, w, None, "none", backend, False))
+    z = (x.detach() @ w.detach().t() + (b.detach() if backend != "cublas" else 0)).contiguous()
+    args = (dy, x.detach(), w.detach(), b.detach(), z, "gelu", backend, backend, True, True, True)
+    torch.library.opcheck(torch.ops.bert_fast.linear_bwd.default, args)
+    args = (dy, x.detach(), w.detach(), None, z, "gelu_tanh", backend, backend, True, False, False)
+    torch.library.opcheck(torch.ops.bert_fast.linear_bwd.default, args)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", None])
+def test_gradcheck_float64(device, act, backend):
+    # float64 runs the Triton kernels in the interpreter (its tl.dot takes fp64); on CUDA float64
+    # takes the reference path (fp64 tl.dot on the GPU is not relied on).
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    w = torch.randn(5, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    b = torch.randn(5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, c, d: linear(a, c, d, act, backend=backend), (x, w, b))
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_inputs(device):
+    x = torch.randn(4, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    b = torch.randn(8, device=device)
+    with pytest.raises(ValueError, match=r"\(4, 12\)"):
+        linear(torch.randn(4, 12, device=device), w, b)
+    with pytest.raises(ValueError, match=r"\(7,\)"):
+        linear(x, w, torch.randn(7, device=device))
+    with pytest.raises(ValueError, match="2-D"):
+        linear(x, torch.randn(8, 16, 1, device=device))
+    with pytest.raises(TypeError, match="dtype"):
+        linear(x, w.half(), b)
+    with pytest.raises(TypeError, match="dtype"):
+        linear(x.long(), w.long())
+    with pytest.raises(TypeError):
+        linear(x.numpy(), w)
+    with pytest.raises(ValueError, match="relu"):
+        linear(x, w, b, activation="relu")

@@ -480,7 +480,7 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device) 
 
     Hopper (sm_90): 228 KB shared memory, wgmma; Ampere sm_80: 164 KB; other parts (sm_86/89:
     ~100 KB) get smaller tiles. fp32 (tests only) uses small tiles. No autotuning: the same config
-    every call, so the first call never pays for a sweep (see benchmarks/NOTES.attention.md).
+    every call, so the first call never pays for a sweep (see benchmarks/NOTES.md, Attention).
     """
     if device.type != "cuda":      # Triton interpreter: one small config, asymmetric on purpose
         return {"fwd": dict(BLOCK_M=32, BLOCK_N=64), "dkdv": dict(BLOCK_M=64, BLOCK_N=32),

@@ -8,6 +8,7 @@ from bert_fast.ops.attention import attention, varlen_attention
 from bert_fast.ops.bias_gelu import bias_gelu
 from bert_fast.ops.embedding import embedding_layer_norm
 from bert_fast.ops.linear import linear
-from bert_fast.ops.residual_layer_norm import residual_layer_norm
+from bert_fast.ops.residual_layer_norm import residual_layer_norm, residual_layer_norm_dropout_mask
 
-__all__ = ["attention", "bias_gelu", "embedding_layer_norm", "linear", "residual_layer_norm", "varlen_attention"]
+__all__ = ["attention", "bias_gelu", "embedding_layer_norm", "linear", "residual_layer_norm",
+           "residual_layer_norm_dropout_mask", "varlen_attention"]

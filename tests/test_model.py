@@ -78,6 +78,18 @@ def test_padded_mode_matches_every_position():
     assert (out.pooler_output - ref.pooler_output).abs().max().item() <= ATOL
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_mask_dtypes_bool_int_float_agree(padded):
+    cfg = make_config()
+    _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg, padded=padded)
+    ids, mask, types = ragged_batch(cfg, [9, 4], 9)
+    with torch.no_grad():
+        outs = [fast(ids, attention_mask=m, token_type_ids=types).last_hidden_state
+                for m in (mask, mask.bool(), mask.float(), mask.to(torch.int32))]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
 def test_row_alone_equals_row_in_padded_batch():
     cfg = make_config()
     _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)

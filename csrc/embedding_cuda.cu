@@ -388,8 +388,12 @@ __global__ void __launch_bounds__(kGenericThreads) emb_ln_bwd_generic_kernel(con
   const bool drop = p.keep_threshold != 0;
   const float invH = 1.f / static_cast<float>(H);
   float* part = p.partials ? p.partials + static_cast<int64_t>(blockIdx.x) * 2 * H : nullptr;
+  // Zero part[j] and part[H + j] with the thread that updates both below (the loop over j < H):
+  // a single loop over 2H would give part[H + j] to thread (H + j) % blockDim, another thread than
+  // j's whenever H % blockDim != 0, and with no barrier in between that is a data race (the
+  // workspace is torch.empty, so a lost zeroing reads garbage / a late one drops a row).
   if (part)
-    for (int64_t j = threadIdx.x; j < 2 * H; j += blockDim.x) part[j] = 0.f;  // same thread updates it below
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) part[j] = part[H + j] = 0.f;
   const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * rows_per_block;
   const int64_t row_end = min(p.rows, row_begin + rows_per_block);
   for (int64_t row = row_begin; row < row_end; ++row) {

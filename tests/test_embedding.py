@@ -351,6 +351,9 @@ def _bad_cases():
         ("token type too big", with_(token_type_ids=ids_with(TYPES)), IndexError, str(TYPES)),
         ("indices out of range", with_(indices=lambda kw, d: torch.tensor([0, 10], device=d)), IndexError, "10"),
         ("negative index", with_(indices=lambda kw, d: torch.tensor([-1, 2], device=d)), IndexError, "-1"),
+        ("indices into empty ids", with_(input_ids=lambda kw, d: torch.zeros(0, 5, dtype=torch.long, device=d),
+                                         token_type_ids=None, indices=lambda kw, d: torch.tensor([0], device=d)),
+         IndexError, "out of range [0, 0)"),
         ("position shape", with_(position_ids=lambda kw, d: torch.zeros(2, 4, dtype=torch.long, device=d)),
          ValueError, "(2, 4)"),
         ("type shape", with_(token_type_ids=lambda kw, d: torch.zeros(3, 5, dtype=torch.long, device=d)),
@@ -427,3 +430,96 @@ def test_low_precision_rounding_cpu_twin(dtype):
     keep = emb._dropout_keep_mask(1, hidden, p, seed).reshape(-1)
     expect = torch.where(keep, beta.float() * torch.tensor(1 / (1 - p), dtype=torch.float32), 0.0).to(dtype)
     assert torch.equal(out, expect)
+
+
+# ----------------------------------------------------------------------------- GPU-only hazards
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data pointer is one element past an allocation start (so
+    not 16-byte aligned): the kernels must take their scalar path, never a misaligned vector load."""
+    buf = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
+    v = buf[1:].view(t.shape)
+    v.copy_(t.detach())
+    assert v.is_contiguous() and v.data_ptr() % 16 != 0
+    return v
+
+
+@pytest.mark.parametrize("hidden", [384, 1000, 3000])
+def test_misaligned_tables_and_grad_out(device, hidden):
+    # H % VEC == 0 here, so only the alignment check keeps these off the 16-byte vector loads
+    # (a misaligned vector load is a CUDA "misaligned address" error, no CPU symptom).
+    ids, tt = make_ids(device, 2, 17)
+    indices = ragged_indices(device, 2, 17)
+    for dtype in dtypes_for(device):
+        base = make_params(device, dtype, hidden, requires_grad=False)
+        for which in ([0], [1], [2], [3], [4], [0, 1, 2, 3, 4]):
+            params = [(_misaligned_copy(p) if i in which else p.clone()).requires_grad_() for i, p in
+                      enumerate(base)]
+            ours, oracle, same = run_all(ids, None, tt, params, indices=indices)
+            check_all(ours, oracle, same)
+        # misaligned grad_out (the backward vector-loads dy)
+        params = [p.clone().requires_grad_() for p in base]
+        out = embedding_layer_norm(ids, None, tt, *params, indices=indices)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+        g_aligned = torch.autograd.grad(out, params, dy, retain_graph=True)
+        g_mis = torch.autograd.grad(out, params, _misaligned_copy(dy))
+        for a, b, name in zip(g_aligned, g_mis, NAMES):
+            torch.testing.assert_close(a.float(), b.float(), atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def _poison_cuda_cache() -> None:
+    """Leave NaN in the caching allocator's free blocks (both pools), so that a workspace read
+    before it is written, or a gradient buffer aliased with a freed workspace, shows up."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    junk = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]  # small pool
+    junk.append(torch.full((1 << 24,), float("nan"), device="cuda"))               # large pool
+    del junk
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hidden", [384, 3000])
+def test_cuda_backward_workspaces_not_aliased(hidden):
+    # The dgamma/dbeta partials workspace [num_partials, 2, H] must stay alive while the backward
+    # runs: freed early, the caching allocator hands its block to the next allocation, here a table
+    # accumulator of exactly its size (vocab = types = 2 * num_partials), which the kernel then
+    # writes both as partials and as gradient.
+    device = torch.device("cuda")
+    batch, seq = 2, 4
+    nparts = emb._num_partials(batch * seq, device)
+    vocab = types = 2 * nparts
+    ids, tt = make_ids(device, batch, seq, vocab=vocab, types=types)
+    for dtype in (torch.float32, torch.bfloat16):
+        params = make_params(device, dtype, hidden, vocab=vocab, types=types)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        check_all(*run_all(ids, None, tt, params))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hidden", [3000, 3001])
+def test_cuda_generic_backward_poisoned_workspace(hidden, deterministic):
+    # Wide rows take the block-per-row backward, whose per-block dgamma/dbeta partials live in an
+    # uninitialised (torch.empty) workspace that the kernel zeroes itself; H % 256 != 0 so a zeroing
+    # by the wrong thread would race with the first row's updates.
+    device = torch.device("cuda")
+    ids, tt = make_ids(device, 2, 33)
+    indices = ragged_indices(device, 2, 33)
+    prev = torch.are_deterministic_algorithms_enabled()
+    for dtype in (torch.float32, torch.bfloat16):
+        params = make_params(device, dtype, hidden)
+        out = embedding_layer_norm(ids, None, tt, *params, indices=indices, padding_idx=3)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
+        _poison_cuda_cache()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            ours = torch.autograd.grad(out, params, dy)
+        finally:
+            torch.use_deterministic_algorithms(prev)
+        p64 = [p.detach().double().requires_grad_() for p in params]
+        ref = reference.embedding_layer_norm(ids, None, tt, *p64, indices=indices, padding_idx=3)
+        oracle = torch.autograd.grad(ref, p64, dy.double())
+        ref_same = reference.embedding_layer_norm(ids, None, tt, *params, indices=indices, padding_idx=3)
+        same = torch.autograd.grad(ref_same, params, dy)
+        for a, o, s, name in zip(ours, oracle, same, NAMES):
+            assert_close_2x(a, o, s, name=name)

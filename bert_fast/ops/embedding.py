@@ -199,8 +199,14 @@ def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: 
         nparts = _num_partials(rows, device)
         params["num_partials"] = nparts
         dgb = [accum(3), accum(4)]
+        # Every workspace whose pointer goes into params must stay referenced until its kernels are
+        # queued: a temporary would return its block to the caching allocator at once, and the
+        # next allocation below (a table accumulator) could get the same memory, which the
+        # kernel then writes as both partials and gradient.
+        partials = None
         if need[3] or need[4]:
-            params["partials"] = _ptr(torch.empty((nparts, 2, hidden), dtype=torch.float32, device=device))
+            partials = torch.empty((nparts, 2, hidden), dtype=torch.float32, device=device)
+            params["partials"] = _ptr(partials)
             params.update(dgamma=_ptr(dgb[0]), dbeta=_ptr(dgb[1]))
         tables_needed = need[0] or need[1] or need[2]
         if not deterministic or not tables_needed:
@@ -307,14 +313,16 @@ def _broadcast_ids(name: str, t: Optional[Tensor], shape) -> Optional[Tensor]:
 
 def _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, max_pos, type_vocab) -> None:
     """One fused min/max reduction (a single host sync on CUDA) over every index tensor."""
-    if input_ids.numel() == 0:
-        return
-    stats = [input_ids.min(), input_ids.max()]
-    names = ["input_ids"]
-    for name, t in (("position_ids", position_ids), ("token_type_ids", token_type_ids), ("indices", indices)):
+    stats, names = [], []
+    # (indices are checked even when input_ids is empty: any index into no tokens is out of range,
+    # and the kernel would read ids[indices[t]] past the end)
+    for name, t in (("input_ids", input_ids), ("position_ids", position_ids), ("token_type_ids", token_type_ids),
+                    ("indices", indices)):
         if t is not None and t.numel() > 0:
             stats += [t.min(), t.max()]
             names.append(name)
+    if not stats:
+        return
     vals = torch.stack([s.to(torch.int64) for s in stats]).tolist()
     limits = {"input_ids": (vocab, "the word vocabulary size (word_embeddings.shape[0])"),
               "position_ids": (max_pos, "the number of positions (position_embeddings.shape[0])"),
@@ -327,7 +335,7 @@ def _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, ma
             raise IndexError(f"{name} contains {lo}, out of range [0, {limit})")
         if hi >= limit:
             raise IndexError(f"{name} contains {hi}, out of range [0, {limit}): must be < {what}")
-    if position_ids is None and input_ids.shape[-1] > max_pos:
+    if position_ids is None and input_ids.numel() > 0 and input_ids.shape[-1] > max_pos:
         raise IndexError(f"sequence length {input_ids.shape[-1]} needs position ids up to "
                          f"{input_ids.shape[-1] - 1}, out of range [0, {max_pos}) "
                          f"(position_embeddings.shape[0] = {max_pos})")

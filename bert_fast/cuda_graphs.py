@@ -43,12 +43,15 @@ class CudaGraphRunner:
         self.device = device
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.seq_buckets = tuple(sorted(s for s in seq_buckets if s <= max_pos)) or (max_pos,)
-        self.warmup = warmup
+        # At least one warm-up forward: Triton compiles and autotunes on the first call of a shape
+        # (with host syncs), which must never happen inside the capture.
+        self.warmup = max(1, int(warmup))
         self._graphs: Dict[Tuple[int, int], dict] = {}
         self._pool = None
 
     def reset(self) -> None:
         self._graphs.clear()
+        self._pool = None
 
     def bucket(self, batch: int, seq: int) -> Optional[Tuple[int, int]]:
         bb = next((x for x in self.batch_buckets if x >= batch), None)
@@ -60,24 +63,58 @@ class CudaGraphRunner:
         key = (batch, seq)
         if key in self._graphs:
             return self._graphs[key]
-        ids = torch.ones((batch, seq), dtype=torch.long, device=self.device)
-        mask = torch.ones((batch, seq), dtype=torch.long, device=self.device)
-        types = torch.zeros((batch, seq), dtype=torch.long, device=self.device)
-        # Warm up on a side stream (Triton compiles and autotunes here, never inside the capture).
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
-        self._pool = graph.pool()
+        # Everything on the model's GPU: the capture stream, the static buffers and the graph
+        # (torch.cuda.graph's default capture stream belongs to the *current* device).
+        with torch.cuda.device(self.device):
+            ids = torch.ones((batch, seq), dtype=torch.long, device=self.device)
+            mask = torch.ones((batch, seq), dtype=torch.long, device=self.device)
+            types = torch.zeros((batch, seq), dtype=torch.long, device=self.device)
+            # Warm up on a side stream (Triton compiles and autotunes here, cuBLAS sets up its
+            # workspace for that stream), then capture on the same stream.
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                out = self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
+            self._pool = graph.pool()
+        # The graph reads the fused QKV weights that the model caches per layer by address; keep
+        # them alive with the graph, so that a later rebuild of the cache (weights updated in place,
+        # another dtype) cannot free memory the graph still reads. (Stale values after a weight
+        # update are what reset() is for.)
+        keep = [layer.attention.self.__dict__.get("_bert_fast_qkv") for layer in self.model.encoder.layer]
         entry = {"graph": graph, "ids": ids, "mask": mask, "types": types,
-                 "last": out.last_hidden_state, "pooled": out.pooler_output}
+                 "last": out.last_hidden_state, "pooled": out.pooler_output, "keep": keep}
         self._graphs[key] = entry
         return entry
+
+    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      token_type_ids: Optional[torch.Tensor]) -> None:
+        """Host-side validation before a replay (the kernels' own range checks are skipped inside
+        a graph): shapes, and the id ranges in one fused min/max reduction (one sync)."""
+        shape = tuple(input_ids.shape)
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must have the shape of input_ids {shape}, got {got}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            return
+        stats = [input_ids.min(), input_ids.max()]
+        if token_type_ids is not None:
+            stats += [token_type_ids.min().to(input_ids.device), token_type_ids.max().to(input_ids.device)]
+        vals = torch.stack([v.to(torch.int64) for v in stats]).tolist()
+        vocab = self.model.config.vocab_size
+        if vals[0] < 0 or vals[1] >= vocab:
+            raise IndexError(f"input_ids must be in [0, {vocab}), got values in [{vals[0]}, {vals[1]}]")
+        if token_type_ids is not None:
+            tv = self.model.config.type_vocab_size
+            if vals[2] < 0 or vals[3] >= tv:
+                raise IndexError(f"token_type_ids must be in [0, {tv}), got values in [{vals[2]}, {vals[3]}]")
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -85,22 +122,24 @@ class CudaGraphRunner:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape
-        vocab = self.model.config.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise IndexError(f"input_ids must be in [0, {vocab}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        self._check_inputs(input_ids, attention_mask, token_type_ids)
         key = self.bucket(b, s)
         if key is None or b == 0 or s == 0:
             return self.model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        g = self.capture(*key)
-        g["ids"].zero_()
-        g["mask"].zero_()
-        g["types"].zero_()
-        g["ids"][:b, :s].copy_(input_ids)
-        g["mask"][:b, :s].copy_(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
-        if token_type_ids is not None:
-            g["types"][:b, :s].copy_(token_type_ids)
-        g["graph"].replay()
-        pooled = g["pooled"][:b].clone() if g["pooled"] is not None else None
-        return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=g["last"][:b, :s].clone(), pooler_output=pooled)
+        # Replay launches on the current stream of the *current* device: make it the model's.
+        with torch.cuda.device(self.device):
+            g = self.capture(*key)
+            g["ids"].zero_()
+            g["mask"].zero_()
+            g["types"].zero_()
+            g["ids"][:b, :s].copy_(input_ids)
+            if attention_mask is not None:
+                g["mask"][:b, :s].copy_(attention_mask)
+            else:
+                g["mask"][:b, :s].fill_(1)
+            if token_type_ids is not None:
+                g["types"][:b, :s].copy_(token_type_ids)
+            g["graph"].replay()
+            pooled = g["pooled"][:b].clone() if g["pooled"] is not None else None
+            last = g["last"][:b, :s].clone()
+        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=last, pooler_output=pooled)

@@ -38,7 +38,7 @@ returns is exactly the one the forward and backward used.
 Offsets: program ids, sequence starts and row indices are widened to int64 before they multiply a
 stride; pointers then advance by pointer arithmetic, so tensors over 2**31 elements are safe.
 
-Launch configs are picked per head dim, dtype and GPU generation (``_configs``); under
+Launch configs are picked per head dim, dtype, dropout and the GPU's shared memory (``_configs``); under
 TRITON_INTERPRET=1 a single small config (asymmetric blocks, to exercise the tails).
 """
 from __future__ import annotations
@@ -91,6 +91,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
               HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key block at n0: BOUNDS=False for a full block (no length check), True for the tail."""
     k_pos = n0 + offs_n
+    n0_64 = tl.cast(n0, tl.int64)       # n0 * stride in int64: one sequence may span > 2**31 elements
     if BOUNDS:
         n_in = k_pos < seq_len
         if EVEN_D:
@@ -100,15 +101,15 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
     else:
         kv_mask = d_valid[None, :]
     if BOUNDS or not EVEN_D:
-        k = tl.load(k_ptrs + n0 * stride_ks, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs + n0_64 * stride_ks, mask=kv_mask, other=0.0)
     else:
-        k = tl.load(k_ptrs + n0 * stride_ks)
+        k = tl.load(k_ptrs + n0_64 * stride_ks)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if HAS_MASK:
         if BOUNDS:
-            key_ok = tl.load(mask_ptrs + n0 * stride_ms, mask=n_in, other=0) != 0
+            key_ok = tl.load(mask_ptrs + n0_64 * stride_ms, mask=n_in, other=0) != 0
         else:
-            key_ok = tl.load(mask_ptrs + n0 * stride_ms) != 0
+            key_ok = tl.load(mask_ptrs + n0_64 * stride_ms) != 0
         s = tl.where(key_ok[None, :], s, float("-inf"))
     elif BOUNDS:
         s = tl.where(n_in[None, :], s, float("-inf"))
@@ -122,9 +123,9 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
                              k_pos[None, :] + q_pos[:, None] * 0, dropout_p)
         p = tl.where(keep, p, 0.0)
     if BOUNDS or not EVEN_D:
-        v = tl.load(v_ptrs + n0 * stride_vs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + n0_64 * stride_vs, mask=kv_mask, other=0.0)
     else:
-        v = tl.load(v_ptrs + n0 * stride_vs)
+        v = tl.load(v_ptrs + n0_64 * stride_vs)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new
 
@@ -261,12 +262,13 @@ def _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptr
                HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr):
     """One query block at m0 for the key block (k, v) of _attention_bwd_dkdv_kernel."""
     q_pos = m0 + offs_m
+    m0_64 = tl.cast(m0, tl.int64)       # m0 * stride in int64 (see _fwd_step)
     m_valid = q_pos < seq_len
     qd_mask = m_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_ptrs + m0 * stride_qs, mask=qd_mask, other=0.0)
-    do = tl.load(do_ptrs + m0 * stride_dos, mask=qd_mask, other=0.0)
-    lse2 = tl.load(lse_ptrs + m0, mask=m_valid, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptrs + m0, mask=m_valid, other=0.0)
+    q = tl.load(q_ptrs + m0_64 * stride_qs, mask=qd_mask, other=0.0)
+    do = tl.load(do_ptrs + m0_64 * stride_dos, mask=qd_mask, other=0.0)
+    lse2 = tl.load(lse_ptrs + m0_64, mask=m_valid, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptrs + m0_64, mask=m_valid, other=0.0)
     qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)               # [BLOCK_N, BLOCK_M]
     # select, not only zero K rows: exp2(0 - lse) of a masked key may overflow for extreme lse
     pT = tl.where(key_ok[:, None], tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
@@ -284,7 +286,7 @@ def _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptr
     dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
     if ATOMIC_DQ:
         dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC) * softmax_scale
-        tl.atomic_add(dq_ptrs + m0 * stride_dqs, dq, mask=qd_mask, sem="relaxed")
+        tl.atomic_add(dq_ptrs + m0_64 * stride_dqs, dq, mask=qd_mask, sem="relaxed")
     return dk, dv
 
 
@@ -375,12 +377,13 @@ def _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
              HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key block at n0 for the query block of _attention_bwd_dq_kernel."""
     k_pos = n0 + offs_n
+    n0_64 = tl.cast(n0, tl.int64)       # see _fwd_step
     key_ok = k_pos < seq_len
     if HAS_MASK:
-        key_ok = key_ok & (tl.load(mask_ptrs + n0 * stride_ms, mask=key_ok, other=0) != 0)
+        key_ok = key_ok & (tl.load(mask_ptrs + n0_64 * stride_ms, mask=key_ok, other=0) != 0)
     kv_mask = key_ok[:, None] & d_valid[None, :]
-    k = tl.load(k_ptrs + n0 * stride_ks, mask=kv_mask, other=0.0)      # masked keys: zero rows
-    v = tl.load(v_ptrs + n0 * stride_vs, mask=kv_mask, other=0.0)
+    k = tl.load(k_ptrs + n0_64 * stride_ks, mask=kv_mask, other=0.0)      # masked keys: zero rows
+    v = tl.load(v_ptrs + n0_64 * stride_vs, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     p = tl.where(key_ok[None, :], tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -475,27 +478,48 @@ def _attention_dropout_mask_kernel(OUT, dropout_p, seed, stride_ob, stride_om, s
 
 
 # ----------------------------------------------------------------------------- launch configs
-def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device) -> dict:
+def _smem_per_block(device: torch.device) -> int:
+    """Opt-in shared memory per block (bytes) of ``device``: what a Triton kernel may use."""
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    if not smem:        # older torch: by compute capability
+        major, minor = props.major, props.minor
+        smem = 232448 if (major, minor) in ((9, 0), (10, 0), (10, 3)) else (
+            166912 if (major, minor) in ((8, 0), (8, 7)) else 101376)
+    return int(smem)
+
+
+def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
+             dropout: bool = False) -> dict:
     """Block sizes / warps / stages per kernel ``kind`` ("fwd", "dkdv", "dq"), head dim, dtype, GPU.
 
-    Hopper (sm_90): 228 KB shared memory, wgmma; Ampere sm_80: 164 KB; other parts (sm_86/89:
-    ~100 KB) get smaller tiles. fp32 (tests only) uses small tiles. No autotuning: the same config
-    every call, so the first call never pays for a sweep (see benchmarks/NOTES.md, Attention).
+    Chosen by the device's opt-in shared memory per block, not by its generation alone: H100/H200
+    and B200 (sm_90/sm_100, 227 KB), A100 (sm_80) and Orin (sm_87, 163 KB) get the big tiles;
+    sm_86/89 and consumer Blackwell sm_120 (99 KB) get small ones (a big-tile config there fails
+    at launch with "out of resources: shared memory"). Every config was compiled offline for
+    sm_90 and sm_80 (fp16/bf16/fp32, head dims 16..128, mask, dropout, varlen, both dQ paths) and
+    fits with margin; see tests/test_attention.py::test_configs_fit_shared_memory.
+    fp32 (tests only) uses small tiles. ``dropout``: the forward's Philox draw per score element
+    needs registers, so the forward uses BLOCK_N = 64 with it (128 x 128 spills on sm_90).
+    No autotuning: the same config every call, so the first call never pays for a sweep (see
+    benchmarks/NOTES.md, Attention).
     """
     if device.type != "cuda":      # Triton interpreter: one small config, asymmetric on purpose
         return {"fwd": dict(BLOCK_M=32, BLOCK_N=64), "dkdv": dict(BLOCK_M=64, BLOCK_N=32),
                 "dq": dict(BLOCK_M=32, BLOCK_N=64)}[kind] | dict(num_warps=4, num_stages=1)
-    major, minor = torch.cuda.get_device_capability(device)
+    major, _ = torch.cuda.get_device_capability(device)
     if dtype == torch.float32:
         bm, bn = (32, 32) if block_d > 64 else (64, 32)
         return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
-    big_smem = (major, minor) in ((8, 0), (9, 0)) or major >= 10
+    smem = _smem_per_block(device)
+    big_smem = smem >= 160 * 1024
     if kind == "fwd":
-        if major >= 9:
-            return (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3) if block_d <= 64
-                    else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+        if major >= 9 and smem >= 200 * 1024:
+            return (dict(BLOCK_M=128, BLOCK_N=64 if dropout else 128, num_warps=8, num_stages=3)
+                    if block_d <= 64 else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
         if big_smem:
-            return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3) if block_d <= 64
+            # 8 warps: with 4 the 128 x 64 tile spills on sm_80 (64..500 B/thread, more with dropout)
+            return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3) if block_d <= 64
                     else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2))
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if kind == "dkdv":
@@ -571,7 +595,7 @@ def attention_fwd(qkv: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlen
     if out.numel() == 0 or batch == 0 or seqlen == 0:
         return out, lse
     block_d = max(16, triton.next_power_of_2(d))
-    cfg = _configs("fwd", block_d, qkv.dtype, qkv.device)
+    cfg = _configs("fwd", block_d, qkv.dtype, qkv.device, dropout_p > 0.0)
     num_m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
     has_mask = key_mask is not None
     mask_arg = key_mask if has_mask else out           # dummy pointer, never read

@@ -19,9 +19,14 @@ import triton.language as tl
 
 APPROXIMATIONS = ("none", "tanh")
 
-_SQRT1_2 = 0.7071067811865476          # 1/sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327     # 1/sqrt(2*pi)
-_SQRT_2_OVER_PI = 0.7978845608028654   # sqrt(2/pi)
+# Constants of the GELU formulas. Written as literals inside the @triton.jit functions below: the
+# compiler (unlike the interpreter) rejects plain-Python-float globals inside a kernel
+# ("Cannot access global variable ... from within @jit'ed function").
+#   0.7071067811865476 = 1/sqrt(2),  0.3989422804014327 = 1/sqrt(2*pi),
+#   0.7978845608028654 = sqrt(2/pi), 0.044715 = the tanh approximation's cubic coefficient
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_SQRT_2_OVER_PI = 0.7978845608028654
 _TANH_C = 0.044715
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -41,11 +46,11 @@ def _sigmoid_pair(v):
 def _gelu(z, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): no 1 + tanh cancellation for negative z.
-        u = _SQRT_2_OVER_PI * (z + _TANH_C * z * z * z)
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         s, _ = _sigmoid_pair(2.0 * u)
         y = z * s
     else:
-        y = 0.5 * z * (1.0 + tl.math.erf(z * _SQRT1_2))
+        y = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     return y
 
 
@@ -53,12 +58,12 @@ def _gelu(z, APPROX_TANH: tl.constexpr):
 def _gelu_grad(z, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
         # d/dz [z * s(2u)] = s + z * 2 s (1 - s) * u';  1 - tanh^2 = 4 s (1 - s), both factors exact-ish
-        u = _SQRT_2_OVER_PI * (z + _TANH_C * z * z * z)
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         s, ns = _sigmoid_pair(2.0 * u)
-        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * z * z)
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
         g = s + 2.0 * z * s * ns * du
     else:
-        g = 0.5 * (1.0 + tl.math.erf(z * _SQRT1_2)) + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+        g = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
     return g
 
 

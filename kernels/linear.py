@@ -168,13 +168,16 @@ def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
     return acc
 
 
-@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K", "KIND"],
+# Autotune key: M bucketed (M is the token count T, which changes every batch), N, K and the GEMM
+# kind. For the weight gradient (KIND_DW) K is the token count, so it is bucketed too
+# (K_BUCKET): keyed on the raw K, every new batch size T would re-benchmark all configs.
+@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _linear_fwd_kernel(
     A, B, BIAS, Y, Z,
-    M, N, K, M_BUCKET, KIND,
+    M, N, K, M_BUCKET, K_BUCKET, KIND,
     stride_am, stride_ak, stride_bk, stride_bn,
     stride_ym, stride_yn, stride_zm, stride_zn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
@@ -321,7 +324,7 @@ def _launch_gemm(a, b, y, z, bias, activation_code, kind):
     save_z = z is not None
     _linear_fwd_kernel[grid](
         a, b, bias if bias is not None else y, y, z if save_z else y,
-        M, N, K, m_bucket(M), kind,
+        M, N, K, m_bucket(M), m_bucket(K) if kind == KIND_DW else K, kind,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         y.stride(0), y.stride(1),
         z.stride(0) if save_z else 0, z.stride(1) if save_z else 0,
@@ -413,7 +416,9 @@ def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, ne
             dy, zz, dzz, partial, M, N,
             dy.stride(0), dy.stride(1), zz.stride(0), zz.stride(1), dzz.stride(0), dzz.stride(1),
             ACTIVATION=act, WRITE_DZ=write_dz, WRITE_DB=need_db, ACC_DTYPE=_acc_dtype(dy.dtype),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4,
+            # 8 warps (32 elements a thread): with 4 the fp32 GELU-derivative math of a 64x128
+            # tile needs more than 255 registers and spills (ptxas, sm_80 and sm_90)
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=8,
         )
         if need_db:
             RB_N = 128 if not _interpreting() else 256

@@ -250,7 +250,11 @@ def dropout_keep_mask(shape, dropout_p: float, seed: int, device, row_start: int
         m *= s
     out = torch.empty((m, n), dtype=torch.int8, device=device)
     if m and n:
-        bm, bn = 16, min(triton.next_power_of_2(n), 1024)
+        # <= 8x1024 tiles on 8 warps: Philox is register-hungry (a 16x1024 tile on 4 warps spills
+        # over 1 KB a thread on sm_80/sm_90). The mask does not depend on the tile.
+        bn = min(triton.next_power_of_2(n), 1024)
+        bm = max(1, min(16, 8192 // bn))
         _dropout_keep_mask_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn)
+            out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=8)
     return out.view(shape).bool()

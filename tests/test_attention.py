@@ -4,7 +4,12 @@ Same file on the CPU (Triton interpreter, fp32/fp16, small shapes) and on CUDA (
 lengths, bf16, long sequences). The oracle is bert_fast.reference in float64; "torch in the same
 dtype" is the same reference run in the kernel's dtype.
 """
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -101,6 +106,24 @@ def test_attention_fully_masked_row(device):
     assert (out[1] == 0).all()
     assert (dqkv[1] == 0).all()                      # no key: no gradient to its q, k or v
     assert (dqkv[0, :, 1:][~mask[0]] == 0).all()     # masked keys get zero dK and dV
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_fully_masked_row_dtypes_dropout(device, dtype, dropout_p):
+    """A sequence without keys next to real ones, in every dtype, with and without dropout:
+    zeros and never NaN (on the GPU exp2 of -inf - -inf would be NaN), forward and backward."""
+    g = _gen(8)
+    b, s, h, d = 2, 70, 2, 26
+    qkv = _rand((b, s, 3, h, d), g, device, dtype, scale=3.0)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    torch.manual_seed(6)
+    out, dqkv = _fwd_bwd(attention, qkv, dout, mask, dropout_p)
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+    assert (out[1] == 0).all() and (dqkv[1] == 0).all()
+    assert (dqkv[0, :, 1:][~mask[0]] == 0).all()
+    assert out[0].abs().sum() > 0
 
 
 def test_attention_integer_mask_equals_bool(device):
@@ -473,3 +496,163 @@ def test_long_varlen_dropout_cuda(device, dtype):
     outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 4096, 0.1, None, keep)
     assert_close_2x(out, out64, outt, name="out")
     assert_close_2x(dqkv, g64, gt, name="dqkv")
+
+
+# ----------------------------------------------------------------------------- real GPU targets, offline
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import create_function_from_signature
+    import bert_fast.kernels.attention as A
+
+    arch, smem, dims = int(sys.argv[1]), int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
+    target = GPUTarget("cuda", arch, 32)
+
+    class Props:
+        major, minor = divmod(arch, 10)
+        shared_memory_per_block_optin = smem
+
+    torch.cuda.get_device_capability = lambda device=None: divmod(arch, 10)
+    torch.cuda.get_device_properties = lambda device=None: Props()
+    configs = A._configs
+    A._configs = lambda kind, bd, dt, dev, *a: configs(kind, bd, dt, torch.device("cuda", 0), *a)
+
+    class Compile:   # stands in for kernel[grid](...): compiles for `target` what the launcher would run
+        def __init__(self, k):
+            self.k = k
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                backend = make_backend(target)
+                binder = create_function_from_signature(self.k.signature, self.k.params, backend)
+                bound, spec, opts = binder(*args, **kwargs)
+                opts, sig, constexprs, attrs = self.k._pack_args(backend, kwargs, bound, spec, opts)
+                c = triton.compile(ASTSource(self.k, sig, constexprs, attrs), target=target,
+                                   options=opts.__dict__)
+                print(json.dumps(dict(kernel=self.k.fn.__name__, shared=c.metadata.shared,
+                                      cfg={n: kwargs.get(n) for n in ("BLOCK_M", "BLOCK_N", "num_warps",
+                                                                      "num_stages")})), flush=True)
+            return launch
+
+    for name in ("_attention_fwd_kernel", "_attention_bwd_preprocess_kernel",
+                 "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel"):
+        setattr(A, name, Compile(getattr(A, name)))
+
+    for dtype in (torch.float16, torch.float32):
+        for d in dims:
+            b, s, h = 2, 130, 2
+            qkv = torch.randn(b, s, 3, h, d).to(dtype)
+            mask = (torch.rand(b, s) < 0.8).view(torch.uint8)
+            for p, det in ((0.0, False), (0.1, True)):
+                out, lse = A.attention_fwd(qkv, mask, None, s, d ** -0.5, p, 7)
+                A.attention_bwd(torch.randn(b, s, h, d).to(dtype), qkv, mask, None, s, out, lse,
+                                d ** -0.5, p, 7, det)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,smem", [(90, 232448), (80, 166912), (86, 101376)])
+def test_configs_fit_shared_memory(arch, smem):
+    """Compile (no GPU needed, TRITON_INTERPRET off) the kernels the launchers would run with the
+    configs _configs picks for sm_90 (227 KB), sm_80 (163 KB) and sm_86/89/120 (99 KB), fp16 and
+    fp32, mask and dropout, atomic and separate dQ; each must fit the part's shared memory
+    (the interpreter never checks it, a GPU fails at launch: "out of resources")."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch), str(smem), "64,128"],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    kernels = {row["kernel"] for row in rows}
+    assert {"_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel"} <= kernels
+    too_big = [row for row in rows if row["shared"] > smem]
+    assert not too_big, f"sm_{arch}: configs over {smem} B of shared memory: {too_big}"
+
+
+# ----------------------------------------------------------------------------- CUDA only: GPU-only paths
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dq_path", ["atomic", "separate"])
+def test_dropout_head_dims_dq_paths_cuda(device, d, dtype, dq_path, monkeypatch):
+    """Dropout changes the forward's config (BLOCK_N) and adds the Philox draw to every kernel:
+    every head dim, fp16/bf16, padded + varlen, both dQ kernels, against the reference fed the
+    kernel's own mask."""
+    if dq_path == "separate":
+        monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
+    g = _gen(61 + d)
+    b, s, h = 2, 193, 3
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    _check_padded(qkv, mask, dout, dropout_p=0.15, name=f" (dropout, {dq_path} dQ)")
+    lengths = [150, 0, 1, 193, 64]
+    t = sum(lengths)
+    qv = _rand((t, 3, h, d), g, device, dtype)
+    dv = _rand((t, h, d), g, device, dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    torch.manual_seed(2)
+    x = qv.detach().requires_grad_(True)
+    out, keep = varlen_attention(x, cu, 193, 0.15, return_dropout_mask=True)
+    (dqkv,) = torch.autograd.grad(out, x, dv)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qv.double(), dv.double(), cu, 193, 0.15, None, keep)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qv, dv, cu, 193, 0.15, None, keep)
+    assert_close_2x(out, out64, outt, name="out")
+    assert_close_2x(dqkv, g64, gt, name="dqkv")
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_int64_offsets_cuda(device):
+    """One sequence whose q/k/v rows span more than 2**31 elements (row stride 786432, 4096 rows):
+    the key/query block offsets inside the loops (n0 * stride) must be int64. Same result as a
+    compact copy; an int32 product wraps and reads out of bounds."""
+    s, h, d, row = 4096, 1, 16, 786432
+    need = s * row * 2
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < need + (2 << 30):
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free on the GPU")
+    g = _gen(71)
+    compact = _rand((s, 3, h, d), g, device, torch.float16)
+    dout = _rand((s, h, d), g, device, torch.float16)
+    buf = torch.zeros(s * row, device=device, dtype=torch.float16)
+    big = buf.as_strided((s, 3, h, d), (row, h * d, d, 1))
+    big.copy_(compact)
+    cu = torch.tensor([0, s], dtype=torch.int32, device=device)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)   # separate dQ: bitwise comparable
+    try:
+        out_c, g_c = _fwd_bwd(varlen_attention, compact, dout, cu, s)
+        out_b, g_b = _fwd_bwd(varlen_attention, big, dout, cu, s)
+        torch.testing.assert_close(out_b, out_c, rtol=0, atol=0)
+        torch.testing.assert_close(g_b, g_c, rtol=0, atol=0)
+        mask = torch.ones(1, s, dtype=torch.bool, device=device)
+        out_p, g_p = _fwd_bwd(attention, big[None], dout[None], mask)
+        torch.testing.assert_close(out_p[0], out_c, rtol=0, atol=0)
+        torch.testing.assert_close(g_p[0], g_c, rtol=0, atol=0)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+        del buf, big
+
+
+@needs_cuda
+def test_tensor_on_second_gpu_cuda():
+    """Launch on the tensor's GPU (not the current one) with that GPU's configs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    g = _gen(81)
+    qkv = _rand((2, 77, 3, 2, 64), g, "cuda:0", torch.float16)
+    dout = _rand((2, 77, 2, 64), g, "cuda:0", torch.float16)
+    mask = _random_key_mask(2, 77, g, "cuda:0")
+    torch.manual_seed(0)
+    out0, g0 = _fwd_bwd(attention, qkv, dout, mask, 0.1)
+    with torch.cuda.device(0):
+        torch.manual_seed(0)
+        out1, g1 = _fwd_bwd(attention, qkv.to("cuda:1"), dout.to("cuda:1"), mask.to("cuda:1"), 0.1)
+    assert out1.device == torch.device("cuda:1")
+    if torch.cuda.get_device_capability(0) == torch.cuda.get_device_capability(1):
+        torch.testing.assert_close(out1.cpu(), out0.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(g1.cpu(), g0.cpu(), rtol=2e-3, atol=2e-3)

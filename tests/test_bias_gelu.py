@@ -130,3 +130,61 @@ def test_bias_gelu_bad_inputs(device):
         bias_gelu(x.numpy() if x.device.type == "cpu" else [1.0], b)
     with pytest.raises(ValueError, match="approximate"):
         bias_gelu(x, b, approximate="sigmoid")
+
+
+# ----------------------------------------------------------------------------- GPU targets, offline
+# The interpreter accepts things the GPU compiler rejects (e.g. plain-float globals inside a
+# @triton.jit function, which broke every bias_gelu kernel on the GPU). Compile the kernels for
+# sm_90 and sm_80 in a subprocess without TRITON_INTERPRET (no GPU needed: Triton ships ptxas).
+OFFLINE_COMPILE_PRELUDE = r'''
+import json, sys
+import triton, triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+SMEM = {90: 227 * 1024, 80: 163 * 1024}
+out = []
+def comp(fn, types, consts, cc, warps=4, stages=3, label=""):
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    c = triton.compile(ASTSource(fn, sig, constexprs=dict(consts)), target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    out.append([label, cc, c.metadata.shared, SMEM[cc]])
+'''
+
+
+def run_offline_compile(body: str):
+    """Run PRELUDE + body in a fresh interpreter (TRITON_INTERPRET=0); [label, cc, shared, limit] rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = OFFLINE_COMPILE_PRELUDE + body + "\nprint('@@' + json.dumps(out))\n"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = json.loads(res.stdout.split("@@")[-1])
+    for label, cc, shared, limit in rows:
+        assert shared <= limit, f"{label} on sm_{cc}: {shared} B of shared memory > {limit}"
+    return rows
+
+
+def test_bias_gelu_kernels_compile_for_sm90_sm80():
+    rows = run_offline_compile(r'''
+from bert_fast.kernels import bias_gelu as K
+for cc in (90, 80):
+    for dt, comp_t in (("fp16", tl.float32), ("bf16", tl.float32), ("fp32", tl.float32), ("fp64", tl.float64)):
+        for n in (384, 3072):
+            for tanh in (False, True):
+                bm, bn, w = K._tile(n)
+                p, acc = "*" + dt, ("*fp64" if dt == "fp64" else "*fp32")
+                c = dict(APPROX_TANH=tanh, COMPUTE=comp_t, BLOCK_M=bm, BLOCK_N=bn)
+                comp(K._bias_gelu_fwd_kernel, dict(X=p, B=p, Y=p, M="i32", N="i32", stride_xm="i32",
+                     stride_ym="i32"), c, cc, warps=w, label=f"fwd {dt} N{n} tanh={tanh}")
+                comp(K._bias_gelu_bwd_kernel, dict(DY=p, X=p, B=p, DX=p, DB_PARTIAL=acc, M="i32", N="i32",
+                     stride_dym="i32", stride_xm="i32", stride_dxm="i32", rows_per_prog="i32",
+                     n_iters="i32"), c, cc, warps=w, label=f"bwd {dt} N{n} tanh={tanh}")
+''')
+    assert len(rows) == 2 * 4 * 2 * 2 * 2

@@ -230,3 +230,63 @@ def test_bad_inputs(device):
         linear(x.numpy(), w)
     with pytest.raises(ValueError, match="relu"):
         linear(x, w, b, activation="relu")
+
+
+# ----------------------------------------------------------------------------- "auto" and torch.compile
+def test_auto_backend_resolved_inside_the_ops(device):
+    """linear() hands "auto" to the ops on CUDA (the table lookup reads a file: a graph break under
+    torch.compile); the ops must resolve it themselves, forward and backward alike."""
+    x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=15)
+    if not _dispatch.use_triton(x, uses_dot=True):
+        pytest.skip("no kernel backend here (reference path)")
+    xs, ws, bs = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    y, z = torch.ops.bert_fast.linear_fwd(xs, ws, bs, "gelu", "auto:auto", True)
+    ref = reference.linear(x.double(), w.double(), b.double(), "gelu")
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
+    dx, dw, db = torch.autograd.grad(y, (xs, ws, bs), dy)
+    gx, gw, gb = _fwd_bwd(lambda a, c, d: reference.linear(a, c, d, "gelu"),
+                          x.double(), w.double(), b.double(), dy.double())[1:]
+    for a, r in ((dx, gx), (dw, gw), (db, gb)):
+        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4)
+    if x.is_cuda:   # what linear() passes on CUDA with the default "auto"
+        assert linear_mod.choose_backend(x, 24, 32, "gelu", "fwd", "auto", defer_auto=True) == "auto"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA dispatch path (table lookup) needs a GPU")
+def test_torch_compile_fullgraph_cuda_auto(monkeypatch):
+    monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "auto")
+    x, w, b, _ = _inputs(torch.device("cuda"), torch.float16, (33,), 64, 96, seed=16)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, c, d: linear(a, c, d, "gelu"), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(fn(x, w, b), linear(x, w, b, "gelu"))
+
+
+# ----------------------------------------------------------------------------- GPU targets, offline
+def test_gemm_kernels_compile_for_sm90_sm80():
+    """The GEMM (BERT_FAST_AUTOTUNE=0 config and the largest autotune tiles) with the GELU epilogue,
+    and the dZ/db kernels, compiled for sm_90 and sm_80 without a GPU or the interpreter; shared
+    memory within each target's limit for fp16/bf16 (fp32 tiles too big for sm_80 are expected to
+    fail at launch, which the autotuner skips)."""
+    from test_bias_gelu import run_offline_compile
+
+    rows = run_offline_compile(r'''
+from bert_fast.kernels import linear as K
+names = "M N K M_BUCKET K_BUCKET KIND stride_am stride_bn stride_ym stride_zm".split()
+for cc in (90, 80):
+    for dt in ("fp16", "bf16", "fp32"):
+        tiles = [(64, 128, 32, 4, 3)] + ([(128, 256, 64, 8, 3), (16, 64, 128, 4, 4)] if dt != "fp32" else [])
+        for bm, bn, bk, w, s in tiles:
+            types = {**{n: "i32" for n in names}, **{n: "*" + dt for n in "A B BIAS Y Z".split()}}
+            c = dict(stride_ak=1, stride_bk=1, stride_yn=1, stride_zn=1, HAS_BIAS=True, ACTIVATION=1,
+                     SAVE_Z=True, DOT_PRECISION="ieee" if dt == "fp32" else "native", ACC_DTYPE=tl.float32,
+                     INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=False)
+            comp(K._linear_fwd_kernel, types, c, cc, warps=w, stages=s, label=f"gemm {dt} {bm}x{bn}x{bk}")
+        p = "*" + dt
+        comp(K._linear_bwd_kernel, dict(DY=p, Z=p, DZ=p, PARTIAL="*fp32", M="i32", N="i32", stride_dym="i32",
+             stride_dyn="i32", stride_zm="i32", stride_zn="i32", stride_dzm="i32", stride_dzn="i32"),
+             dict(ACTIVATION=2, WRITE_DZ=True, WRITE_DB=True, ACC_DTYPE=tl.float32, BLOCK_M=64, BLOCK_N=128),
+             cc, warps=8, label=f"dz {dt}")
+    comp(K._linear_bwd_db_kernel, dict(PARTIAL="*fp32", DB="*fp32", R="i32", N="i32"),
+         dict(BLOCK_R=32, BLOCK_N=128, INTERPRET=False), cc, label="db")
+''')
+    assert len(rows) == 2 * (2 * 4 + 2 + 1)

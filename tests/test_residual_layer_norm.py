@@ -247,3 +247,34 @@ def test_bad_inputs(device):
     for p in (-0.1, 1.0, 1.5, True, "0.1"):
         with pytest.raises(ValueError, match="dropout_p"):
             residual_layer_norm(x, r, w, b, dropout_p=p)
+
+
+# ----------------------------------------------------------------------------- GPU targets, offline
+def test_kernels_compile_for_sm90_sm80():
+    """Compile fwd/bwd (dropout on/off, every dtype) and the mask kernel for sm_90 and sm_80 without
+    a GPU and without the interpreter (see tests/test_bias_gelu.py::run_offline_compile)."""
+    from test_bias_gelu import run_offline_compile
+
+    rows = run_offline_compile(r'''
+from bert_fast.kernels import residual_layer_norm as K
+for cc in (90, 80):
+    for dt in ("fp16", "bf16", "fp32", "fp64"):
+        p, st = "*" + dt, ("*fp64" if dt == "fp64" else "*fp32")
+        comp_t = tl.float64 if dt == "fp64" else tl.float32
+        for n in (768, 3000):
+            for drop in (False, True):
+                bm, bn, w = K._config(n)
+                c = dict(HAS_DROPOUT=drop, COMPUTE=comp_t, BLOCK_M=bm, BLOCK_N=bn)
+                comp(K._residual_layer_norm_fwd_kernel, dict(X=p, R=p, W=p, B=p, Y=p, MEAN=st, RSTD=st,
+                     M="i32", N="i32", stride_xm="i32", stride_rm="i32", stride_ym="i32", eps="fp32",
+                     dropout_p="fp32", dropout_scale="fp32", seed="i64"), c, cc, warps=w,
+                     label=f"fwd {dt} N{n} drop={drop}")
+                comp(K._residual_layer_norm_bwd_kernel, dict(DY=p, X=p, R=p, W=p, MEAN=st, RSTD=st, DX=p,
+                     DRES=p, DW_PARTIAL=st, DB_PARTIAL=st, M="i32", N="i32", stride_dym="i32",
+                     stride_xm="i32", stride_rm="i32", stride_dxm="i32", stride_drm="i32",
+                     dropout_p="fp32", dropout_scale="fp32", seed="i64", rows_per_prog="i32",
+                     n_iters="i32"), c, cc, warps=w, label=f"bwd {dt} N{n} drop={drop}")
+    comp(K._dropout_keep_mask_kernel, dict(OUT="*i8", M="i32", N="i32", row_start="i64",
+         dropout_p="fp32", seed="i64"), dict(BLOCK_M=8, BLOCK_N=1024), cc, warps=8, label="keep mask")
+''')
+    assert len(rows) == 2 * (4 * 2 * 2 * 2 + 1)

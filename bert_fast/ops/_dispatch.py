@@ -12,6 +12,8 @@ ops that use ``tl.dot`` take the reference for bf16 on the CPU; bf16 kernels are
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -125,3 +127,24 @@ def host_checks_allowed(t: torch.Tensor) -> bool:
     validates its inputs on the host before each replay instead.
     """
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def on_first_tensor_device(fn):
+    """Run an op implementation with its first argument's GPU as the current device.
+
+    Triton launches on the *current* CUDA device, so without this a model on cuda:1 in a process
+    whose current device is cuda:0 would launch on the wrong GPU (an illegal address). Wraps the
+    function, keeping its signature, so torch.library.custom_op can infer the schema from it.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = args[0]
+        if t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    # Resolved annotations: the op modules use `from __future__ import annotations`, whose strings
+    # would otherwise be evaluated in this module when custom_op infers the schema.
+    wrapper.__signature__ = inspect.signature(fn, eval_str=True)
+    return wrapper

@@ -13,7 +13,9 @@ Choosing between "triton" and "cublas" ("dispatch decided by measurement"):
   1. ``backend=`` argument of :func:`linear`, else ``BERT_FAST_LINEAR_BACKEND=triton|cublas|auto``;
   2. "auto" on CUDA: the table bert_fast/data/linear_dispatch.json, written on the GPU by
      benchmarks/tune_linear_dispatch.py, keyed by device name (then compute capability) and
-     "<fwd|bwd>|<activation>|<dtype>|M<next pow2 of M>|N<N>|K<K>";
+     "<fwd|bwd>|<activation>|<dtype>|M<next pow2 of M>|N<N>|K<K>". This lookup runs inside the
+     ops (linear() passes them the backend "auto"), never in traced Python: reading the table
+     file and the device name would be a graph break under torch.compile(fullgraph=True);
   3. no entry: :func:`default_backend` below, an *assumption* until measured on that GPU:
        - fp32, or M < 128 (bucketed)      -> cublas  (our fp32 dot is true-IEEE FMA; tiny M wastes tiles)
        - forward with GELU                -> triton  (the fused epilogue saves writing + re-reading
@@ -121,18 +123,14 @@ def _requested_backend(backend: Optional[str]) -> str:
     return req
 
 
-def choose_backend(x: Tensor, n: int, k: int, activation: str, direction: str,
-                   backend: Optional[str] = None) -> str:
-    """The backend ("triton", "cublas" or "reference") of one forward or backward call."""
-    req = _requested_backend(backend)
-    if not _dispatch.use_triton(x, uses_dot=True):
-        return "reference"
-    if x.is_cuda and x.dtype == torch.float64:
-        return "reference"     # fp64 tl.dot on the GPU is untested; cuBLAS DGEMM it is
-    if req != "auto":
-        return req
-    if not x.is_cuda:
-        return "triton"        # interpreter: test our kernel
+def _table_backend(x: Tensor, n: int, k: int, activation: str, direction: str) -> str:
+    """"auto" on CUDA: the dispatch table's entry for this GPU and shape, else default_backend.
+
+    Reads a file, the device name and capability: host work that torch.compile cannot trace
+    (``open`` is a hard graph break). So it never runs at trace time: :func:`linear` passes the
+    backend "auto" into the ops, whose implementations (opaque to dynamo) call this with real
+    tensors. It depends only on the device, dtype and shapes, so the backward op recomputes the
+    forward's choice exactly."""
     m = x.numel() // max(k, 1) if x.dim() else 0
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     entry = _device_entries(index).get(table_key(direction, activation, x.dtype, m, n, k))
@@ -142,13 +140,45 @@ def choose_backend(x: Tensor, n: int, k: int, activation: str, direction: str,
                            m, n, k)
 
 
+def choose_backend(x: Tensor, n: int, k: int, activation: str, direction: str,
+                   backend: Optional[str] = None, defer_auto: bool = False) -> str:
+    """The backend ("triton", "cublas" or "reference") of one forward or backward call.
+
+    ``defer_auto``: on CUDA with "auto" requested, return "auto" instead of reading the dispatch
+    table (the ops resolve it at run time, see :func:`_table_backend`); what :func:`linear` uses,
+    so that it traces under torch.compile(fullgraph=True) on CUDA too."""
+    req = _requested_backend(backend)
+    if not _dispatch.use_triton(x, uses_dot=True):
+        return "reference"
+    if x.is_cuda and x.dtype == torch.float64:
+        return "reference"     # fp64 tl.dot on the GPU is untested; cuBLAS DGEMM it is
+    if req != "auto":
+        return req
+    if not x.is_cuda:
+        return "triton"        # interpreter: test our kernel
+    if defer_auto:
+        return "auto"
+    return _table_backend(x, n, k, activation, direction)
+
+
+def _resolve(backend: str, x: Tensor, weight: Tensor, activation: str, direction: str) -> str:
+    """Inside an op (real tensors): a deferred "auto" becomes the table's / default backend."""
+    if backend != "auto":
+        return backend
+    n, k = weight.shape
+    if x.is_cuda and x.dtype != torch.float64:
+        return _table_backend(x, n, k, activation, direction)   # env-free: fwd and bwd agree
+    return choose_backend(x, n, k, activation, direction, backend="auto")
+
+
 # ----------------------------------------------------------------------------- forward op
 def _split_backend(backend: str) -> Tuple[str, str]:
+    """"fwd[:bwd]" -> (fwd, bwd); each one of BACKENDS or "auto" (resolved inside the ops)."""
     fwd, _, bwd = backend.partition(":")
     bwd = bwd or fwd
     for b in (fwd, bwd):
-        if b not in BACKENDS:
-            raise ValueError(f"unknown linear backend {b!r} (expected one of {BACKENDS})")
+        if b not in BACKENDS + ("auto",):
+            raise ValueError(f"unknown linear backend {b!r} (expected one of {BACKENDS + ('auto',)})")
     return fwd, bwd
 
 
@@ -157,6 +187,7 @@ def _bias_or_zeros(bias: Optional[Tensor], n: int, like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("bert_fast::linear_fwd", mutates_args=())
+@_dispatch.on_first_tensor_device
 def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
                save_z: bool) -> Tuple[Tensor, Tensor]:
     """(y, z) for x [M, K] (any strides), weight [N, K]. z is what the backward needs when an
@@ -164,9 +195,10 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: st
     bias ("cublas", whose bias+GELU kernel adds the bias itself); otherwise an empty tensor.
 
     ``backend``: "<forward backend>" or "<forward backend>:<backward backend>" (the backward part
-    is only read by the autograd formula)."""
+    is only read by the autograd formula); "auto" is resolved here, at run time (see
+    ``_table_backend``)."""
     act = None if activation == "none" else activation
-    backend = _split_backend(backend)[0]
+    backend = _resolve(_split_backend(backend)[0], x, weight, activation, "fwd")
     keep_z = save_z and act is not None
     if backend == "triton":
         from bert_fast.kernels.linear import linear_fwd as launch
@@ -197,12 +229,17 @@ def _(x, weight, bias, activation, backend, save_z):
 
 # ----------------------------------------------------------------------------- backward op
 @torch.library.custom_op("bert_fast::linear_bwd", mutates_args=())
+@_dispatch.on_first_tensor_device
 def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Tensor,
                activation: str, fwd_backend: str, bwd_backend: str,
                need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) of linear_fwd given dy [M, N] (any strides); a gradient not asked for is an
     empty tensor. ``fwd_backend`` says what z holds (see linear_fwd); ``bwd_backend`` picks the GEMMs."""
     act = None if activation == "none" else activation
+    # "auto" (deferred by linear()): the same pure function of device/dtype/shapes the forward
+    # used, so fwd_backend still says what z holds
+    fwd_backend = _resolve(fwd_backend, x, weight, activation, "fwd")
+    bwd_backend = _resolve(bwd_backend, x, weight, activation, "bwd")
     need_dz = need_dx or need_dw
     n = weight.shape[0]
     if act is not None and z.numel() != dy.numel():
@@ -304,9 +341,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     act = _ACTIVATIONS[activation]
     n, k = weight.shape
     x2d = x if x.dim() == 2 else x.reshape(-1, k)
-    # both directions are chosen now (same shapes), so a forced backend holds for the backward too
-    chosen = (choose_backend(x2d, n, k, act, "fwd", backend) + ":"
-              + choose_backend(x2d, n, k, act, "bwd", backend))
+    # both directions are chosen now (same shapes), so a forced backend holds for the backward too.
+    # On CUDA an "auto" request stays "auto" here and is resolved inside the ops: the table lookup
+    # (file read, device name) would be a graph break under torch.compile(fullgraph=True).
+    chosen = (choose_backend(x2d, n, k, act, "fwd", backend, defer_auto=True) + ":"
+              + choose_backend(x2d, n, k, act, "bwd", backend, defer_auto=True))
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     y, _ = torch.ops.bert_fast.linear_fwd(x2d, weight, bias, act, chosen, act != "none" and needs_grad)

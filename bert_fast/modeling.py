@@ -232,10 +232,6 @@ class BertModel(transformers.BertModel):
             attention_mask = torch.ones((b, s), dtype=torch.bool, device=device)
         else:
             attention_mask = _check_mask(attention_mask, (b, s), device)
-        if position_ids is not None:
-            position_ids = position_ids.expand(b, s)
-        if token_type_ids is not None:
-            token_type_ids = token_type_ids.expand(b, s)
 
         batch = _Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
                        mask=attention_mask if padded else None, batch=b, seqlen=s)

@@ -90,6 +90,22 @@ def test_mask_dtypes_bool_int_float_agree(padded):
         assert torch.equal(o, outs[0])
 
 
+def test_inputs_embeds_and_broadcast_position_ids_match_transformers():
+    cfg = make_config()
+    hf, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
+    ids, mask, types = ragged_batch(cfg, [9, 5], 9)
+    embeds = hf.embeddings.word_embeddings(ids)
+    pos = torch.arange(9, device=DEVICE)[None]          # [1, S], as transformers passes it
+    with torch.no_grad():
+        ref = hf(inputs_embeds=embeds, attention_mask=mask, token_type_ids=types, position_ids=pos)
+        out = fast(inputs_embeds=embeds, attention_mask=mask, token_type_ids=types, position_ids=pos)
+        by_ids = fast(ids, attention_mask=mask, token_type_ids=types, position_ids=pos)
+    assert max_diff_real(out.last_hidden_state, ref.last_hidden_state, mask) <= ATOL
+    assert max_diff_real(by_ids.last_hidden_state, ref.last_hidden_state, mask) <= ATOL
+    with pytest.raises(ValueError, match="position_ids"):
+        fast(ids, attention_mask=mask, position_ids=torch.zeros(2, 10, dtype=torch.long, device=DEVICE))
+
+
 def test_row_alone_equals_row_in_padded_batch():
     cfg = make_config()
     _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)

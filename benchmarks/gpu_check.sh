@@ -25,13 +25,81 @@
 #
 # Environment: PYTHON (default python), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1.
 #
-# On a leased machine whose commands are cut at 10 minutes, start it detached and poll:
-#   setsid nohup bash benchmarks/gpu_check.sh > /tmp/gpu_check.log 2>&1 &      (first call)
-#   tail -5 /tmp/gpu_check.log; ls benchmarks/results                          (later calls)
-# then copy benchmarks/results/<name>.json and its folder out and commit them.
+# On a leased machine whose commands are cut at 10 minutes (the whole check takes ~25), run it
+# detached and wait for it in later calls:
+#   bash benchmarks/gpu_check.sh --detach          (first call: starts it in its own session,
+#                                                  setsid nohup, log in $BERT_FAST_CHECK_LOG,
+#                                                  default /tmp/gpu_check.log, and returns at once)
+#   bash benchmarks/gpu_check.sh --wait 540        (each later call: blocks until the check ends
+#                                                  or 540 s pass, prints the log's tail; once it
+#                                                  has ended, copies the results into $OUT)
+# Make each --wait call right after the previous one returns: a leased machine that sits idle
+# (tens of seconds) is given back, and the detached run with it. --wait exits 0 when the check
+# has ended (its exit status is in the log's last lines), 3 while it is still running.
+# With $OUT set the results come back as few files (a lease returns at most 8 from $OUT):
+# $OUT/<name>.json, $OUT/<name>.tar.gz (the json, the run folder: logs, plots, junit xml, and
+# README.md) and $OUT/README.md; unpack the tarball in the repo root and commit.
 
 set -u -o pipefail
 
+CHECK_LOG="${BERT_FAST_CHECK_LOG:-/tmp/gpu_check.log}"
+CHECK_DONE="$CHECK_LOG.done"          # written at the end: "<exit status> <results name>"
+
+# copy_out NAME: the results of run NAME into $OUT (a json, one tarball, the README).
+copy_out() {
+    local name=$1 root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    [ -n "${OUT:-}" ] || return 0
+    mkdir -p "$OUT"
+    cp "$root/benchmarks/results/$name.json" "$OUT/" 2>/dev/null
+    tar -czf "$OUT/$name.tar.gz" -C "$root" "benchmarks/results/$name.json" "benchmarks/results/$name" \
+        README.md 2>/dev/null
+    cp "$root/README.md" "$OUT/README.md" 2>/dev/null
+    echo "copied results to $OUT: $name.json $name.tar.gz README.md"
+}
+
+case "${1:-}" in
+    --detach)
+        shift
+        if [ -f "$CHECK_LOG.pid" ] && kill -0 "$(cat "$CHECK_LOG.pid")" 2>/dev/null; then
+            echo "a GPU check is already running (pid $(cat "$CHECK_LOG.pid")); log: $CHECK_LOG"
+            exit 0
+        fi
+        rm -f "$CHECK_DONE"
+        # OUT of this call is emptied before the next one: the detached run must not copy there.
+        env -u OUT BERT_FAST_CHECK_DETACHED=1 setsid nohup bash "${BASH_SOURCE[0]}" "$@" \
+            > "$CHECK_LOG" 2>&1 < /dev/null &
+        echo $! > "$CHECK_LOG.pid"
+        echo "GPU check started detached (pid $!), log: $CHECK_LOG"
+        echo "next: bash benchmarks/gpu_check.sh --wait 540   (call again at once while it runs)"
+        exit 0
+        ;;
+    --wait)
+        limit=${2:-540}
+        t0=$(date +%s)
+        while [ ! -f "$CHECK_DONE" ] && (( $(date +%s) - t0 < limit )); do
+            if [ -f "$CHECK_LOG.pid" ] && ! kill -0 "$(cat "$CHECK_LOG.pid")" 2>/dev/null; then
+                sleep 3     # (the run writes its own pid first thing; setsid may have forked)
+                if [ ! -f "$CHECK_DONE" ] && ! kill -0 "$(cat "$CHECK_LOG.pid")" 2>/dev/null; then
+                    echo "the detached GPU check died without finishing"; tail -40 "$CHECK_LOG"; exit 1
+                fi
+            fi
+            sleep 5
+        done
+        tail -40 "$CHECK_LOG" 2>/dev/null
+        if [ -f "$CHECK_DONE" ]; then
+            read -r rc name < "$CHECK_DONE"
+            echo "GPU check finished: exit status $rc, results $name"
+            copy_out "$name"
+            exit 0
+        fi
+        echo "GPU check still running after ${limit}s wait: call --wait again"
+        exit 3
+        ;;
+esac
+
+[ "${BERT_FAST_CHECK_DETACHED:-0}" = 1 ] && echo $$ > "$CHECK_LOG.pid"
+rm -f "$CHECK_DONE"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 PY="${PYTHON:-python}"
@@ -106,7 +174,13 @@ run_stage info 90 "$RUN_DIR/info.log" "${BF[@]}" info --json "$RUN_DIR/info.json
 # 3. the whole test suite on CUDA
 # BERT_FAST_AUTOTUNE=0: the suite visits hundreds of GEMM shapes once each; autotuning every one
 # would cost more than the tests (the benchmark stages below autotune as usual).
-run_stage tests 540 "$RUN_DIR/pytest.log" env BERT_FAST_AUTOTUNE=0 "$PY" -m pytest tests -q -rs --junitxml="$RUN_DIR/pytest.xml"
+# On a fresh machine (empty Triton cache) the suite compiles hundreds of kernel specializations,
+# which is CPU-bound: with pytest-xdist installed, 4 workers share the GPU, one test file per
+# worker (--dist loadfile keeps a file's module fixtures and its kernels' compiles in one process).
+XDIST=()
+if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 4 --dist loadfile); fi
+run_stage tests 540 "$RUN_DIR/pytest.log" env BERT_FAST_AUTOTUNE=0 "$PY" -m pytest tests -q -rs \
+    ${XDIST[@]+"${XDIST[@]}"} --junitxml="$RUN_DIR/pytest.xml"
 
 # 4. per-op benchmark
 run_stage bench-ops 180 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progress --dtype bf16 \
@@ -146,16 +220,13 @@ for f in "$RUN_DIR"/model-*.json; do [ -e "$f" ] && MODEL_JSONS+=("$f"); done
 "$PY" "$ROOT/benchmarks/make_readme_performance.py" --results-dir "$RESULTS" --readme "$ROOT/README.md" \
     || echo "README Performance section not regenerated"
 
-if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/results"
-    cp -r "$RESULTS/$NAME.json" "$RUN_DIR" "$OUT/results/" 2>/dev/null
-    cp "$ROOT/README.md" "$OUT/README.md" 2>/dev/null
-    echo "copied results to $OUT/results/"
-fi
+copy_out "$NAME"
 
 echo
 echo "== stages (name, rc, seconds, status)"
 cat "$STAGES"
 echo "results: $RESULTS/$NAME.json"
 echo "total: $(( $(date +%s) - START ))s"
+echo "GPU check exit status $FAILED"
+echo "$FAILED $NAME" > "$CHECK_DONE"
 exit $FAILED

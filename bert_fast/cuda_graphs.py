@@ -96,10 +96,20 @@ class CudaGraphRunner:
         """Host-side validation before a replay (the kernels' own range checks are skipped inside
         a graph): shapes, and the id ranges in one fused min/max reduction (one sync)."""
         shape = tuple(input_ids.shape)
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-            if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must have the shape of input_ids {shape}, got {got}")
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                           or tuple(attention_mask.shape) != shape):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must have the shape of input_ids {shape}, got {got}")
+        if token_type_ids is not None:     # as the model: the shape of input_ids or broadcastable to it
+            ok = isinstance(token_type_ids, torch.Tensor)
+            if ok:
+                try:
+                    token_type_ids.expand(shape)
+                except RuntimeError:
+                    ok = False
+            if not ok:
+                got = tuple(token_type_ids.shape) if isinstance(token_type_ids, torch.Tensor) else type(token_type_ids).__name__
+                raise ValueError(f"token_type_ids must have the shape of input_ids {shape} (or broadcast to it), got {got}")
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}")
         if input_ids.numel() == 0:

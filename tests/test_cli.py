@@ -366,3 +366,55 @@ def test_python_m_bert_fast(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         runpy.run_module("bert_fast", run_name="__main__")
     assert exc.value.code == 0 and "bench-ops" in capsys.readouterr().out
+
+
+def test_pytest_counts_parse_xdist_output():
+    """The tests stage runs under pytest-xdist (-n 4) on the GPU machine: worker lines, a crashed
+    worker and -rs reasons must not hide the final summary."""
+    from bert_fast.bench.results import parse_pytest_counts
+
+    log = ("created: 4/4 workers\n4 workers [812 items]\n\n...s..F. [  8%]\n"
+           "[gw2] node down: Not properly terminated\nreplacing crashed worker gw2\n"
+           "SKIPPED [2] tests/test_attention.py:554: needs 2 passed GPUs\n"
+           "1 failed, 800 passed, 11 skipped, 2 warnings in 312.54s (0:05:12)\n")
+    c = parse_pytest_counts(log)
+    assert (c["passed"], c["failed"], c["skipped"]) == (800, 1, 11)
+
+
+def test_gpu_check_detached_mode(tmp_path):
+    """--detach starts the check in its own session and returns; --wait blocks until it ends and
+    copies few files (json, tarball, README) into $OUT. Run on a copy of the repo with a budget
+    too small for any stage, so every stage is recorded as skipped and only the merge runs."""
+    import os
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("bert_fast", "benchmarks"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("results", "__pycache__", "*.so"))
+    shutil.copy(ROOT / "README.md", repo / "README.md")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), BERT_FAST_CHECK_LOG=str(tmp_path / "check.log"),
+               BERT_FAST_CHECK_SKIP_INSTALL="1", BERT_FAST_CHECK_BUDGET_S="70", PYTHONPATH=str(ROOT))
+    script = str(repo / "benchmarks" / "gpu_check.sh")
+    r = subprocess.run(["bash", script, "--detach"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "started detached" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["bash", script, "--wait", "240"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "GPU check finished" in r.stdout, r.stdout + r.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) == 3 and "README.md" in files
+    assert any(f.endswith(".tar.gz") for f in files) and any(f.endswith(".json") for f in files)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_timing_cuda_events_and_peak_memory_without_flush_buffer():
+    """CUDA path of time_callables: event timings, and peak memory that does not count the
+    256 MB L2-flush buffer (allocated once and kept between calls)."""
+    from bert_fast.bench.timing import time_callables
+
+    dev = torch.device("cuda")
+    x = torch.ones(1024, device=dev)
+    t = time_callables([lambda: x.mul_(1.0)], dev, warmup=1, iters=6, flush_l2=True, reset_memory=True)
+    assert t.method == "cuda_event" and t.iters == 6 and t.median_ms > 0 and t.l2_flush
+    assert t.peak_mem_bytes < 64 << 20, t.peak_mem_bytes

@@ -496,3 +496,56 @@ def test_cuda_graph_runner_matches_eager():
             eager = fast(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         graphed = runner(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         assert max_diff_real(graphed, eager, mask) <= 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
+    """bf16 at BERT head dims (the Triton GEMM with its autotuner, which must run in the warm-up,
+    never in the capture), the 1 x 128 bucket of the benchmark; bad ids and shapes raise before
+    any replay; a weight update followed by reset() is picked up, and the captured graph keeps
+    the fused QKV weights it reads alive when the model's cache is rebuilt."""
+    from bert_fast.cuda_graphs import CudaGraphRunner
+
+    cfg = make_config(hidden=256, heads=4, layers=2, vocab=500, max_pos=256)
+    _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
+    fast = fast.to(torch.bfloat16)
+    runner = CudaGraphRunner(fast, batch_buckets=(1, 4), seq_buckets=(128,), warmup=0)
+    assert runner.warmup >= 1
+    ids, mask, types = ragged_batch(cfg, [128], 128)
+    with torch.no_grad():
+        eager = fast(ids, attention_mask=mask, token_type_ids=types, padded=True).last_hidden_state
+    out = runner(ids, attention_mask=mask, token_type_ids=types)
+    assert (out.last_hidden_state.float() - eager.float()).abs().max().item() <= 2e-2
+    with pytest.raises(IndexError, match="token_type_ids"):
+        runner(ids, attention_mask=mask, token_type_ids=torch.full_like(types, 2))
+    with pytest.raises(IndexError, match="input_ids"):
+        runner(torch.full_like(ids, cfg.vocab_size), attention_mask=mask)
+    with pytest.raises(ValueError, match="attention_mask"):
+        runner(ids, attention_mask=mask[:, :64])
+    entry = runner._graphs[(1, 128)]
+    kept = entry["keep"][0][1]
+    with torch.no_grad():
+        fast.encoder.layer[0].attention.self.query.weight.mul_(0.5)
+        eager2 = fast(ids, attention_mask=mask, token_type_ids=types, padded=True).last_hidden_state
+    assert fast.encoder.layer[0].attention.self.__dict__["_bert_fast_qkv"][1] is not kept
+    runner(ids, attention_mask=mask, token_type_ids=types)     # stale, but reads live memory
+    runner.reset()
+    out2 = runner(ids, attention_mask=mask, token_type_ids=types)
+    assert (out2.last_hidden_state.float() - eager2.float()).abs().max().item() <= 2e-2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_graph_runner_on_a_non_current_device():
+    from bert_fast.cuda_graphs import CudaGraphRunner
+
+    cfg = make_config(hidden=128, heads=2, layers=2, max_pos=128)
+    torch.manual_seed(0)
+    fast = bert_fast.BertModel(cfg).to("cuda:1").eval()
+    ids = torch.randint(1, cfg.vocab_size, (2, 16), device="cuda:1")
+    with torch.cuda.device(0):
+        runner = CudaGraphRunner(fast)
+        out = runner(ids).last_hidden_state
+        with torch.no_grad():
+            eager = fast(ids, padded=True).last_hidden_state
+    assert out.device == torch.device("cuda:1")
+    assert (out - eager).abs().max().item() <= 1e-3

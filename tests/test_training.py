@@ -141,8 +141,9 @@ def single_rank_losses(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     mp = pytest.MonkeyPatch()
     try:
+        # --device cpu: the oracle of the gloo runs below, also on a GPU machine
         summary = run_inprocess(mp, ["--grad-accum", "2", "--max-steps", "5", "--dropout", "0",
-                                     "--output-dir", str(out), "--no-save-final"])
+                                     "--device", "cpu", "--output-dir", str(out), "--no-save-final"])
     finally:
         mp.undo()
     assert summary["steps"] == 5 and summary["strategy"] == "none"
@@ -154,7 +155,10 @@ def test_two_ranks_match_one_rank(strategy, single_rank_losses, tmp_path):
     """torchrun with 2 ranks (gloo), global batch 8 = micro 4 x 2 ranks: the same losses as 1 rank
     with micro 4 x accum 2 (FSDP: torch's FSDP2 fully_shard, which runs on the CPU with gloo)."""
     out = tmp_path / strategy
-    torchrun(["--strategy", strategy, "--max-steps", "5", "--dropout", "0", "--output-dir", str(out)])
+    # --device cpu: gloo on every machine (on a 1-GPU machine both ranks would otherwise pick
+    # cuda:0, which NCCL refuses; and CUDA would default to bf16, not the fp32 oracle)
+    torchrun(["--strategy", strategy, "--max-steps", "5", "--dropout", "0", "--device", "cpu",
+              "--output-dir", str(out)])
     losses = metrics(out)
     assert sorted(losses) == sorted(single_rank_losses) == [1, 2, 3, 4, 5]
     for step, ref in single_rank_losses.items():
@@ -350,3 +354,45 @@ def test_cli_demo_defaults_and_hooks():
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     assert e.value.code == 0
+
+
+def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """Two torchrun ranks on a one-GPU machine would both pick cuda:0, which NCCL rejects deep in
+    init ("Duplicate GPU detected"): setup says what to do instead."""
+    from bert_fast.training import distributed as dist_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="--device cpu"):
+        dist_mod.setup("cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA RNG state")
+def test_rng_state_round_trip_restores_cuda_generator(tmp_path):
+    """The checkpoint's RNG file restores the CUDA generator (transformers' dropout draws from it)."""
+    torch.cuda.manual_seed(5)
+    torch.rand(3, device="cuda")
+    state = ckpt.rng_state()
+    assert "cuda" in state
+    ckpt.atomic_torch_save(state, tmp_path / "rng.pt")
+    expected = torch.rand(8, device="cuda")
+    torch.rand(100, device="cuda")
+    ckpt.set_rng_state(ckpt._load_rng(tmp_path / "rng.pt"))
+    assert torch.equal(torch.rand(8, device="cuda"), expected)
+
+
+@pytest.mark.skipif(not CUDA, reason="fused AdamW runs on CUDA")
+def test_build_optimizer_is_fused_on_cuda():
+    model = torch.nn.Linear(8, 8).cuda()
+
+    class Args:
+        lr, beta1, beta2, adam_eps, weight_decay = 1e-3, 0.9, 0.999, 1e-6, 0.01
+
+    opt = loop.build_optimizer(model, Args, torch.device("cuda"))
+    assert opt.defaults.get("fused") is True
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    opt.step()

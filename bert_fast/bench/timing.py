@@ -66,7 +66,7 @@ def summarize(times_ms: Sequence[float]) -> dict:
 
 
 def _flush_l2(device: torch.device) -> None:
-    key = str(device)
+    key = str(_indexed(device))
     buf = _flush_buffers.get(key)
     if buf is None:
         buf = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
@@ -85,10 +85,23 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> Optional[int]:
+    """Peak bytes allocated on ``device`` since the last reset, less the L2-flush buffer (a
+    benchmark artefact that stays allocated between calls, not memory of the code measured)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        peak = int(torch.cuda.max_memory_allocated(device))
+        buf = _flush_buffers.get(str(_indexed(device)))
+        if buf is not None:
+            peak = max(0, peak - buf.numel() * buf.element_size())
+        return peak
     return None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current> (one key per GPU for the flush buffers)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def synchronize(device: torch.device) -> None:
@@ -131,6 +144,9 @@ def time_callables(fns: Sequence[Callable[[], Any]], device, *, warmup: int = 10
     times: List[float] = []
     if device.type == "cuda":
         method = "cuda_event"
+        # Events on the stream the callables are queued on: the current stream of ``device``
+        # (Event.record() without a stream would use the current *device's* stream).
+        stream = torch.cuda.current_stream(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         done = 0
@@ -138,9 +154,9 @@ def time_callables(fns: Sequence[Callable[[], Any]], device, *, warmup: int = 10
         for i in range(iters):
             if flush_l2:
                 _flush_l2(device)
-            starts[i].record()
+            starts[i].record(stream)
             fns[i % n]()
-            ends[i].record()
+            ends[i].record(stream)
             done += 1
             if progress is not None:
                 progress(1)

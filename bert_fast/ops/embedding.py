@@ -422,7 +422,7 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
         indices = indices.to(torch.int64).contiguous()
     seed = _dispatch.draw_seed(dropout_p, generator)
     if _backend(word_embeddings) == "reference":
-        if validate and not torch.compiler.is_compiling():
+        if validate and not torch.compiler.is_compiling() and _dispatch.host_checks_allowed(input_ids):
             _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, position_embeddings.shape[0],
                              token_type_embeddings.shape[0])
         rows = _out_rows(input_ids, indices)

@@ -46,7 +46,14 @@ def setup(device: Optional[str] = None, timeout_s: int = 1800) -> DistInfo:
         if not torch.cuda.is_available():
             raise RuntimeError(f"--device {device}: CUDA is not available")
         if dev.index is None:
-            dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+            n_gpus = torch.cuda.device_count()
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            if local_world > n_gpus or local_rank >= n_gpus:
+                # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): say so up front.
+                raise RuntimeError(f"{max(local_world, local_rank + 1)} ranks on this node but {n_gpus} visible CUDA GPU(s): "
+                                   f"launch at most {n_gpus} processes per node (torchrun "
+                                   f"--nproc_per_node) or train on the CPU with --device cpu")
+            dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if "RANK" in os.environ and world >= 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"

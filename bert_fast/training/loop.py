@@ -8,8 +8,10 @@ so that DDP/FSDP's gradient *average* over ranks is the gradient of that global 
 world size, accumulation steps or how the masked tokens fall into micro-batches.
 
 Precision (``--precision``): fp32; bf16 (torch.autocast bf16, fp32 master weights: bert_fast's
-modeling casts the weights to the autocast dtype per call); fp16 (autocast fp16 + GradScaler,
-ShardedGradScaler under FSDP); bf16-pure (weights, grads and AdamW state in bf16, no autocast).
+modeling casts the weights to the autocast dtype per call); fp16 (autocast fp16 + GradScaler;
+ShardedGradScaler under FSDP1; FSDP2's gradients are DTensors, whose unscale reduces found_inf over
+the mesh, so it keeps the plain GradScaler); bf16-pure (weights, grads and AdamW state in bf16, no
+autocast).
 The loss is always reduced in fp32.
 
 Throughput: tokens/s counts real tokens (attention_mask == 1). MFU = model FLOPs / time / peak with
@@ -310,10 +312,14 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = None
     if args.precision == "fp16":
-        if kind in ("fsdp2", "fsdp1"):
+        if kind == "fsdp1":
+            # FSDP1's flat-parameter shards are plain tensors: its scaler all-reduces found_inf.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
             scaler = ShardedGradScaler(device.type)
         else:
+            # DDP: every rank holds the averaged gradient. FSDP2: gradients are DTensors, and
+            # DTensor's _amp_foreach_non_finite_check_and_unscale_ already reduces found_inf over
+            # the mesh, so the plain GradScaler is the one upstream pairs with fully_shard.
             scaler = torch.amp.GradScaler(device.type)
 
     def autocast():

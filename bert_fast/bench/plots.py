@@ -120,37 +120,35 @@ def _draw_ops(ax, cases) -> bool:
 def _title(doc: Dict[str, Any]) -> str:
     env = doc.get("environment") or {}
     commit = str(env.get("git_commit", "unknown"))[:12]
-    return f"{env.get('device_name', '?')} | driver {env.get('driver_version') or '-'} | commit {commit}"
+    title = f"{env.get('device_name', '?')} | driver {env.get('driver_version') or '-'} | commit {commit}"
+    if env.get("device_type") == "cpu":   # a CPU figure read out of context must not pass for kernel speed
+        title += "\nCPU: bert_fast runs its PyTorch reference path here, not the GPU kernels"
+    return title
+
+
+def _finish(plt, fig, ok: bool, doc: Dict[str, Any], path, dpi: int = 110) -> bool:
+    """Title and save ``fig`` when something was drawn; always close it."""
+    if ok:
+        fig.suptitle(_title(doc), fontsize=9)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return ok
 
 
 def plot_model(doc: Dict[str, Any], path) -> bool:
     plt = _plt()
     runs = doc.get("runs", [])
-    n = max(1, len(runs))
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * n + 3), 9))
-    ok = _draw_model(axes, runs)
-    if ok:
-        fig.suptitle(_title(doc), fontsize=9)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return ok
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * max(1, len(runs)) + 3), 9))
+    return _finish(plt, fig, _draw_model(axes, runs), doc, path)
 
 
 def plot_ops(doc: Dict[str, Any], path) -> bool:
     plt = _plt()
     cases = doc.get("cases", [])
-    n = sum(1 for _ in cases)
-    fig, ax = plt.subplots(1, 1, figsize=(10, max(3, 0.45 * n + 1.5)))
-    ok = _draw_ops(ax, cases)
-    if ok:
-        fig.suptitle(_title(doc), fontsize=9)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return ok
+    fig, ax = plt.subplots(1, 1, figsize=(10, max(3, 0.45 * len(cases) + 1.5)))
+    return _finish(plt, fig, _draw_ops(ax, cases), doc, path)
 
 
 def plot_combined(doc: Dict[str, Any], path) -> bool:
@@ -163,11 +161,4 @@ def plot_combined(doc: Dict[str, Any], path) -> bool:
     gs = fig.add_gridspec(3, 1, height_ratios=[3, 3, max(3, 0.4 * n_ops)])
     ok_model = _draw_model([fig.add_subplot(gs[0]), fig.add_subplot(gs[1])], runs)
     ok_ops = _draw_ops(fig.add_subplot(gs[2]), cases)
-    ok = ok_model or ok_ops
-    if ok:
-        fig.suptitle(_title(doc), fontsize=9)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return ok
+    return _finish(plt, fig, ok_model or ok_ops, doc, path, dpi=100)

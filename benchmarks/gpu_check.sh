@@ -23,7 +23,7 @@
 # runs under `timeout` with min(its own cap, what is left); stages with no time left are recorded
 # as skipped. With $OUT set, the results file, its folder and README.md are copied there too.
 #
-# Environment: PYTHON (default python), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1.
+# Environment: PYTHON (default python3), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1.
 #
 # On a leased machine whose commands are cut at 10 minutes (the whole check takes ~25), run it
 # detached and wait for it in later calls:
@@ -102,7 +102,7 @@ esac
 rm -f "$CHECK_DONE"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
 BUDGET="${BERT_FAST_CHECK_BUDGET_S:-1500}"
 RESERVE=60                       # kept for the merge, the plots and the copies
 START=$(date +%s)

@@ -2,7 +2,7 @@
 
     python -m pytest benchmarks -o python_files='bench_*.py' --benchmark-json=out.json
 
-Same models, weights, inputs and steps as ``bert-fast bench`` (bert_fast.bench.model_bench):
+Same models, weights, inputs and steps as ``bert-fast bench`` (bert_fast.bench.model_bench, model_workload, model_providers):
 bert-base in bf16, inference at dense 32x128 and padded 8x512 (random:0.2 lengths), one training
 step at 16x128, for bert_fast and transformers' sdpa attention. Each round is one call followed by
 a synchronize; extra_info carries tokens/s on real tokens.
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from bert_fast.bench import model_providers as mp
+from bert_fast.bench import model_workload as mw
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="model benchmarks need a CUDA GPU")
 
@@ -24,25 +27,23 @@ PROVIDERS = ["bert_fast", "hf-sdpa"]
 
 @pytest.fixture(scope="module")
 def bench_env():
-    from bert_fast.bench import model_bench as mb
-
-    return mb, torch.device("cuda"), torch.bfloat16, mb.load_config("bert-base")
+    return torch.device("cuda"), torch.bfloat16, mw.load_config("bert-base")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_model(benchmark, bench_env, case, provider):
-    mb, device, dtype, config = bench_env
+    device, dtype, config = bench_env
     _, batch, seq, lengths_spec, mode = case
-    lengths = mb.parse_lengths(lengths_spec, batch, seq, seed=0)
-    state = mb.reference_state_dict(config, "bert-base", seed=0)
+    lengths = mw.parse_lengths(lengths_spec, batch, seq, seed=0)
+    state = mp.reference_state_dict(config, "bert-base", seed=0)
     try:
-        model, runner, _ = mb.build_provider_model(provider, config, state, device, dtype, mode, cuda_graphs=False)
+        model, runner, _ = mp.build_provider_model(provider, config, state, device, dtype, mode, cuda_graphs=False)
     except (ImportError, AttributeError) as exc:
         pytest.skip(f"{provider} not available: {exc}")
-    optimizer = mb._make_optimizer(model, device) if mode == "train" else None
-    inputs = mb.make_inputs(config, lengths, seq, device, n_sets=3, seed=0)
-    steps = [mb.make_step(runner, model, inp, mode, optimizer) for inp in inputs]
+    optimizer = mp._make_optimizer(model, device) if mode == "train" else None
+    inputs = mw.make_inputs(config, lengths, seq, device, n_sets=3, seed=0)
+    steps = [mp.make_step(runner, model, inp, mode, optimizer) for inp in inputs]
     for i in range(5):                      # warm-up: Triton autotuning, cuBLAS heuristics
         steps[i % len(steps)]()
     torch.cuda.synchronize()
@@ -59,6 +60,6 @@ def test_model(benchmark, bench_env, case, provider):
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(provider=provider, batch=batch, seq=seq, lengths=lengths_spec, mode=mode,
                                 real_tokens=sum(lengths), tokens_per_s=sum(lengths) / median,
-                                flops_per_step=mb.step_flops(config, lengths, mode))
+                                flops_per_step=mw.step_flops(config, lengths, mode))
     del steps, model, runner, optimizer
     torch.cuda.empty_cache()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -140,7 +139,7 @@ def gather_info(device_name: Optional[str] = None) -> dict:
 
 def _model_available() -> bool:
     try:
-        from bert_fast.bench.model_bench import bert_fast_model_class
+        from bert_fast.bench.model_providers import bert_fast_model_class
 
         return bert_fast_model_class() is not None
     except Exception:  # noqa: BLE001

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bert_fast import cli
-from bert_fast.bench import model_bench, ops_bench
+from bert_fast.bench import model_bench, model_providers, model_workload, ops_bench
 from bert_fast.bench.op_case import OpCase
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,34 +126,34 @@ def test_train_hook_forwards_argv(monkeypatch):
 
 # ----------------------------------------------------------------------------- lengths and FLOPs
 def test_lengths(tmp_path):
-    assert model_bench.parse_lengths("full", 3, 16) == [16, 16, 16]
-    r = model_bench.parse_lengths("random:0.25", 64, 100)
-    assert r == model_bench.parse_lengths("random:0.25", 64, 100)       # fixed seed
+    assert model_workload.parse_lengths("full", 3, 16) == [16, 16, 16]
+    r = model_workload.parse_lengths("random:0.25", 64, 100)
+    assert r == model_workload.parse_lengths("random:0.25", 64, 100)       # fixed seed
     assert min(r) >= 25 and max(r) <= 100 and len(set(r)) > 1
     f = tmp_path / "lens.txt"
     f.write_text("3, 5\n7")
-    assert model_bench.parse_lengths(str(f), 5, 8) == [3, 5, 7, 3, 5]
+    assert model_workload.parse_lengths(str(f), 5, 8) == [3, 5, 7, 3, 5]
     for bad in ("random:0", "random:1.5", "random:x", str(tmp_path / "nope.txt")):
-        with pytest.raises(model_bench.BenchError):
-            model_bench.parse_lengths(bad, 2, 8)
+        with pytest.raises(model_workload.BenchError):
+            model_workload.parse_lengths(bad, 2, 8)
     f.write_text("9")
-    with pytest.raises(model_bench.BenchError, match=r"\[1, 8\]"):
-        model_bench.parse_lengths(str(f), 2, 8)
+    with pytest.raises(model_workload.BenchError, match=r"\[1, 8\]"):
+        model_workload.parse_lengths(str(f), 2, 8)
 
 
 def test_inputs_never_zero_at_real_tokens():
-    cfg = model_bench.load_config("tiny")
-    (inp,) = model_bench.make_inputs(cfg, [5, 8], 8, "cpu", n_sets=1)
+    cfg = model_workload.load_config("tiny")
+    (inp,) = model_workload.make_inputs(cfg, [5, 8], 8, "cpu", n_sets=1)
     mask = inp["attention_mask"].bool()
     assert (inp["input_ids"][mask] > 0).all() and (inp["input_ids"][~mask] == 0).all()
     assert mask.sum(1).tolist() == [5, 8]
 
 
 def test_flops_formula_bert_base():
-    cfg = model_bench.load_config("bert-base")
-    per_token = model_bench.step_flops(cfg, [128] * 4, "infer") / (4 * 128)
+    cfg = model_workload.load_config("bert-base")
+    per_token = model_workload.step_flops(cfg, [128] * 4, "infer") / (4 * 128)
     assert per_token == pytest.approx(174.6e6, rel=1e-3)
-    assert model_bench.step_flops(cfg, [128], "train") == pytest.approx(3 * 128 * per_token)
+    assert model_workload.step_flops(cfg, [128], "train") == pytest.approx(3 * 128 * per_token)
 
 
 # ----------------------------------------------------------------------------- info
@@ -220,10 +220,10 @@ def test_bench_train_mode(tmp_path, tiny_ckpt):
 def _bert_fast_runnable(ckpt) -> str:
     """'' when bert_fast.BertModel runs a tiny forward here, else why not (parallel development)."""
     try:
-        cls = model_bench.bert_fast_model_class()
-        cfg = model_bench.load_config(str(ckpt))
+        cls = model_providers.bert_fast_model_class()
+        cfg = model_workload.load_config(str(ckpt))
         m = cls(cfg).eval()
-        (inp,) = model_bench.make_inputs(cfg, [3, 4], 4, "cpu", n_sets=1)
+        (inp,) = model_workload.make_inputs(cfg, [3, 4], 4, "cpu", n_sets=1)
         with torch.no_grad():
             m(**inp)
     except Exception as exc:  # noqa: BLE001

@@ -10,328 +10,27 @@ local directory) and weights are random.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
-import math
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+
+from bert_fast.bench.model_providers import (_hidden, _make_optimizer, bert_fast_model_class,
+                                             build_provider_model, make_step, reference_state_dict)
+from bert_fast.bench.model_workload import BenchError, load_config, make_inputs, parse_lengths, step_flops
 
 PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile")
 MODES = ("infer", "train")
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
 # Presets (no downloads): shapes of the Hugging Face checkpoints of the same names.
-PRESETS: Dict[str, Dict[str, Any]] = {
-    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                      vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                       vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    # sentence-transformers/all-MiniLM-L6-v2
-    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
-                   vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    # the CPU default: small enough that every provider runs in seconds
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-                 vocab_size=1024, max_position_embeddings=512, type_vocab_size=2),
-}
-
 CPU_NOTE = ("No CUDA GPU: bert_fast's Triton and CUDA kernels need a CUDA GPU. On this CPU, the "
             "bert_fast provider runs its pure-PyTorch reference path{interp}, so these figures "
             "measure CPU PyTorch, not the kernels; the speedups and MFU say nothing about GPU speed.")
 
 
-class BenchError(Exception):
-    """A bad argument or an unusable input (the CLI prints it and exits 2)."""
-
-
-# ----------------------------------------------------------------------------- FLOPs
-def flops_per_token(hidden: int, layers: int, intermediate: int, seq_len: float) -> float:
-    """Model FLOPs of one forward per real token of a sequence of ``seq_len`` real tokens.
-
-        F = L * ( 2 * (4*H^2 + 2*H*I)   # the matmuls: Q, K, V, output projection (4 H x H)
-                                        #   and the two FFN matmuls (H x I, I x H); 2 FLOPs per MAC
-                  + 4 * S * H )         # attention: Q K^T and P V, each 2*S*H per token per layer
-
-    Embeddings (gathers), LayerNorms, softmax, biases and the pooler (one row per sequence) are
-    left out, as in the usual MFU convention. S is the *real* length of the token's sequence:
-    bert_fast skips pads, so pads are no useful work. bert-base at S=128:
-    12 * (2 * 7,077,888 + 4*128*768) = 174,587,904 ~= 174.6 MFLOP/token. Training (forward +
-    backward) counts 3x the forward.
-    """
-    h, i = float(hidden), float(intermediate)
-    return layers * (2.0 * (4.0 * h * h + 2.0 * h * i) + 4.0 * float(seq_len) * h)
-
-
-def step_flops(config, lengths: Sequence[int], mode: str) -> float:
-    """Model FLOPs of one call over a batch with real ``lengths`` (x3 for training)."""
-    total = sum(l * flops_per_token(config.hidden_size, config.num_hidden_layers,
-                                    config.intermediate_size, l) for l in lengths)
-    return total * (3.0 if mode == "train" else 1.0)
-
-
-# ----------------------------------------------------------------------------- configs & lengths
-def load_config(model: str):
-    """A BertConfig from a preset name or a local checkpoint directory holding config.json."""
-    from transformers import BertConfig
-
-    if model in PRESETS:
-        return BertConfig(**PRESETS[model])
-    path = Path(model).expanduser()
-    looks_like_path = os.sep in model or model.startswith(".") or path.exists()
-    if not looks_like_path:
-        raise BenchError(f"unknown model {model!r}: use one of {', '.join(PRESETS)} or a local "
-                         f"checkpoint directory containing config.json")
-    if not path.is_dir():
-        raise BenchError(f"checkpoint directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise BenchError(f"no config.json in checkpoint directory {path}")
-    try:
-        config = BertConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise BenchError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    return config
-
-
-def parse_lengths(spec: str, batch: int, seq: int, seed: int = 0) -> List[int]:
-    """Real length of each of the ``batch`` sequences.
-
-    ``full``: all ``seq``. ``random:MINFRAC``: uniform integers in [ceil(MINFRAC*seq), seq] from a
-    fixed seed. Otherwise a path to a file of integers (whitespace or comma separated), used in
-    order and cycled when shorter than the batch; each must be in [1, seq].
-    """
-    import random
-
-    if batch < 1 or seq < 1:
-        raise BenchError(f"batch and seq must be >= 1, got batch={batch} seq={seq}")
-    if spec == "full":
-        return [seq] * batch
-    if spec.startswith("random:"):
-        try:
-            frac = float(spec.split(":", 1)[1])
-        except ValueError:
-            raise BenchError(f"--lengths {spec!r}: expected random:MINFRAC with MINFRAC a number in (0, 1]") from None
-        if not 0.0 < frac <= 1.0:
-            raise BenchError(f"--lengths {spec!r}: MINFRAC must be in (0, 1], got {frac}")
-        lo = max(1, math.ceil(frac * seq))
-        rng = random.Random(seed)
-        return [rng.randint(lo, seq) for _ in range(batch)]
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise BenchError(f"--lengths {spec!r}: not 'full', not 'random:MINFRAC' and not an existing file")
-    text = path.read_text().replace(",", " ").split()
-    try:
-        vals = [int(v) for v in text]
-    except ValueError:
-        raise BenchError(f"--lengths file {path}: every entry must be an integer") from None
-    if not vals:
-        raise BenchError(f"--lengths file {path} holds no integers")
-    bad = [v for v in vals if not 1 <= v <= seq]
-    if bad:
-        raise BenchError(f"--lengths file {path}: lengths must be in [1, {seq}] (--seq), got {bad[:5]}")
-    return [vals[i % len(vals)] for i in range(batch)]
-
-
-def make_inputs(config, lengths: Sequence[int], seq: int, device, n_sets: int, seed: int = 0):
-    """``n_sets`` input dicts (input_ids, attention_mask, token_type_ids) for the same lengths.
-
-    Token ids are uniform in [1, vocab) at real positions (never 0, the pad id) and 0 at pads;
-    token types are 0 for the first half of each sequence and 1 for the rest (a sentence pair).
-    """
-    import torch
-
-    b = len(lengths)
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    lens = torch.tensor(lengths, dtype=torch.long)
-    pos = torch.arange(seq).expand(b, seq)
-    mask = (pos < lens[:, None]).long()
-    types = ((pos >= (lens[:, None] + 1) // 2) & mask.bool()).long() if config.type_vocab_size > 1 \
-        else torch.zeros(b, seq, dtype=torch.long)
-    sets = []
-    for _ in range(n_sets):
-        ids = torch.randint(1, config.vocab_size, (b, seq), generator=g) * mask
-        sets.append({"input_ids": ids.to(device), "attention_mask": mask.to(device),
-                     "token_type_ids": types.to(device)})
-    return sets
-
-
-# ----------------------------------------------------------------------------- models
-_STATE_CACHE: Dict[str, Dict[str, Any]] = {}
-
-
-def reference_state_dict(config, key: str, seed: int = 0):
-    """One set of random weights per model (fp32, CPU, seeded) shared by every provider."""
-    import torch
-    from transformers import BertModel as HFBertModel
-
-    if key not in _STATE_CACHE:
-        torch.manual_seed(seed)
-        cfg = copy.deepcopy(config)
-        cfg._attn_implementation = "eager"
-        model = HFBertModel(cfg)
-        _STATE_CACHE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        del model
-    return _STATE_CACHE[key]
-
-
-def _hf_model(config, attn: str, device, dtype):
-    import torch
-    from transformers import BertModel as HFBertModel
-
-    cfg = copy.deepcopy(config)
-    try:
-        cfg._attn_implementation = attn
-    except Exception:  # noqa: BLE001 - older transformers: fall through to _from_config
-        pass
-    with torch.device(device):
-        try:
-            model = HFBertModel._from_config(cfg, attn_implementation=attn)
-        except TypeError:
-            model = HFBertModel(cfg)
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != attn:
-        raise RuntimeError(f"transformers built attention {impl!r} instead of {attn!r}")
-    return model.to(dtype)
-
-
-def bert_fast_model_class():
-    """bert_fast.BertModel, imported lazily (None while it does not exist)."""
-    import bert_fast
-
-    cls = getattr(bert_fast, "BertModel", None)
-    if cls is None:
-        from bert_fast.modeling import BertModel as cls  # noqa: N813
-    return cls
-
-
-def _bert_fast_model(config, state, device, dtype):
-    """bert_fast.BertModel exactly as a transformers user would build it: from the config, then
-    the Hugging Face state dict (strict). Falls back to save_pretrained + from_pretrained if the
-    model only fuses QKV in from_pretrained."""
-    import torch
-
-    cls = bert_fast_model_class()
-    with torch.device(device):
-        model = cls(copy.deepcopy(config))
-    model = model.to(dtype)
-    try:
-        model.load_state_dict(state, strict=True)
-    except (RuntimeError, KeyError) as exc:
-        from transformers import BertModel as HFBertModel
-
-        del model
-        with tempfile.TemporaryDirectory(prefix="bert_fast_bench_") as tmp:
-            cfg = copy.deepcopy(config)
-            cfg._attn_implementation = "eager"
-            hf = HFBertModel(cfg)
-            hf.load_state_dict(state, strict=True)
-            hf.save_pretrained(tmp)
-            del hf
-            try:
-                model = cls.from_pretrained(tmp, dtype=dtype)
-            except TypeError:
-                model = cls.from_pretrained(tmp, torch_dtype=dtype)
-        model = model.to(device=device, dtype=dtype)
-        print(f"  note: bert_fast.BertModel.load_state_dict(HF state dict, strict=True) failed ({exc}); "
-              f"loaded through save_pretrained/from_pretrained instead", file=sys.stderr)
-    return model
-
-
-def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool):
-    """(model, callable-like-the-model, notes) for one provider."""
-    import torch
-
-    notes: List[str] = []
-    if provider == "hf-eager":
-        model = _hf_model(config, "eager", device, dtype)
-    elif provider in ("hf-sdpa", "hf-compile"):
-        model = _hf_model(config, "sdpa", device, dtype)
-    elif provider == "bert_fast":
-        model = _bert_fast_model(config, state, device, dtype)
-    else:  # validated earlier
-        raise BenchError(f"unknown provider {provider!r}")
-    if provider != "bert_fast":
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
-    model.train(mode == "train")
-    runner: Callable = model
-    if provider == "hf-compile":
-        if cuda_graphs and torch.device(device).type == "cuda":
-            runner = torch.compile(model, mode="reduce-overhead")
-            notes.append("torch.compile(mode='reduce-overhead'): torch's own CUDA graphs")
-        else:
-            runner = torch.compile(model)
-    elif provider == "bert_fast" and cuda_graphs:
-        if torch.device(device).type != "cuda":
-            notes.append("--cuda-graphs ignored: CUDA graphs need a CUDA GPU")
-        else:
-            from bert_fast.cuda_graphs import CudaGraphRunner
-
-            runner = CudaGraphRunner(model)
-            notes.append("bert_fast.cuda_graphs.CudaGraphRunner")
-    elif cuda_graphs:
-        notes.append("--cuda-graphs applies to bert_fast (CudaGraphRunner) and hf-compile "
-                     "(mode='reduce-overhead'); this provider runs eagerly")
-    return model, runner, notes
-
-
-def _hidden(out):
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
-def _pooled(out):
-    if hasattr(out, "pooler_output"):
-        return out.pooler_output
-    if isinstance(out, (tuple, list)) and len(out) > 1:
-        return out[1]
-    return None
-
-
-def make_step(runner, model, inputs: Dict[str, Any], mode: str, optimizer=None) -> Callable[[], Any]:
-    """The timed call for one input set: a forward (no grad) or a full training step."""
-    import torch
-
-    if mode == "infer":
-        def infer():
-            with torch.no_grad():
-                return runner(**inputs)
-        return infer
-
-    mask = inputs["attention_mask"]
-    n_real = mask.sum().clamp_min(1)
-
-    def train():
-        optimizer.zero_grad(set_to_none=True)
-        out = runner(**inputs)
-        h = _hidden(out).float()
-        loss = (h.square().mean(-1) * mask).sum() / n_real
-        pooled = _pooled(out)
-        if pooled is not None:
-            loss = loss + pooled.float().square().mean()
-        loss.backward()
-        optimizer.step()
-        return None
-    return train
-
-
-def _make_optimizer(model, device):
-    import torch
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    if torch.device(device).type == "cuda":
-        try:
-            return torch.optim.AdamW(params, lr=1e-5, fused=True)
-        except (RuntimeError, TypeError, ValueError):
-            pass
-    return torch.optim.AdamW(params, lr=1e-5)
-
-
-# ----------------------------------------------------------------------------- running
 def _progress(total: int, desc: str, enabled: bool):
     if not enabled:
         return None, None
@@ -358,8 +57,6 @@ def _cleanup(device) -> None:
 
 def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
     """Max |bert_fast - reference| over real tokens (pads are not compared)."""
-    import torch
-
     a = reference_out.float()
     b = bf_out.float()
     m = mask.bool()

@@ -131,7 +131,9 @@ def test_outputs_tuple_and_hidden_states():
     assert torch.equal(tup[0], out[0]) and torch.equal(tup[1], out.pooler_output)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: CI checks the same examples every run (a property failure must reproduce, not flicker)
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(heads=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([16, 24, 32]),
        lengths=st.lists(st.integers(0, 10), min_size=1, max_size=3), act=st.sampled_from(["gelu", "gelu_new"]))
 def test_property_random_shapes(heads, head_dim, lengths, act):

@@ -296,13 +296,10 @@ void fill_dropout(const py::dict& d, float& scale, uint64_t& threshold, uint64_t
   seed = static_cast<uint64_t>(get_val<int64_t>(d, "seed", 0));
 }
 
-EmbFwdParams parse_fwd(const py::dict& d) {
-  EmbFwdParams p{};
-  p.out = reinterpret_cast<void*>(get_ptr(d, "out"));
-  p.mean = reinterpret_cast<float*>(get_ptr(d, "mean"));
-  p.rstd = reinterpret_cast<float*>(get_ptr(d, "rstd"));
-  p.mean64 = reinterpret_cast<double*>(get_ptr(d, "mean"));
-  p.rstd64 = reinterpret_cast<double*>(get_ptr(d, "rstd"));
+// The lookup inputs forward and backward share (ids/positions/types, the three tables, gamma,
+// dtype and dropout): both parameter structs name these fields alike.
+template <class Params>
+void parse_lookup(const py::dict& d, Params& p) {
   p.ids = reinterpret_cast<const void*>(get_ptr(d, "ids"));
   p.pos = reinterpret_cast<const void*>(get_ptr(d, "pos"));
   p.tt = reinterpret_cast<const void*>(get_ptr(d, "tt"));
@@ -317,10 +314,20 @@ EmbFwdParams parse_fwd(const py::dict& d) {
   p.posemb = reinterpret_cast<const void*>(get_ptr(d, "posemb"));
   p.typeemb = reinterpret_cast<const void*>(get_ptr(d, "typeemb"));
   p.gamma = reinterpret_cast<const void*>(get_ptr(d, "gamma"));
-  p.beta = reinterpret_cast<const void*>(get_ptr(d, "beta"));
   p.dtype = req_val<int>(d, "dtype");
-  p.eps = get_val<double>(d, "eps", 1e-12);
   fill_dropout(d, p.dropout_scale, p.keep_threshold, p.seed);
+}
+
+EmbFwdParams parse_fwd(const py::dict& d) {
+  EmbFwdParams p{};
+  p.out = reinterpret_cast<void*>(get_ptr(d, "out"));
+  p.mean = reinterpret_cast<float*>(get_ptr(d, "mean"));
+  p.rstd = reinterpret_cast<float*>(get_ptr(d, "rstd"));
+  p.mean64 = reinterpret_cast<double*>(get_ptr(d, "mean"));
+  p.rstd64 = reinterpret_cast<double*>(get_ptr(d, "rstd"));
+  parse_lookup(d, p);
+  p.beta = reinterpret_cast<const void*>(get_ptr(d, "beta"));
+  p.eps = get_val<double>(d, "eps", 1e-12);
   if (p.rows > 0 && (!p.out || !p.mean || !p.rstd || !p.ids || !p.word || !p.posemb || !p.typeemb ||
                      !p.gamma || !p.beta))
     throw std::invalid_argument("embedding_fwd: a required pointer is null");
@@ -331,26 +338,11 @@ EmbFwdParams parse_fwd(const py::dict& d) {
 EmbBwdParams parse_bwd(const py::dict& d) {
   EmbBwdParams p{};
   p.dy = reinterpret_cast<const void*>(get_ptr(d, "dy"));
-  p.ids = reinterpret_cast<const void*>(get_ptr(d, "ids"));
-  p.pos = reinterpret_cast<const void*>(get_ptr(d, "pos"));
-  p.tt = reinterpret_cast<const void*>(get_ptr(d, "tt"));
-  p.ids_i64 = get_val<int>(d, "ids_i64", 1);
-  p.pos_i64 = get_val<int>(d, "pos_i64", 1);
-  p.tt_i64 = get_val<int>(d, "tt_i64", 1);
-  p.indices = reinterpret_cast<const int64_t*>(get_ptr(d, "indices"));
-  p.rows = req_val<int64_t>(d, "rows");
-  p.seq_len = get_val<int64_t>(d, "seq_len", 1);
-  p.hidden = req_val<int64_t>(d, "hidden");
-  p.word = reinterpret_cast<const void*>(get_ptr(d, "word"));
-  p.posemb = reinterpret_cast<const void*>(get_ptr(d, "posemb"));
-  p.typeemb = reinterpret_cast<const void*>(get_ptr(d, "typeemb"));
-  p.gamma = reinterpret_cast<const void*>(get_ptr(d, "gamma"));
+  parse_lookup(d, p);
   p.mean = reinterpret_cast<const float*>(get_ptr(d, "mean"));
   p.rstd = reinterpret_cast<const float*>(get_ptr(d, "rstd"));
   p.mean64 = reinterpret_cast<const double*>(get_ptr(d, "mean"));
   p.rstd64 = reinterpret_cast<const double*>(get_ptr(d, "rstd"));
-  p.dtype = req_val<int>(d, "dtype");
-  fill_dropout(d, p.dropout_scale, p.keep_threshold, p.seed);
   p.padding_idx = get_val<int64_t>(d, "padding_idx", -1);
   p.dword = reinterpret_cast<void*>(get_ptr(d, "dword"));
   p.dpos = reinterpret_cast<void*>(get_ptr(d, "dpos"));

@@ -1,4 +1,5 @@
-"""Test helpers shared by tests/ and benchmarks/: the tolerance rule of DESIGN.md and test devices.
+"""Test helpers shared by tests/ and benchmarks/: the tolerance rule of DESIGN.md, test devices, and
+a numpy Philox4x32-10 that pins the kernels' dropout streams bit for bit.
 
 The rule (after flash-attention's suites): against a float64 oracle, a kernel's error may be at
 most ``factor`` (2) times the error of plain PyTorch run in the same dtype, plus a small floor
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 
 # Second check: fixed bands per dtype (loose on purpose; the 2x rule is the real test).
@@ -72,3 +74,33 @@ def assert_close_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype
         atol, rtol = FIXED_BANDS[actual.dtype]
         torch.testing.assert_close(actual.double(), oracle.double(), atol=atol * max(1.0, oracle.abs().max().item() if oracle.numel() else 1.0),
                                    rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- Philox, in numpy
+# A re-implementation of Triton's stream (triton/language/random.py: philox -> philox_impl, and
+# uint_to_uniform_float), independent of the kernels: the dropout tests compare the masks the
+# kernels draw with masks built from it, which pins each kernel's counter layout and word order.
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, seed: int):
+    """Philox-4x32-10 of the counters (c0, c1, c2, c3) (uint32 values, any broadcastable arrays)
+    under the 64-bit key ``seed`` (low word first, as Triton splits it): four uint64 arrays of
+    32-bit words."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _M32 for c in (c0, c1, c2, c3))
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    k0, k1 = seed & 0xFFFFFFFF, seed >> 32
+    round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        pa, pb = round_a * c0, round_b * c2          # < 2^64: exact in uint64
+        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ np.uint64(k0), pb & _M32,
+                          (pa >> np.uint64(32)) ^ c3 ^ np.uint64(k1), pa & _M32)
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def uint32_to_uniform_float(r) -> np.ndarray:
+    """Triton's uint_to_uniform_float for 32-bit words: float32 in [0, 1)."""
+    x = (np.asarray(r, dtype=np.uint64) & _M32).astype(np.uint32).view(np.int32).astype(np.int64)
+    x = np.where(x < 0, -x - 1, x)
+    return x.astype(np.float32) * np.float32(4.6566127342e-10)

@@ -25,20 +25,23 @@ all masked never computes (-inf) - (-inf): it ends with l = 0, output 0 and lse 
 +inf makes the backward's recomputed P exactly 0 for it (zero gradients, never NaN). In the backward,
 a masked key's recomputed P is selected to exactly 0 and its dK/dV rows are written as zeros.
 
-Dropout (on the probabilities, as in BERT): Philox-4x32-10 (``tl.philox``) keyed by the 64-bit seed,
-with a 4 x 32-bit *counter* per score element
-        (c0, c1, c2, c3) = (key position, query position, b * heads + h, 0)
-positions counted from the start of the element's own sequence. Nothing is folded into one linear
-offset, so no counter can overflow int32 whatever the sequence length (each word < 2**32), and the
-padded and varlen layouts draw the same bits for the same (sequence, head, query, key). keep =
-uniform(first Philox word) >= p; kept probabilities are scaled by 1/(1-p). The backward and the
-debug kernel ``_attention_dropout_mask_kernel`` call the same ``_dropout_keep``, so the mask it
-returns is exactly the one the forward and backward used.
+Dropout (on the probabilities, as in BERT): Philox-4x32-10 (``tl.philox``) keyed by the 64-bit seed.
+One call per 4 consecutive keys of a query row, with the 4 x 32-bit *counter*
+        (c0, c1, c2, c3) = (key position // 4, query position, b * heads + h, 0);
+its output word j serves key 4 * c0 + j (a quarter of the integer work of one call per score
+element). Positions count from the start of the element's own sequence. Nothing is folded into one
+linear offset, so no counter can overflow int32 whatever the sequence length (each word < 2**32),
+and the padded and varlen layouts draw the same bits for the same (sequence, head, query, key).
+keep = uniform(word) >= p; kept probabilities are scaled by 1/(1-p). The backward and the debug
+kernel ``_attention_dropout_mask_kernel`` call the same ``_dropout_keep``, so the mask it returns is
+exactly the one the forward and backward used.
 
 Offsets: program ids, sequence starts and row indices are widened to int64 before they multiply a
 stride; pointers then advance by pointer arithmetic, so tensors over 2**31 elements are safe.
 
-Launch configs are picked per head dim, dtype, dropout and the GPU's shared memory (``_configs``); under
+Launch configs: fp16/bf16 on CUDA autotune (``_TUNE_SPACE``, keyed on the sequence-length bucket, head
+dim, mask, dropout and layout); with BERT_FAST_AUTOTUNE=0, for fp32 and on the GPU check's test stage,
+one config per head dim, dtype, dropout and the GPU's shared memory (``_configs``); under
 TRITON_INTERPRET=1 a single small config (asymmetric blocks, to exercise the tails).
 """
 from __future__ import annotations
@@ -57,16 +60,29 @@ LN2 = 0.6931471805599453
 
 # ----------------------------------------------------------------------------- helpers
 @triton.jit
-def _dropout_keep(seed, bh, q_idx, k_idx, dropout_p):
-    """Keep-mask (True = keep) for score elements at query positions ``q_idx`` and key positions
-    ``k_idx`` (int32 tensors of one shape) of sequence-head ``bh`` = b * heads + h."""
-    zero = q_idx * 0
-    c0 = k_idx.to(tl.uint32, bitcast=True)
-    c1 = q_idx.to(tl.uint32, bitcast=True)
+def _dropout_keep(seed, bh, q_pos, k0, dropout_p, BLOCK_N: tl.constexpr):
+    """Keep-mask [BLOCK_M, BLOCK_N] (True = keep) of sequence-head ``bh`` = b * heads + h for the
+    queries at positions ``q_pos`` (int32 [BLOCK_M]) and the BLOCK_N keys from position ``k0`` (a
+    multiple of 4: every key block starts at a multiple of BLOCK_N >= 16).
+
+    One Philox call serves 4 consecutive keys (its 4 output words), a quarter of the integer work of
+    one call per score element (~40 SASS, 20 of them half-rate IMAD.WIDE: at d = 64 that alone would
+    take ~5x the forward's tensor-core time; benchmarks/NOTES.md, Attention). tl.join appends a
+    trailing axis and tl.reshape is row-major, so join(join(w0, w2), join(w1, w3)) flattens to
+    w0, w1, w2, w3: key 4g + j gets word j."""
+    zero = q_pos[:, None] * 0
+    group = k0 // 4 + tl.arange(0, BLOCK_N // 4)
+    c0 = (group[None, :] + zero).to(tl.uint32, bitcast=True)
+    c1 = (q_pos[:, None] + group[None, :] * 0).to(tl.uint32, bitcast=True)
     c2 = (zero + bh).to(tl.uint32, bitcast=True)
-    c3 = zero.to(tl.uint32, bitcast=True)
-    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    return tl.uint_to_uniform_float(r0) >= dropout_p
+    c3 = c2 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    k0_ = (tl.uint_to_uniform_float(w0) >= dropout_p).to(tl.int8)
+    k1_ = (tl.uint_to_uniform_float(w1) >= dropout_p).to(tl.int8)
+    k2_ = (tl.uint_to_uniform_float(w2) >= dropout_p).to(tl.int8)
+    k3_ = (tl.uint_to_uniform_float(w3) >= dropout_p).to(tl.int8)
+    keep = tl.reshape(tl.join(tl.join(k0_, k2_), tl.join(k1_, k3_)), [q_pos.shape[0], BLOCK_N])
+    return keep != 0
 
 
 @triton.jit
@@ -88,7 +104,8 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
               qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
               stride_ks, stride_vs, stride_ms,
               BOUNDS: tl.constexpr, HAS_MASK: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     """One key block at n0: BOUNDS=False for a full block (no length check), True for the tail."""
     k_pos = n0 + offs_n
     n0_64 = tl.cast(n0, tl.int64)       # n0 * stride in int64: one sequence may span > 2**31 elements
@@ -119,8 +136,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, bh, q_pos[:, None] + offs_n[None, :] * 0,
-                             k_pos[None, :] + q_pos[:, None] * 0, dropout_p)
+        keep = _dropout_keep(seed, bh, q_pos, n0, dropout_p, BLOCK_N)
         p = tl.where(keep, p, 0.0)
     if BOUNDS or not EVEN_D:
         v = tl.load(v_ptrs + n0_64 * stride_vs, mask=kv_mask, other=0.0)
@@ -140,7 +156,7 @@ def _attention_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    nheads, seqlen, num_m_blocks,
+    nheads, seqlen, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
@@ -149,6 +165,7 @@ def _attention_fwd_kernel(
     qk_scale = softmax_scale * log2(e) (exp2 domain); LSE stores the natural-log lse."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
+    num_m_blocks = tl.cdiv(seqlen, BLOCK_M)        # BLOCK_M may come from the autotuner
     start_m = pid % num_m_blocks
     bh = pid // num_m_blocks
     off_b = bh // nheads
@@ -190,19 +207,19 @@ def _attention_fwd_kernel(
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
                                       qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
                                       stride_ks, stride_vs, stride_ms,
-                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC)
+                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N)
             n0 += BLOCK_N
     else:
         for n0 in range(0, n_full, BLOCK_N):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
                                       qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
                                       stride_ks, stride_vs, stride_ms,
-                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC)
+                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N)
     if n_full < seq_len:
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n_full, seq_len,
                                   qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
                                   stride_ks, stride_vs, stride_ms,
-                                  True, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC)
+                                  True, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N)
     empty = l_i == 0.0                                  # no key at all: output 0, lse +inf
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
@@ -256,10 +273,11 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
+def _dkdv_step(dk, dv, k, v, key_ok, k0, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
                stride_qs, stride_dos, stride_dqs, softmax_scale, qk_scale, dropout_p, seed, bh,
                offs_m, offs_n, d_valid,
-               HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr):
+               HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """One query block at m0 for the key block (k, v) of _attention_bwd_dkdv_kernel."""
     q_pos = m0 + offs_m
     m0_64 = tl.cast(m0, tl.int64)       # m0 * stride in int64 (see _fwd_step)
@@ -274,8 +292,9 @@ def _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptr
     pT = tl.where(key_ok[:, None], tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, bh, q_pos[None, :] + offs_n[:, None] * 0,
-                             k_pos[:, None] + offs_m[None, :] * 0, dropout_p)
+        # drawn in its [query, key] orientation and transposed to this tile's (a mask built directly
+        # key-major compiles to the same SASS on sm_90: 56 B of spill at 255 registers either way)
+        keep = tl.trans(_dropout_keep(seed, bh, q_pos, k0, dropout_p, BLOCK_N))
         inv_keep = 1.0 / (1.0 - dropout_p)
         pdT = tl.where(keep, pT * inv_keep, 0.0)
         dpT = tl.where(keep, dpT * inv_keep, 0.0)
@@ -303,7 +322,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    nheads, seqlen, num_n_blocks,
+    nheads, seqlen, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
@@ -311,6 +330,7 @@ def _attention_bwd_dkdv_kernel(
     """One program per (key block, sequence, head): loop over query blocks, accumulate dK and dV in
     fp32; with ATOMIC_DQ also atomically add scale * dS K into the fp32 buffer DQ."""
     pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(seqlen, BLOCK_N)        # BLOCK_N may come from the autotuner
     start_n = pid % num_n_blocks
     bh = pid // num_n_blocks
     off_b = bh // nheads
@@ -350,17 +370,17 @@ def _attention_bwd_dkdv_kernel(
     if INTERPRET:       # see _attention_fwd_kernel: no runtime range() bound in the interpreter
         m0 = 0
         while m0 < hi:
-            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
+            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, start_n * BLOCK_N, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
                                 lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
                                 softmax_scale, qk_scale, dropout_p, seed, bh, offs_m, offs_n, d_valid,
-                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC)
+                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC, BLOCK_N)
             m0 += BLOCK_M
     else:
         for m0 in range(0, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, k_pos, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
+            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, start_n * BLOCK_N, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
                                 lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
                                 softmax_scale, qk_scale, dropout_p, seed, bh, offs_m, offs_n, d_valid,
-                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC)
+                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC, BLOCK_N)
     dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
     st_mask = n_in[:, None] & d_valid[None, :]
@@ -374,7 +394,8 @@ def _attention_bwd_dkdv_kernel(
 def _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
              stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
              q_pos, offs_m, offs_n, d_valid,
-             HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+             HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+             BLOCK_N: tl.constexpr):
     """One key block at n0 for the query block of _attention_bwd_dq_kernel."""
     k_pos = n0 + offs_n
     n0_64 = tl.cast(n0, tl.int64)       # see _fwd_step
@@ -388,8 +409,7 @@ def _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
     p = tl.where(key_ok[None, :], tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, bh, q_pos[:, None] + offs_n[None, :] * 0,
-                             k_pos[None, :] + offs_m[:, None] * 0, dropout_p)
+        keep = _dropout_keep(seed, bh, q_pos, n0, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -407,13 +427,14 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
     stride_mb, stride_ms,
-    nheads, seqlen, num_m_blocks,
+    nheads, seqlen, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Deterministic dQ: one program per (query block, sequence, head), loop over key blocks."""
     pid = tl.program_id(0)
+    num_m_blocks = tl.cdiv(seqlen, BLOCK_M)        # BLOCK_M may come from the autotuner
     start_m = pid % num_m_blocks
     bh = pid // num_m_blocks
     off_b = bh // nheads
@@ -449,13 +470,13 @@ def _attention_bwd_dq_kernel(
         while n0 < seq_len:
             dq = _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
                           stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
-                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC)
+                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC, BLOCK_N)
             n0 += BLOCK_N
     else:
         for n0 in range(0, seq_len, BLOCK_N):
             dq = _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
                           stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
-                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC)
+                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC, BLOCK_N)
     dq = dq * softmax_scale
     tl.store(DQ + off_b64 * stride_dqb + off_h64 * stride_dqh + rows_q * stride_dqs + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_mask)
@@ -469,9 +490,7 @@ def _attention_dropout_mask_kernel(OUT, dropout_p, seed, stride_ob, stride_om, s
     bh = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    q_idx = offs_m[:, None] + offs_n[None, :] * 0
-    k_idx = offs_n[None, :] + offs_m[:, None] * 0
-    keep = _dropout_keep(seed, bh, q_idx, k_idx, dropout_p)
+    keep = _dropout_keep(seed, bh, offs_m, tl.program_id(2) * BLOCK_N, dropout_p, BLOCK_N)
     ptrs = (OUT + bh.to(tl.int64) * stride_ob + offs_m.to(tl.int64)[:, None] * stride_om
             + offs_n[None, :] * stride_on)
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
@@ -499,10 +518,11 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
     at launch with "out of resources: shared memory"). Every config was compiled offline for
     sm_90 and sm_80 (fp16/bf16/fp32, head dims 16..128, mask, dropout, varlen, both dQ paths) and
     fits with margin; see tests/test_attention.py::test_configs_fit_shared_memory.
-    fp32 (tests only) uses small tiles. ``dropout``: the forward's Philox draw per score element
-    needs registers, so the forward uses BLOCK_N = 64 with it (128 x 128 spills on sm_90).
-    No autotuning: the same config every call, so the first call never pays for a sweep (see
-    benchmarks/NOTES.md, Attention).
+    fp32 (tests only) uses small tiles. ``dropout``: the forward's Philox draw needs registers, so
+    the forward uses BLOCK_N = 64 with it (128 x 128 needed 1 KB of stack per thread on sm_90 with one
+    Philox call per score element, 8 B with one per 4).
+    This is the config with BERT_FAST_AUTOTUNE=0, under the interpreter and for fp32; otherwise
+    fp16/bf16 on CUDA autotune over _TUNE_SPACE, which contains these choices.
     """
     if device.type != "cuda":      # Triton interpreter: one small config, asymmetric on purpose
         return {"fwd": dict(BLOCK_M=32, BLOCK_N=64), "dkdv": dict(BLOCK_M=64, BLOCK_N=32),
@@ -534,8 +554,89 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
+# Autotune space on CUDA for fp16/bf16: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel kind. It
+# contains _configs' big-shared-memory choices plus the tiles benchmarks/NOTES.md (Attention) names
+# as the candidates: BLOCK_M = 64 for short sequences (more CTAs), BLOCK_N = 128 keys, 2-3 stages; and
+# for dK/dV the 32 x 128 / 8-warp tile, the one that compiles without spills on sm_90 with dropout
+# (64 x 128 sits at 255 registers). Tiles that do not fit the device (head dim 128) are pruned by
+# _tune_candidates before compiling; the winner is cached per key (sequence-length bucket, head dim,
+# mask, dropout, layout, dQ path, dtypes), in memory and in Triton's cache directory (cache_results:
+# the next process on the machine skips the sweep). BERT_FAST_AUTOTUNE=0 keeps the single _configs
+# choice.
+# Kept small on purpose: every candidate is one compile (~1-2 s) per key the first time a key is seen.
+_TUNE_SPACE = {
+    "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
+            (64, 64, 4, 3)],
+    "dkdv": [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
+    "dq": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2)],
+}
+
+
+def _smem_estimate(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int = 2) -> int:
+    """Shared memory (bytes) of a config, from what its loop pipelines: the forward keeps Q and
+    streams K and V; dK/dV keeps K and V and streams Q and dO; dQ keeps Q and dO and streams K and V.
+    Matches Triton's allocation for the forward at d = 64 (114688 B for 128 x 128 x 3 stages); the
+    other kernels add ~10-25% of layout-conversion scratch, hence the margin in _tune_candidates."""
+    if kind == "fwd":
+        return (bm + stages * 2 * bn) * block_d * elt
+    if kind == "dkdv":
+        return (2 * bn + stages * 2 * bm) * block_d * elt
+    return (2 * bm + stages * 2 * bn) * block_d * elt
+
+
+def _tune_candidates(kind: str, block_d: int, smem: int) -> list:
+    """The autotune configs of ``kind`` that fit ``smem`` bytes at head dim ``block_d``."""
+    fits = [c for c in _TUNE_SPACE[kind] if _smem_estimate(kind, c[0], c[1], c[3], block_d) * 1.3 <= smem]
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in fits]
+
+
+def _tuned(kind: str, kernel, reset_to_zero=None):
+    """``kernel`` under triton.autotune over _TUNE_SPACE[kind], pruned to what fits the device."""
+    def prune(configs, named_args, **kwargs):
+        smem = _smem_per_block(torch.device("cuda", torch.cuda.current_device()))
+        ok = {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+              for c in _tune_candidates(kind, kwargs["BLOCK_D"], smem)}
+        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in ok]
+        return kept or configs[-1:]
+
+    configs = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=st)
+               for bm, bn, w, st in _TUNE_SPACE[kind]]
+    key = ["seq_bucket", "BLOCK_D", "IS_VARLEN", "HAS_MASK", "HAS_DROPOUT"] + (["ATOMIC_DQ"] if kind == "dkdv" else [])
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
+                           reset_to_zero=reset_to_zero, cache_results=True)(kernel)
+
+
+_attention_fwd_kernel_tuned = _tuned("fwd", _attention_fwd_kernel)
+# The atomic dQ path accumulates into DQ: every benchmarked run must start from zeros.
+_attention_bwd_dkdv_kernel_tuned = _tuned("dkdv", _attention_bwd_dkdv_kernel, reset_to_zero=["DQ"])
+_attention_bwd_dq_kernel_tuned = _tuned("dq", _attention_bwd_dq_kernel)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _autotuning(t: torch.Tensor) -> bool:
+    """Autotune on CUDA for fp16/bf16 unless BERT_FAST_AUTOTUNE=0 (fp32 is for tests: fixed small tiles)."""
+    return (t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+            and os.environ.get("BERT_FAST_AUTOTUNE", "1") != "0")
+
+
+def _seq_bucket(seqlen: int) -> int:
+    """Autotune key of the (max) sequence length: next power of two, at least 16. Keyed on the raw
+    length, every new max_seqlen of a varlen batch would re-benchmark every config."""
+    return max(16, triton.next_power_of_2(int(seqlen)))
+
+
+def _launch(kind: str, kernel, tuned, qkv: torch.Tensor, blocks, args, kwargs, block_d: int,
+            dropout: bool = False) -> None:
+    """Launch ``kernel`` with _configs' fixed choice, or its autotuned twin ``tuned``; the grid is
+    ``blocks(BLOCK_M, BLOCK_N)`` programs (it depends on the config the autotuner picks)."""
+    if _autotuning(qkv):
+        tuned[lambda meta: (blocks(meta["BLOCK_M"], meta["BLOCK_N"]),)](*args, **kwargs)
+    else:
+        cfg = _configs(kind, block_d, qkv.dtype, qkv.device, dropout)
+        kernel[(blocks(cfg["BLOCK_M"], cfg["BLOCK_N"]),)](*args, **kwargs, **cfg)
 
 
 def _dot_prec(dtype: torch.dtype):
@@ -595,22 +696,20 @@ def attention_fwd(qkv: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlen
     if out.numel() == 0 or batch == 0 or seqlen == 0:
         return out, lse
     block_d = max(16, triton.next_power_of_2(d))
-    cfg = _configs("fwd", block_d, qkv.dtype, qkv.device, dropout_p > 0.0)
-    num_m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
     has_mask = key_mask is not None
     mask_arg = key_mask if has_mask else out           # dummy pointer, never read
     smb, sms = key_mask.stride() if has_mask else (0, 0)
     cu_arg = cu_seqlens if varlen else lse             # dummy pointer, never read
-    grid = (num_m_blocks * batch * nheads,)
-    with _Device(qkv):
-        _attention_fwd_kernel[grid](
-            q, k, v, out, lse, mask_arg, cu_arg,
+    args = (q, k, v, out, lse, mask_arg, cu_arg,
             softmax_scale * LOG2E, dropout_p, seed,
             *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(out, varlen),
             stride_lb, stride_lh, smb, sms,
-            nheads, seqlen, num_m_blocks,
-            HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_MASK=has_mask,
-            HAS_DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_prec(qkv.dtype), INTERPRET=_interpreting(), **cfg)
+            nheads, seqlen, _seq_bucket(seqlen))
+    kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_MASK=has_mask,
+                  HAS_DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_prec(qkv.dtype), INTERPRET=_interpreting())
+    with _Device(qkv):
+        _launch("fwd", _attention_fwd_kernel, _attention_fwd_kernel_tuned, qkv,
+                lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads, args, kwargs, block_d, dropout_p > 0.0)
     return out, lse
 
 
@@ -660,29 +759,25 @@ def attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, key_mask: Optional[torc
             nheads, seqlen, n_pre, BLOCK_M=pre_bm, num_warps=4, **common)
 
         dq_buf = dq if deterministic else torch.zeros(dq.shape, device=qkv.device, dtype=torch.float32)
-        cfg = _configs("dkdv", block_d, qkv.dtype, qkv.device)
-        n_blocks = triton.cdiv(seqlen, cfg["BLOCK_N"])
-        _attention_bwd_dkdv_kernel[(n_blocks * batch * nheads,)](
-            q, k, v, dout, lse, delta, dq_buf, dk, dv, mask_arg, cu_arg,
-            softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
-            *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-            *_strides4(dq_buf, varlen), *_strides4(dk, varlen), *_strides4(dv, varlen),
-            stride_lb, stride_lh, smb, sms,
-            nheads, seqlen, n_blocks,
-            HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, ATOMIC_DQ=not deterministic, DOT_PREC=prec,
-            INTERPRET=_interpreting(),
-            **common, **cfg)
+        bucket = _seq_bucket(seqlen)
+        _launch("dkdv", _attention_bwd_dkdv_kernel, _attention_bwd_dkdv_kernel_tuned, qkv,
+                lambda bm, bn: triton.cdiv(seqlen, bn) * batch * nheads,
+                (q, k, v, dout, lse, delta, dq_buf, dk, dv, mask_arg, cu_arg,
+                 softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
+                 *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+                 *_strides4(dq_buf, varlen), *_strides4(dk, varlen), *_strides4(dv, varlen),
+                 stride_lb, stride_lh, smb, sms, nheads, seqlen, bucket),
+                dict(HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, ATOMIC_DQ=not deterministic, DOT_PREC=prec,
+                     INTERPRET=_interpreting(), **common), block_d)
         if deterministic:
-            cfg = _configs("dq", block_d, qkv.dtype, qkv.device)
-            n_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
-            _attention_bwd_dq_kernel[(n_blocks * batch * nheads,)](
-                q, k, v, dout, lse, delta, dq, mask_arg, cu_arg,
-                softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
-                *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-                *_strides4(dq, varlen), stride_lb, stride_lh, smb, sms,
-                nheads, seqlen, n_blocks,
-                HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, DOT_PREC=prec, INTERPRET=_interpreting(),
-                **common, **cfg)
+            _launch("dq", _attention_bwd_dq_kernel, _attention_bwd_dq_kernel_tuned, qkv,
+                    lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads,
+                    (q, k, v, dout, lse, delta, dq, mask_arg, cu_arg,
+                     softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
+                     *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
+                     *_strides4(dq, varlen), stride_lb, stride_lh, smb, sms, nheads, seqlen, bucket),
+                    dict(HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, DOT_PREC=prec, INTERPRET=_interpreting(),
+                         **common), block_d)
         else:
             dq.copy_(dq_buf)
     return dqkv

@@ -171,8 +171,10 @@ def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
 # Autotune key: M bucketed (M is the token count T, which changes every batch), N, K and the GEMM
 # kind. For the weight gradient (KIND_DW) K is the token count, so it is bucketed too
 # (K_BUCKET): keyed on the raw K, every new batch size T would re-benchmark all configs.
+# cache_results: the winners are also kept in Triton's cache directory, so the next process on the
+# machine (the next benchmark stage, the next training run) skips the sweep.
 @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
-                 prune_configs_by={"early_config_prune": _prune_configs})
+                 prune_configs_by={"early_config_prune": _prune_configs}, cache_results=True)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _linear_fwd_kernel(

@@ -9,18 +9,24 @@ Backward recomputes h from x, residual and the dropout seed (h and the mask are 
 Each backward program walks a contiguous chunk of rows and writes its fp32 partial sums to
 [P, N] buffers, folded by a second deterministic reduction (torch.sum over P). No atomics.
 
-Dropout random stream (Philox, Triton's ``tl.rand``):
-    u[row, col] = tl.rand(seed, row * N + col)   with the offset computed in **int64**;
-    keep = u >= p.
-``tl.rand`` with an int64 offset feeds Philox4x32-10 the counter (lo32(offset), hi32(offset), 0, 0)
-and the 64-bit key ``seed`` (triton/language/random.py, randint4x), so every element of a tensor
-with up to 2^64 elements has its own counter: no int32 wrap-around, no repeated masks for big
-tensors. The mask depends only on (seed, row, col, N), never on block sizes, strides or the
-number of programs, so forward, backward and the debug helper ``dropout_keep_mask`` agree bit for
-bit, and torch.utils.checkpoint (which redraws the same seed) recomputes the same mask.
+Dropout random stream (Philox4x32-10, one call per 4 elements):
+    G = cdiv(N, 4);  group g = col // 4 of row ``row`` uses the int64 offset  row * G + g;
+    r0, r1, r2, r3 = tl.randint4x(seed, row * G + g)      (offset computed in **int64**)
+    keep[row, 4g + j] = tl.uint_to_uniform_float(r_j) >= p,   j = 0..3 (word j -> column 4g + j).
+``tl.randint4x`` with an int64 offset feeds Philox4x32-10 the counter (lo32(offset), hi32(offset),
+0, 0) and the 64-bit key ``seed`` (triton/language/random.py), so every group of 4 elements has
+its own counter, also past 2^32 groups: no int32 wrap-around, no repeated masks for big tensors.
+Using all four output words costs a quarter of ``tl.rand``'s one Philox per element (~40 SASS
+instructions, 20 of them half-rate IMAD.WIDE), which benchmarks/NOTES.md predicted would make the
+dropout LN compute-bound at BERT shapes. The four words
+are interleaved back into columns with ``tl.join`` + ``tl.reshape`` (tiles start at a multiple of
+4 columns and have BLOCK_N >= 4, a power of 2). The mask depends only on
+(seed, row, col, N), never on block sizes, tiles, strides or the number of programs, so forward,
+backward and the debug helper ``dropout_keep_mask`` agree bit for bit, and
+torch.utils.checkpoint (which redraws the same seed) recomputes the same mask.
 
-Any hidden size: BLOCK_N = next_power_of_2(N) with masked loads; int64 row offsets; rows may have
-any stride (the last dimension must be contiguous; the launcher copies otherwise).
+Any hidden size: BLOCK_N = max(4, next_power_of_2(N)) with masked loads; int64 row offsets; rows
+may have any stride (the last dimension must be contiguous; the launcher copies otherwise).
 """
 from __future__ import annotations
 
@@ -33,10 +39,22 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _dropout_keep(seed, rows, cols, N, dropout_p):
-    """Keep-mask of the rows x cols tile: Philox uniform at int64 offset row * N + col, >= p."""
-    offsets = rows[:, None] * N + cols[None, :]          # rows is int64 -> offsets int64
-    return tl.rand(seed, offsets) >= dropout_p
+def _dropout_keep(seed, rows, col0, N, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask [BLOCK_M, BLOCK_N] of rows ``rows`` (int64) and columns col0 .. col0 + BLOCK_N - 1
+    (col0 a multiple of 4, BLOCK_N a multiple of 4): one Philox4x32-10 per group of 4 columns at
+    int64 offset row * cdiv(N, 4) + col // 4, its words r0..r3 -> columns 4g+0..4g+3, u >= p."""
+    tl.static_assert(BLOCK_N % 4 == 0, "BLOCK_N must be a multiple of 4")
+    groups = col0 // 4 + tl.arange(0, BLOCK_N // 4)
+    offsets = rows[:, None] * ((N + 3) // 4) + groups[None, :]    # rows is int64 -> offsets int64
+    r0, r1, r2, r3 = tl.randint4x(seed, offsets)
+    k0 = (tl.uint_to_uniform_float(r0) >= dropout_p).to(tl.int8)
+    k1 = (tl.uint_to_uniform_float(r1) >= dropout_p).to(tl.int8)
+    k2 = (tl.uint_to_uniform_float(r2) >= dropout_p).to(tl.int8)
+    k3 = (tl.uint_to_uniform_float(r3) >= dropout_p).to(tl.int8)
+    # join(a, b)[..., 0] = a, [..., 1] = b, so [m, g, i, j] = k_(2i + j); the row-major reshape
+    # sends (g, i, j) to column col0 + 4g + 2i + j: word j -> column 4g + j.
+    keep = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), [BLOCK_M, BLOCK_N])
+    return keep != 0
 
 
 @triton.jit
@@ -53,7 +71,7 @@ def _residual_layer_norm_fwd_kernel(X, R, W, B, Y, MEAN, RSTD, M, N,
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
     r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, rows, cols, N, dropout_p)
+        keep = _dropout_keep(seed, rows, 0, N, dropout_p, BLOCK_M, BLOCK_N)
         x = tl.where(keep, x * dropout_scale, 0.0)
     h = x + r
     mean = tl.sum(h, axis=1) / N
@@ -95,7 +113,7 @@ def _residual_layer_norm_bwd_kernel(DY, X, R, W, MEAN, RSTD, DX, DRES, DW_PARTIA
         mean = tl.load(MEAN + rows, mask=rmask, other=0.0).to(COMPUTE)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0).to(COMPUTE)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rows, cols, N, dropout_p)
+            keep = _dropout_keep(seed, rows, 0, N, dropout_p, BLOCK_M, BLOCK_N)
             x = tl.where(keep, x * dropout_scale, 0.0)
         xhat = tl.where(mask, (x + r - mean[:, None]) * rstd[:, None], 0.0)
         wdy = tl.where(mask, w[None, :] * dy, 0.0)
@@ -124,7 +142,7 @@ def _dropout_keep_mask_kernel(OUT, M, N, row_start, dropout_p, seed,
     local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (local < M)[:, None] & (cols < N)[None, :]
-    keep = _dropout_keep(seed, local + row_start, cols, N, dropout_p)
+    keep = _dropout_keep(seed, local + row_start, pid_n * BLOCK_N, N, dropout_p, BLOCK_M, BLOCK_N)
     tl.store(OUT + local[:, None] * N + cols[None, :], keep.to(tl.int8), mask=mask)
 
 
@@ -138,8 +156,9 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _config(n: int):
-    """(BLOCK_M, BLOCK_N, num_warps): whole rows, ~4096-element tiles (several rows when N is small)."""
-    block_n = triton.next_power_of_2(n)
+    """(BLOCK_M, BLOCK_N, num_warps): whole rows, ~4096-element tiles (several rows when N is small).
+    BLOCK_N >= 4: the dropout stream draws whole groups of 4 columns."""
+    block_n = max(4, triton.next_power_of_2(n))
     block_m = max(1, min(16, 4096 // block_n))
     tile = block_m * block_n
     num_warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
@@ -252,7 +271,7 @@ def dropout_keep_mask(shape, dropout_p: float, seed: int, device, row_start: int
     if m and n:
         # <= 8x1024 tiles on 8 warps: Philox is register-hungry (a 16x1024 tile on 4 warps spills
         # over 1 KB a thread on sm_80/sm_90). The mask does not depend on the tile.
-        bn = min(triton.next_power_of_2(n), 1024)
+        bn = min(max(4, triton.next_power_of_2(n)), 1024)   # a multiple of 4: whole Philox groups
         bm = max(1, min(16, 8192 // bn))
         _dropout_keep_mask_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -18,7 +19,8 @@ import torch.utils.checkpoint
 from bert_fast import reference
 from bert_fast.ops import _dispatch
 from bert_fast.ops import attention, varlen_attention
-from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+from bert_fast.testing import (assert_close_2x, dtypes_for, philox4x32_10, pick_test_device,
+                               uint32_to_uniform_float)
 
 DEVICE = pick_test_device()
 CUDA = DEVICE.type == "cuda"
@@ -214,7 +216,12 @@ def test_varlen_noncontiguous(device, dtype):
 
 # ----------------------------------------------------------------------------- dropout
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dropout_mask_rebuilds_reference(device, dtype):
+@pytest.mark.parametrize("dq_path", ["atomic", "separate"])
+def test_dropout_mask_rebuilds_reference(device, dtype, dq_path, monkeypatch):
+    """Forward, dK/dV and both dQ kernels apply the debug kernel's mask (each draws it in its own
+    orientation and tile: [query, key] in the forward and dQ, [key, query] in dK/dV)."""
+    if dq_path == "separate":
+        monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
     g = _gen(21)
     b, s, h, d = 2, 45, 2, 32
     qkv = _rand((b, s, 3, h, d), g, device, dtype)
@@ -252,6 +259,31 @@ def test_dropout_varlen_mask_equals_padded_mask(device):
     qkv_v, cu = _pack(qkv, [20, 11])
     _, keep_v = varlen_attention(qkv_v, cu, 20, 0.4, return_dropout_mask=True)
     assert torch.equal(keep_p[0], keep_v[0]) and torch.equal(keep_p[1, :, :11, :11], keep_v[1, :, :11, :11])
+
+
+def _numpy_attention_keep(bh, s, p, seed):
+    """keep[bh, q, k]: word k % 4 of Philox at counter (k // 4, q, bh, 0), uniform >= p."""
+    i = np.arange(bh, dtype=np.uint64)[:, None, None]
+    q = np.arange(s, dtype=np.uint64)[None, :, None]
+    k = np.arange(s, dtype=np.uint64)[None, None, :]
+    c0, c1, c2 = np.broadcast_arrays(k // np.uint64(4), q, i)
+    words = philox4x32_10(c0, c1, c2, np.zeros_like(c0), seed)
+    word = np.choose(np.broadcast_to((k % np.uint64(4)).astype(np.int64), c0.shape), words)
+    return uint32_to_uniform_float(word) >= np.float32(p)
+
+
+def test_dropout_mask_matches_numpy_philox(device):
+    """The attention dropout stream bit for bit: one Philox4x32-10 per 4 keys of a query row, counter
+    (key // 4, query, b * heads + h, 0), key = 64-bit seed, word key % 4 (a length that is not a
+    multiple of 4 or of the debug kernel's 64-wide tiles, a seed above 2**32)."""
+    from bert_fast.kernels.attention import dropout_mask
+    if not _dispatch.use_triton(torch.empty(0, device=device)):
+        pytest.skip("the Philox stream belongs to the Triton kernels")
+    b, h, s, p = 2, 3, 70, 0.3
+    for seed in (12345, 0x299F31D0A4093822):
+        got = dropout_mask(b, h, s, p, seed, device).reshape(b * h, s, s).cpu().numpy()
+        want = _numpy_attention_keep(b * h, s, p, seed)
+        assert (got == want).all(), (seed, np.argwhere(got != want)[:5])
 
 
 def test_dropout_keep_fraction_binomial(device):
@@ -498,6 +530,71 @@ def test_long_varlen_dropout_cuda(device, dtype):
     assert_close_2x(dqkv, g64, gt, name="dqkv")
 
 
+# ----------------------------------------------------------------------------- autotuned launches
+@pytest.fixture
+def autotuned_attention(monkeypatch):
+    """The autotuned launch path (what fp16/bf16 on CUDA take), made to run anywhere: on the CPU the
+    interpreter runs every candidate, timed by the clock instead of CUDA events (Triton's benchmarker
+    needs a GPU driver), with an H100's shared memory for the pruning."""
+    from bert_fast.kernels import attention as A
+    monkeypatch.setenv("BERT_FAST_AUTOTUNE", "1")
+    if not CUDA:
+        import time
+
+        def clock_bench(kernel_call, quantiles):
+            t0 = time.perf_counter()
+            kernel_call()
+            t = time.perf_counter() - t0
+            return [t, t, t]
+
+        monkeypatch.setattr(A, "_autotuning", lambda t: True)
+        monkeypatch.setattr(A, "_smem_per_block", lambda device: 232448)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        for tuned in (A._attention_fwd_kernel_tuned, A._attention_bwd_dkdv_kernel_tuned,
+                      A._attention_bwd_dq_kernel_tuned):
+            monkeypatch.setitem(tuned.__dict__, "do_bench", clock_bench)   # a cached_property
+            monkeypatch.setattr(tuned, "cache", {})
+            monkeypatch.setattr(tuned, "cache_results", False)    # its disk key asks the GPU driver
+    return A
+
+
+@pytest.mark.parametrize("dq_path", ["atomic", "separate"])
+def test_autotuned_launch_2x(device, autotuned_attention, dq_path, monkeypatch):
+    """Every autotune candidate runs (each once per benchmark) before the chosen one: the grid follows
+    the config's BLOCK_M / BLOCK_N, and the atomic dQ buffer is zeroed before each benchmarked run and
+    the final one (reset_to_zero), or dQ would come out summed over every candidate. Dropout + mask,
+    against the reference fed the kernel's own mask; varlen too."""
+    A = autotuned_attention
+    if dq_path == "separate":
+        monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = _gen(97)
+    b, s, h, d = 2, 70, 2, 32
+    qkv = _rand((b, s, 3, h, d), g, device, dtype)
+    dout = _rand((b, s, h, d), g, device, dtype)
+    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    _check_padded(qkv, mask, dout, dropout_p=0.2, name=" (autotuned)")
+    assert A._attention_fwd_kernel_tuned.cache and A._attention_bwd_dkdv_kernel_tuned.cache
+    if dq_path == "separate":
+        assert A._attention_bwd_dq_kernel_tuned.cache
+    lengths = [70, 0, 33]
+    qv, cu = _rand((sum(lengths), 3, h, d), g, device, dtype), None
+    cu = torch.tensor([0, 70, 70, 103], dtype=torch.int32, device=device)
+    dv = _rand((sum(lengths), h, d), g, device, dtype)
+    out, dqkv = _fwd_bwd(varlen_attention, qv, dv, cu, 70)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qv.double(), dv.double(), cu, 70)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qv, dv, cu, 70)
+    assert_close_2x(out, out64, outt, name="out (autotuned varlen)")
+    assert_close_2x(dqkv, g64, gt, name="dqkv (autotuned varlen)")
+
+
+def test_autotune_key_buckets_sequence_length():
+    """The autotune key buckets the (max) sequence length, so a varlen batch with a new max_seqlen
+    reuses the tuned config of its bucket instead of benchmarking every candidate again."""
+    from bert_fast.kernels.attention import _seq_bucket
+    assert [_seq_bucket(n) for n in (1, 16, 17, 100, 128, 129, 512, 4096)] == [16, 16, 32, 128, 128, 256, 512, 4096]
+
+
 # ----------------------------------------------------------------------------- real GPU targets, offline
 _COMPILE_SCRIPT = textwrap.dedent("""
     import json, sys, torch, triton
@@ -539,15 +636,28 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                  "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel"):
         setattr(A, name, Compile(getattr(A, name)))
 
-    for dtype in (torch.float16, torch.float32):
+    def run(dtype, d, cases):
+        b, s, h = 2, 130, 2
+        qkv = torch.randn(b, s, 3, h, d).to(dtype)
+        mask = (torch.rand(b, s) < 0.8).view(torch.uint8)
+        for p, det in cases:
+            out, lse = A.attention_fwd(qkv, mask, None, s, d ** -0.5, p, 7)
+            A.attention_bwd(torch.randn(b, s, h, d).to(dtype), qkv, mask, None, s, out, lse,
+                            d ** -0.5, p, 7, det)
+
+    if sys.argv[4] == "fixed":          # what _configs picks (BERT_FAST_AUTOTUNE=0, fp32)
+        for dtype in (torch.float16, torch.float32):
+            for d in dims:
+                run(dtype, d, ((0.0, False), (0.1, True)))
+    else:                               # every autotune candidate that _tune_candidates keeps
         for d in dims:
-            b, s, h = 2, 130, 2
-            qkv = torch.randn(b, s, 3, h, d).to(dtype)
-            mask = (torch.rand(b, s) < 0.8).view(torch.uint8)
-            for p, det in ((0.0, False), (0.1, True)):
-                out, lse = A.attention_fwd(qkv, mask, None, s, d ** -0.5, p, 7)
-                A.attention_bwd(torch.randn(b, s, h, d).to(dtype), qkv, mask, None, s, out, lse,
-                                d ** -0.5, p, 7, det)
+            bd = max(16, triton.next_power_of_2(d))
+            for kind in ("fwd", "dkdv", "dq"):
+                for cand in A._tune_candidates(kind, bd, smem):
+                    A._configs = (lambda kind_, bd_, dt, dev, *a, kind=kind, cand=cand:
+                                  cand if kind_ == kind else configs(kind_, bd_, dt, torch.device("cuda", 0), *a))
+                    # dropout + mask: the most registers; dQ's own kernel only on the deterministic path
+                    run(torch.float16, d, ((0.1, kind == "dq"),))
 """)
 
 
@@ -558,18 +668,52 @@ def test_configs_fit_shared_memory(arch, smem):
     configs _configs picks for sm_90 (227 KB), sm_80 (163 KB) and sm_86/89/120 (99 KB), fp16 and
     fp32, mask and dropout, atomic and separate dQ; each must fit the part's shared memory
     (the interpreter never checks it, a GPU fails at launch: "out of resources")."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch), str(smem), "64,128"],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    rows = _compile_offline(arch, smem, "fixed")
     kernels = {row["kernel"] for row in rows}
     assert {"_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel"} <= kernels
     too_big = [row for row in rows if row["shared"] > smem]
     assert not too_big, f"sm_{arch}: configs over {smem} B of shared memory: {too_big}"
+
+
+def _compile_offline(arch, smem, mode):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch), str(smem), "64,128", mode],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_autotune_candidates_fit_sm90():
+    """Every config the autotuner may try on an H100/H200 (227 KB) at head dims 64 and 128, with mask
+    and dropout, compiles for sm_90 within its shared memory (_tune_candidates' estimate is what
+    prunes the space, so it must not let through a tile that fails at launch), and the fixed
+    BERT_FAST_AUTOTUNE=0 choice of a big-shared-memory part is among the candidates (tuning can only
+    match or beat it)."""
+    from bert_fast.kernels import attention as A
+    smem = 232448
+
+    class Props:
+        major, minor, shared_memory_per_block_optin = 9, 0, smem
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        mp.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+        for kind in ("fwd", "dkdv", "dq"):
+            for bd in (64, 128):
+                cands = A._tune_candidates(kind, bd, smem)
+                assert len(cands) >= 3, (kind, bd, cands)
+                for dropout in (False, True):
+                    fixed = A._configs(kind, bd, torch.bfloat16, torch.device("cuda", 0), dropout)
+                    assert fixed in cands, (kind, bd, dropout, fixed)
+    rows = _compile_offline(90, smem, "tune")
+    tried = {(row["kernel"], tuple(row["cfg"].values())) for row in rows}
+    assert sum(1 for k, _ in tried if k == "_attention_fwd_kernel") >= 6
+    too_big = [row for row in rows if row["shared"] > smem]
+    assert not too_big, f"sm_90: autotune candidates over {smem} B of shared memory: {too_big}"
 
 
 # ----------------------------------------------------------------------------- CUDA only: GPU-only paths

@@ -5,6 +5,7 @@ compiled kernels and add the low-precision checks.
 """
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -316,21 +317,44 @@ def test_training_step_gradients_match():
     assert worst <= 1e-4
 
 
-def test_gradient_checkpointing_same_gradients_with_dropout():
+@pytest.mark.parametrize("api", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_gradient_checkpointing_same_gradients_with_dropout(api, monkeypatch):
+    """transformers' checkpointing switch (the old name, and the new one of transformers >= 5.23)
+    really recomputes our layers in backward (each layer's forward runs twice), and the gradients
+    equal the plain run's: the dropout masks are redrawn from the same seeds."""
     cfg = make_config(hidden=64, heads=2, layers=2, dropout=0.1)
     torch.manual_seed(0)
     model = bert_fast.BertForMaskedLM(cfg).to(DEVICE).train()
+    if not hasattr(model, api):
+        pytest.skip(f"transformers {transformers.__version__} has no {api}")
     inputs, _ = _head_cases(cfg)["BertForMaskedLM"]
+    # Count the layer computations themselves, not module calls: transformers >= 5.23 checkpoints
+    # `forward` inside `__call__`, so module hooks run once even when the layer is recomputed.
+    calls = []
+    layer_forward = bert_fast.modeling._layer_forward
+
+    def counting_layer_forward(layer, *args):
+        if layer is model.bert.encoder.layer[0]:
+            calls.append(1)
+        return layer_forward(layer, *args)
+
+    monkeypatch.setattr(bert_fast.modeling, "_layer_forward", counting_layer_forward)
 
     def grads():
         model.zero_grad()
+        calls.clear()
         torch.manual_seed(123)
         model(**inputs).loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert len(calls) == 1
+    kwargs_name = "gradient_checkpointing_kwargs" if api.startswith("gradient") else "activation_checkpointing_kwargs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)      # 5.23 deprecates the old name
+        getattr(model, api)(**{kwargs_name: {"use_reentrant": False}})
     ckpt = grads()
+    assert len(calls) == 2, f"{api}: layer 0 ran {len(calls)} time(s), expected a recompute in backward"
     assert plain.keys() == ckpt.keys()
     for n in plain:
         assert torch.allclose(plain[n], ckpt[n], atol=1e-6, rtol=1e-5), n

@@ -3,6 +3,7 @@ oracle under the 2x rule, dropout statistics/reproducibility, checkpointing, det
 gradcheck and input validation. Runs on the CPU interpreter and on CUDA."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -10,7 +11,8 @@ from torch.utils.checkpoint import checkpoint
 from bert_fast import reference
 from bert_fast.ops import _dispatch
 from bert_fast.ops import residual_layer_norm, residual_layer_norm_dropout_mask
-from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+from bert_fast.testing import (assert_close_2x, dtypes_for, philox4x32_10, pick_test_device,
+                               uint32_to_uniform_float)
 
 DTYPES = dtypes_for(pick_test_device())
 NAMES = ("dx", "dresidual", "dweight", "dbias")
@@ -146,19 +148,87 @@ def test_dropout_seed_reproducibility(device):
     assert not torch.equal(y0, y1)
 
 
-@pytest.mark.skipif(not (_dispatch.use_triton(torch.empty(0, device=pick_test_device()))),
-                    reason="the Philox offset scheme belongs to the Triton kernels")
+_TRITON = _dispatch.use_triton(torch.empty(0, device=pick_test_device()))
+_needs_triton = pytest.mark.skipif(not _TRITON,
+                                   reason="the Philox offset scheme belongs to the Triton kernels")
+
+
+@_needs_triton
 def test_dropout_offsets_do_not_wrap(device):
-    """Rows whose linear offset row * N + col passes 2^32 get fresh random numbers (int64 offsets)."""
+    """Rows whose Philox counter row * cdiv(N, 4) + col // 4 passes 2^32 get fresh random numbers
+    (int64 offsets: the high word feeds the second counter word)."""
     from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
     n, seed = 1024, 987654321
+    groups = n // 4
     base = dropout_keep_mask((4, n), 0.5, seed, device)
-    wrapped = dropout_keep_mask((4, n), 0.5, seed, device, row_start=2 ** 32 // n)   # offset 2^32 + ...
+    wrapped = dropout_keep_mask((4, n), 0.5, seed, device, row_start=2 ** 32 // groups)   # counter 2^32 + ...
     assert not torch.equal(base, wrapped)
-    far = dropout_keep_mask((4, n), 0.5, seed, device, row_start=3 * 2 ** 31 // n)
+    far = dropout_keep_mask((4, n), 0.5, seed, device, row_start=3 * 2 ** 31 // groups)
     assert 0.3 < far.float().mean().item() < 0.7
     # independent of tiling / rows requested: row 2 alone equals row 2 of the block
     assert torch.equal(dropout_keep_mask((1, n), 0.5, seed, device, row_start=2)[0], base[2])
+
+
+def _numpy_keep_mask(m, n, p, seed, row_start=0):
+    """keep[i, col] of row row_start + i: word col % 4 of Philox at counter row * cdiv(n, 4) + col // 4."""
+    rows = np.arange(row_start, row_start + m, dtype=np.uint64)[:, None]
+    cols = np.arange(n, dtype=np.uint64)[None, :]
+    off = rows * np.uint64((n + 3) // 4) + cols // np.uint64(4)
+    zero = np.zeros_like(off)
+    words = philox4x32_10(off, off >> np.uint64(32), zero, zero, seed)     # (lo32, hi32, 0, 0)
+    word = np.choose(np.broadcast_to((cols % np.uint64(4)).astype(np.int64), off.shape), words)
+    return uint32_to_uniform_float(word) >= np.float32(p)
+
+
+def test_numpy_philox_known_answers():
+    """The test's Philox4x32-10 against the Random123 known-answer vectors (key = (seed_lo, seed_hi))."""
+    kat = [((0, 0, 0, 0), 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+           ((0xFFFFFFFF,) * 4, 0xFFFFFFFFFFFFFFFF, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), 0x299F31D0A4093822,
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in kat:
+        got = tuple(int(w) for w in philox4x32_10(*ctr, key))
+        assert got == want, [hex(g) for g in got]
+
+
+@_needs_triton
+@pytest.mark.parametrize("n", [1, 2, 7, 13])
+def test_dropout_mask_matches_numpy_philox(device, n):
+    """One Philox4x32-10 per 4 columns: counter row * cdiv(N, 4) + col // 4 (int64, split lo/hi),
+    key = 64-bit seed, word j -> column 4g + j, keep = uniform >= p. Bit-exact, incl. rows whose
+    element offset passes 2^32 (row_start 2^32 // N) and whose counter passes 2^32."""
+    from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+    m, p = 6, 0.4
+    for seed in (12345, 0x299F31D0A4093822):
+        for row_start in (0, 2 ** 32 // n, 2 ** 32 // ((n + 3) // 4) + 1):
+            got = dropout_keep_mask((m, n), p, seed, device, row_start=row_start).cpu().numpy()
+            want = _numpy_keep_mask(m, n, p, seed, row_start)
+            assert (got == want).all(), (seed, row_start, np.argwhere(got != want)[:5])
+
+
+@_needs_triton
+@pytest.mark.parametrize("m,n", [(9, 3), (9, 7), (21, 13), (5, 3000)])
+def test_dropout_mask_same_in_fwd_bwd_and_debug_kernel(device, m, n):
+    """The mask the forward and backward kernels apply equals dropout_keep_mask's bit for bit, whatever
+    their tiles: N = 3000 runs the forward/backward as one 4096-column tile, the debug kernel as 1024-column
+    tiles; small N packs several rows per program."""
+    from bert_fast.kernels import residual_layer_norm as K
+    p, seed, eps = 0.5, 0x123456789AB, 1e-5
+    debug = K.dropout_keep_mask((m, n), p, seed, device)
+    assert torch.equal(debug.cpu(), torch.from_numpy(_numpy_keep_mask(m, n, p, seed)))
+    # forward: x = 4 everywhere, residual 0, w = 1, b = 0 -> kept h = 4 / (1 - p) > mean >= dropped h = 0,
+    # so y > 0 exactly where kept (rows with every element kept have zero variance and y == 0).
+    ones = torch.ones(m, n, device=device)
+    w, b = torch.ones(n, device=device), torch.zeros(n, device=device)
+    y, _, _ = K.residual_layer_norm_fwd(4 * ones, 0 * ones, w, b, eps, p, seed)
+    assert torch.equal(y > 0, debug & ~debug.all(dim=1, keepdim=True))
+    # backward: dx = dres * keep / (1 - p); with random inputs dres (= dh) is nonzero everywhere.
+    x, r, w, b, dy = _inputs(m, n, torch.float32, device, seed=n)
+    _, mean, rstd = K.residual_layer_norm_fwd(x, r, w, b, eps, p, seed)
+    dx, dres, _, _ = K.residual_layer_norm_bwd(dy, x, r, w, b, mean, rstd, p, seed)
+    assert torch.all(dres != 0)
+    assert torch.equal(dx != 0, debug)
+    torch.testing.assert_close(dx[debug], dres[debug] * 2.0, rtol=0, atol=0)
 
 
 def test_dropout_checkpoint_recompute(device):

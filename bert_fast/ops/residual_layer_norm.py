@@ -5,7 +5,7 @@ Dropout: the public function draws one int64 seed from torch's CPU generator
 (``_dispatch.draw_seed``) and passes it to the op, which saves it; backward rebuilds the mask from
 it (the mask is never stored), and torch.utils.checkpoint, which restores the RNG state, redraws the
 same seed and so recomputes the same mask. The Triton path draws its mask with Philox
-(``tl.rand(seed, row * N + col)``, int64 offsets; see kernels/residual_layer_norm.py); the
+(one Philox4x32-10 call per 4 columns of a row, int64 counters; see kernels/residual_layer_norm.py); the
 reference path uses ``_dispatch.reference_dropout_mask``. ``residual_layer_norm_dropout_mask``
 returns the exact mask either path uses, for tests and debugging.
 """

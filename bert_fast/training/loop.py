@@ -92,7 +92,11 @@ def build_model(args, tokenizer, task: str, num_labels: int = 2) -> torch.nn.Mod
     else:
         model = cls(config, **kwargs)
     if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.23 names it activation_checkpointing_enable (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -617,9 +617,13 @@ def _interpreting() -> bool:
 
 
 def _autotuning(t: torch.Tensor) -> bool:
-    """Autotune on CUDA for fp16/bf16 unless BERT_FAST_AUTOTUNE=0 (fp32 is for tests: fixed small tiles)."""
+    """Autotune on CUDA for fp16/bf16 unless BERT_FAST_AUTOTUNE=0 (fp32 is for tests: fixed small
+    tiles), on parts with the big shared memory _TUNE_SPACE is made for (A100/H100/H200/B200, >= 160
+    KB per block: every kind keeps a candidate at head dim 128). The ~99 KB parts (sm_86/89/120)
+    keep _configs' small tiles: the space has nothing that fits them at head dim 128."""
     return (t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
-            and os.environ.get("BERT_FAST_AUTOTUNE", "1") != "0")
+            and os.environ.get("BERT_FAST_AUTOTUNE", "1") != "0"
+            and _smem_per_block(t.device) >= 160 * 1024)
 
 
 def _seq_bucket(seqlen: int) -> int:

@@ -687,12 +687,13 @@ def _compile_offline(arch, smem, mode):
 
 
 @pytest.mark.slow
-def test_autotune_candidates_fit_sm90():
-    """Every config the autotuner may try on an H100/H200 (227 KB) at head dims 64 and 128, with mask
-    and dropout, compiles for sm_90 within its shared memory (_tune_candidates' estimate is what
-    prunes the space, so it must not let through a tile that fails at launch), and the fixed
-    BERT_FAST_AUTOTUNE=0 choice of a big-shared-memory part is among the candidates (tuning can only
-    match or beat it)."""
+@pytest.mark.parametrize("arch,part_smem", [(90, 232448), (80, 166912)])
+def test_autotune_candidates_fit(arch, part_smem):
+    """Every config the autotuner may try on an H100/H200 (sm_90, 227 KB) or an A100 (sm_80, 163 KB)
+    at head dims 64 and 128, with mask and dropout, compiles for that part within its shared memory
+    (_tune_candidates' estimate is what prunes the space, so it must not let through a tile that
+    fails at launch); and on sm_90 the fixed BERT_FAST_AUTOTUNE=0 choice is among the candidates
+    (tuning can only match or beat it)."""
     from bert_fast.kernels import attention as A
     smem = 232448
 
@@ -706,14 +707,15 @@ def test_autotune_candidates_fit_sm90():
             for bd in (64, 128):
                 cands = A._tune_candidates(kind, bd, smem)
                 assert len(cands) >= 3, (kind, bd, cands)
+                assert A._tune_candidates(kind, bd, 160 * 1024), (kind, bd)   # the smallest tuned part
                 for dropout in (False, True):
                     fixed = A._configs(kind, bd, torch.bfloat16, torch.device("cuda", 0), dropout)
                     assert fixed in cands, (kind, bd, dropout, fixed)
-    rows = _compile_offline(90, smem, "tune")
+    rows = _compile_offline(arch, part_smem, "tune")
     tried = {(row["kernel"], tuple(row["cfg"].values())) for row in rows}
-    assert sum(1 for k, _ in tried if k == "_attention_fwd_kernel") >= 6
-    too_big = [row for row in rows if row["shared"] > smem]
-    assert not too_big, f"sm_90: autotune candidates over {smem} B of shared memory: {too_big}"
+    assert sum(1 for k, _ in tried if k == "_attention_fwd_kernel") >= (6 if arch == 90 else 4)
+    too_big = [row for row in rows if row["shared"] > part_smem]
+    assert not too_big, f"sm_{arch}: autotune candidates over {part_smem} B of shared memory: {too_big}"
 
 
 # ----------------------------------------------------------------------------- CUDA only: GPU-only paths

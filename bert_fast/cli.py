@@ -73,11 +73,11 @@ def op_backend(op: str, device, dtype, build: Optional[dict] = None) -> str:
             if build.get("extension_loaded") and build.get("cuda_compiled"):
                 return "CUDA kernel (bert_fast._C)" + suffix
             return "CUDA kernel NOT BUILT (bert_fast._C compiled without CUDA)" + suffix
-        if _dispatch.interpreter_enabled():
-            if build.get("extension_loaded"):
-                return "C++ CPU twin (bert_fast._C)" + suffix
-            return "C++ CPU twin NOT BUILT (bert_fast._C missing)" + suffix
-        return "reference (pure PyTorch)" + suffix
+        # CPU tensors take the C++ twin whenever the extension loaded, interpreter or not
+        # (bert_fast.ops.embedding._backend)
+        if build.get("extension_loaded"):
+            return "C++ CPU twin (bert_fast._C)" + suffix
+        return "reference (pure PyTorch; bert_fast._C not built)" + suffix
     probe = torch.empty(0, dtype=dtype, device=device)
     if _dispatch.use_triton(probe, uses_dot=bool(spec["uses_dot"])):
         if device.type == "cuda" and op == "linear" and hasattr(mod, "choose_backend"):

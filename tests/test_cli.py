@@ -175,6 +175,18 @@ def test_op_backend_reference_forced(monkeypatch):
     assert cli.op_backend("linear", "cpu", torch.float32).startswith("reference")
 
 
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_op_backend_embedding_cpu_says_what_runs(monkeypatch, interpret):
+    """`bert-fast info` names the implementation the embedding op really takes on CPU tensors: the
+    C++ twin whenever the extension loaded, with or without the Triton interpreter."""
+    from bert_fast.ops import embedding
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    import bert_fast
+    label = cli.op_backend("embedding", "cpu", torch.float32, bert_fast.build_info())
+    runs = embedding._backend(torch.empty(0))
+    assert label.startswith({"cpu": "C++ CPU twin", "reference": "reference"}[runs]), (label, runs)
+
+
 # ----------------------------------------------------------------------------- bench
 def _check_model_doc(doc, providers):
     assert TOP_KEYS <= set(doc), TOP_KEYS - set(doc)

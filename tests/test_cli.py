@@ -302,6 +302,31 @@ def test_bench_ops_tiny_cases(tmp_path, monkeypatch, capsys):
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_attention_op_cases_providers_run(monkeypatch):
+    """The attention bench cases at a toy size: every bert_fast provider builds and runs, forward and
+    backward (dropout 0.1; the separate-dQ one sets BERT_FAST_ATTN_DQ for its call only)."""
+    import os
+    from bert_fast.bench.op_cases import attention as cases_mod
+    for name, value in (("TOKENS", 64), ("SEQLENS", (32,)), ("PADDED_SEQLEN", 32), ("HEADS", 2), ("HEAD_DIM", 16)):
+        monkeypatch.setattr(cases_mod, name, value)
+    monkeypatch.delenv("BERT_FAST_ATTN_DQ", raising=False)
+    cases = cases_mod.cases("cpu", torch.float32)
+    assert [(c.direction, c.params["padded"]) for c in cases] == [("fwd", False), ("bwd", False),
+                                                                   ("fwd", True), ("bwd", True)]
+    assert "bert_fast-dq-separate" in cases[1].providers and "bert_fast-dq-separate" not in cases[0].providers
+    seen = set()
+    for case in cases:
+        for provider, factory in case.providers.items():
+            if not provider.startswith("bert_fast"):
+                continue
+            result = factory()()
+            tensors = result if isinstance(result, tuple) else (result,)
+            assert all(torch.isfinite(t).all() for t in tensors), (case.label, provider)
+            assert "BERT_FAST_ATTN_DQ" not in os.environ
+            seen.add(provider)
+    assert seen == {"bert_fast", "bert_fast-padded", "bert_fast-dropout", "bert_fast-dq-separate"}
+
+
 def test_bench_ops_no_modules(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({}, {}))
     out_json = tmp_path / "ops.json"

@@ -11,7 +11,11 @@ Dense cases (every sequence full): providers
     choice (the model builds cu_seqlens itself), not kernel time;
   * "torch-sdpa-flash" / "torch-sdpa-efficient": F.scaled_dot_product_attention pinned to one
     backend with torch.nn.attention.sdpa_kernel, q/k/v [B, heads, S, d] strided views of qkv;
-  * "torch-eager": softmax(q k^T * scale) v in the same dtype; "torch.compile": the same compiled.
+  * "torch-eager": softmax(q k^T * scale) v in the same dtype; "torch.compile": the same compiled;
+  * "bert_fast-dq-separate": bert_fast with the atomics-free dQ kernel (BERT_FAST_ATTN_DQ=separate,
+    the deterministic path) instead of the atomic one, to choose the default by measurement;
+  * "bert_fast-dropout": bert_fast with attention dropout 0.1 (as in BERT training), to measure
+    what the Philox draw costs (benchmarks/NOTES.md, Attention; the FLOPs counted are the same).
 Padded case (lengths uniform in [0.2, 1.0] x S, fixed seed): "bert_fast" runs varlen on the real
 tokens only, "bert_fast-padded" our padded kernel with the key-padding mask, "torch-sdpa-efficient"
 SDPA with a bool key mask [B, 1, 1, S] (the flash backend takes no mask).
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +72,7 @@ def _lengths(batch, seqlen, padded, seed=0):
 def _make_inputs(provider, lengths, seqlen, device, dtype):
     """(callable taking the leaf tensor, leaf tensor) for one provider, fresh random data."""
     batch = len(lengths)
-    if provider == "bert_fast":
+    if provider in ("bert_fast", "bert_fast-dq-separate", "bert_fast-dropout"):
         from bert_fast.ops import varlen_attention
 
         t = sum(lengths)
@@ -75,7 +80,8 @@ def _make_inputs(provider, lengths, seqlen, device, dtype):
         cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
         cu = cu.to(device)
         qkv = torch.randn(t, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
-        return (lambda x: varlen_attention(x, cu, max(lengths), validate=False)), qkv
+        p = 0.1 if provider == "bert_fast-dropout" else 0.0
+        return (lambda x: varlen_attention(x, cu, max(lengths), p, validate=False)), qkv
     qkv = torch.randn(batch, seqlen, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
     key_mask = None
     if any(n < seqlen for n in lengths):
@@ -103,8 +109,23 @@ def _factory(provider, direction, lengths, seqlen, device, dtype):
         qkv.requires_grad_(True)
         out = fn(qkv)
         dout = torch.randn_like(out)
+        if provider == "bert_fast-dq-separate":
+            return lambda: _with_separate_dq(lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True))
         return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
     return make
+
+
+def _with_separate_dq(run):
+    """run() with BERT_FAST_ATTN_DQ=separate (read by the backward launcher at each call)."""
+    old = os.environ.get("BERT_FAST_ATTN_DQ")
+    os.environ["BERT_FAST_ATTN_DQ"] = "separate"
+    try:
+        return run()
+    finally:
+        if old is None:
+            del os.environ["BERT_FAST_ATTN_DQ"]
+        else:
+            os.environ["BERT_FAST_ATTN_DQ"] = old
 
 
 def cases(device, dtype) -> list[OpCase]:
@@ -122,9 +143,12 @@ def cases(device, dtype) -> list[OpCase]:
             providers = ("bert_fast", "bert_fast-padded", "torch-sdpa-efficient")
             label = f"B={batch} S={seqlen} padded(0.2-1.0, T={real}) h={HEADS} d={HEAD_DIM}"
         else:
-            providers = ("bert_fast", "torch-sdpa-flash", "torch-sdpa-efficient", "torch-eager", "torch.compile")
+            providers = ("bert_fast", "torch-sdpa-flash", "torch-sdpa-efficient", "torch-eager", "torch.compile",
+                         "bert_fast-dropout")
             label = f"B={batch} S={seqlen} h={HEADS} d={HEAD_DIM}"
         for direction in ("fwd", "bwd"):
+            # the dQ kernel choice only exists in the backward
+            names = providers + (("bert_fast-dq-separate",) if direction == "bwd" and not padded else ())
             if direction == "fwd":      # read qkv, write out and the fp32 lse
                 flops, nbytes = fwd_flops, real * (4 * row + HEADS * 4)
             else:                       # read qkv, out, dout, lse; write dqkv
@@ -132,7 +156,7 @@ def cases(device, dtype) -> list[OpCase]:
             out.append(OpCase(
                 op="attention", label=label, direction=direction, bound="compute",
                 flops=flops, bytes=float(nbytes),
-                providers={p: _factory(p, direction, lengths, seqlen, device, dtype) for p in providers},
+                providers={p: _factory(p, direction, lengths, seqlen, device, dtype) for p in names},
                 params={"B": batch, "S": seqlen, "heads": HEADS, "head_dim": HEAD_DIM, "padded": padded,
                         "real_tokens": real, "dtype": str(dtype).replace("torch.", "")}))
     return out

@@ -181,7 +181,7 @@ def _numpy_keep_mask(m, n, p, seed, row_start=0):
 
 
 def test_numpy_philox_known_answers():
-    """The test's Philox4x32-10 against the Random123 known-answer vectors (key = (seed_lo, seed_hi))."""
+    """bert_fast.testing.philox4x32_10 against the Random123 known-answer vectors (key = (seed_lo, seed_hi))."""
     kat = [((0, 0, 0, 0), 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
            ((0xFFFFFFFF,) * 4, 0xFFFFFFFFFFFFFFFF, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
            ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), 0x299F31D0A4093822,

@@ -46,7 +46,6 @@ TRITON_INTERPRET=1 a single small config (asymmetric blocks, to exercise the tai
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
@@ -96,6 +95,21 @@ def _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN: tl.constexpr):
         start = off_b.to(tl.int64) * 0
         length = seqlen + off_b * 0
     return start, length
+
+
+@triton.jit
+def _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where this program works on the 1-D grid of cdiv(seqlen, BLOCK) blocks x B x heads (no 65535
+    limit on B * heads): (block index, bh = b * heads + h, b and h as int64, first row of the
+    sequence as int64, its length). The block count is derived here, not passed, because BLOCK may
+    come from the autotuner."""
+    num_blocks = tl.cdiv(seqlen, BLOCK)
+    pid = tl.program_id(0)
+    start = pid % num_blocks
+    bh = pid // num_blocks
+    off_b = bh // nheads
+    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    return start, bh, off_b.to(tl.int64), (bh % nheads).to(tl.int64), seq_start, seq_len
 
 
 # ----------------------------------------------------------------------------- forward
@@ -164,17 +178,10 @@ def _attention_fwd_kernel(
     """One program per (query block, sequence, head); 1-D grid (no 65535 limit on B * heads).
     qk_scale = softmax_scale * log2(e) (exp2 domain); LSE stores the natural-log lse."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid = tl.program_id(0)
-    num_m_blocks = tl.cdiv(seqlen, BLOCK_M)        # BLOCK_M may come from the autotuner
-    start_m = pid % num_m_blocks
-    bh = pid // num_m_blocks
-    off_b = bh // nheads
-    off_h = bh % nheads
-    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M,
+                                                                     IS_VARLEN)
     if start_m * BLOCK_M >= seq_len:
         return
-    off_b64 = off_b.to(tl.int64)
-    off_h64 = off_h.to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -243,20 +250,14 @@ def _attention_bwd_preprocess_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_lb, stride_lh,
-    nheads, seqlen, num_m_blocks,
+    nheads, seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32 (lse's layout)."""
-    pid = tl.program_id(0)
-    start_m = pid % num_m_blocks
-    bh = pid // num_m_blocks
-    off_b = bh // nheads
-    off_h = bh % nheads
-    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M,
+                                                                     IS_VARLEN)
     if start_m * BLOCK_M >= seq_len:
         return
-    off_b64 = off_b.to(tl.int64)
-    off_h64 = off_h.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_pos = start_m * BLOCK_M + offs_m
@@ -329,17 +330,10 @@ def _attention_bwd_dkdv_kernel(
 ):
     """One program per (key block, sequence, head): loop over query blocks, accumulate dK and dV in
     fp32; with ATOMIC_DQ also atomically add scale * dS K into the fp32 buffer DQ."""
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(seqlen, BLOCK_N)        # BLOCK_N may come from the autotuner
-    start_n = pid % num_n_blocks
-    bh = pid // num_n_blocks
-    off_b = bh // nheads
-    off_h = bh % nheads
-    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    start_n, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_N,
+                                                                     IS_VARLEN)
     if start_n * BLOCK_N >= seq_len:
         return
-    off_b64 = off_b.to(tl.int64)
-    off_h64 = off_h.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -433,17 +427,10 @@ def _attention_bwd_dq_kernel(
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Deterministic dQ: one program per (query block, sequence, head), loop over key blocks."""
-    pid = tl.program_id(0)
-    num_m_blocks = tl.cdiv(seqlen, BLOCK_M)        # BLOCK_M may come from the autotuner
-    start_m = pid % num_m_blocks
-    bh = pid // num_m_blocks
-    off_b = bh // nheads
-    off_h = bh % nheads
-    seq_start, seq_len = _seq_bounds(CU_SEQLENS, off_b, seqlen, IS_VARLEN)
+    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M,
+                                                                     IS_VARLEN)
     if start_m * BLOCK_M >= seq_len:
         return
-    off_b64 = off_b.to(tl.int64)
-    off_h64 = off_h.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -760,7 +747,7 @@ def attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, key_mask: Optional[torc
         _attention_bwd_preprocess_kernel[(n_pre * batch * nheads,)](
             out, dout, delta, cu_arg,
             *_strides4(out, varlen), *_strides4(dout, varlen), stride_lb, stride_lh,
-            nheads, seqlen, n_pre, BLOCK_M=pre_bm, num_warps=4, **common)
+            nheads, seqlen, BLOCK_M=pre_bm, num_warps=4, **common)
 
         dq_buf = dq if deterministic else torch.zeros(dq.shape, device=qkv.device, dtype=torch.float32)
         bucket = _seq_bucket(seqlen)

@@ -150,12 +150,31 @@ def test_attention_noncontiguous(device, dtype):
 
 
 # ----------------------------------------------------------------------------- varlen
+def _cu_seqlens(lengths, device):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu.to(device)
+
+
 def _pack(qkv_padded, lengths):
     """Real tokens of a right-padded [B, S, ...] batch -> ([T, ...], cu_seqlens int32)."""
     parts = [qkv_padded[i, :n] for i, n in enumerate(lengths)]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return torch.cat(parts, 0), cu.to(qkv_padded.device)
+    return torch.cat(parts, 0), _cu_seqlens(lengths, qkv_padded.device)
+
+
+def _check_varlen(qkv, cu, max_seqlen, dout, dropout_p=0.0, name=""):
+    """_check_padded's twin for packed sequences: kernel vs reference (2x rule) for out and dqkv;
+    with dropout, the kernel's own mask feeds the reference. Returns the mask."""
+    torch.manual_seed(1234)
+    x = qkv.detach().requires_grad_(True)
+    out, keep = varlen_attention(x, cu, max_seqlen, dropout_p, return_dropout_mask=True)
+    (g,) = torch.autograd.grad(out, x, dout)
+    ref_args = (cu, max_seqlen, dropout_p, None, keep)
+    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), *ref_args)
+    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, *ref_args)
+    assert_close_2x(out, out64, outt, name=f"out{name}")
+    assert_close_2x(g, g64, gt, name=f"dqkv{name}")
+    return keep
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,15 +185,8 @@ def test_varlen_2x(device, lengths, d, dtype):
     t = sum(lengths)
     qkv = _rand((t, 3, h, d), g, device, dtype)
     dout = _rand((t, h, d), g, device, dtype)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    cu = cu.to(device)
     max_s = max(lengths) + 3                          # max_seqlen may exceed the longest sequence
-    out, dqkv = _fwd_bwd(varlen_attention, qkv, dout, cu, max_s)
-    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, max_s)
-    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, max_s)
-    assert_close_2x(out, out64, outt, name="out")
-    assert_close_2x(dqkv, g64, gt, name="dqkv")
+    _check_varlen(qkv, _cu_seqlens(lengths, device), max_s, dout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,16 +248,8 @@ def test_dropout_varlen_rebuilds_reference(device):
     t = sum(lengths)
     qkv = _rand((t, 3, h, d), g, device, torch.float32)
     dout = _rand((t, h, d), g, device, torch.float32)
-    cu = torch.tensor([0, 30, 30, 37], dtype=torch.int32, device=device)
-    torch.manual_seed(5)
-    x = qkv.detach().requires_grad_(True)
-    out, keep = varlen_attention(x, cu, 30, 0.3, return_dropout_mask=True)
+    keep = _check_varlen(qkv, _cu_seqlens(lengths, device), 30, dout, dropout_p=0.3)
     assert keep.shape == (3, h, 30, 30) and keep.dtype == torch.bool
-    (dqkv,) = torch.autograd.grad(out, x, dout)
-    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, 30, 0.3, None, keep)
-    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 30, 0.3, None, keep)
-    assert_close_2x(out, out64, outt, name="out")
-    assert_close_2x(dqkv, g64, gt, name="dqkv")
 
 
 def test_dropout_varlen_mask_equals_padded_mask(device):
@@ -519,15 +523,7 @@ def test_long_varlen_dropout_cuda(device, dtype):
     t = sum(lengths)
     qkv = _rand((t, 3, h, d), g, device, dtype)
     dout = _rand((t, h, d), g, device, dtype)
-    cu = torch.tensor([0, 4096, 5096, 5097], dtype=torch.int32, device=device)
-    torch.manual_seed(0)
-    x = qkv.detach().requires_grad_(True)
-    out, keep = varlen_attention(x, cu, 4096, 0.1, return_dropout_mask=True)
-    (dqkv,) = torch.autograd.grad(out, x, dout)
-    out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, 4096, 0.1, None, keep)
-    outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 4096, 0.1, None, keep)
-    assert_close_2x(out, out64, outt, name="out")
-    assert_close_2x(dqkv, g64, gt, name="dqkv")
+    _check_varlen(qkv, _cu_seqlens(lengths, device), 4096, dout, dropout_p=0.1)
 
 
 # ----------------------------------------------------------------------------- autotuned launches
@@ -578,14 +574,9 @@ def test_autotuned_launch_2x(device, autotuned_attention, dq_path, monkeypatch):
     if dq_path == "separate":
         assert A._attention_bwd_dq_kernel_tuned.cache
     lengths = [70, 0, 33]
-    qv, cu = _rand((sum(lengths), 3, h, d), g, device, dtype), None
-    cu = torch.tensor([0, 70, 70, 103], dtype=torch.int32, device=device)
+    qv = _rand((sum(lengths), 3, h, d), g, device, dtype)
     dv = _rand((sum(lengths), h, d), g, device, dtype)
-    out, dqkv = _fwd_bwd(varlen_attention, qv, dv, cu, 70)
-    out64, g64 = _fwd_bwd(reference.varlen_attention, qv.double(), dv.double(), cu, 70)
-    outt, gt = _fwd_bwd(reference.varlen_attention, qv, dv, cu, 70)
-    assert_close_2x(out, out64, outt, name="out (autotuned varlen)")
-    assert_close_2x(dqkv, g64, gt, name="dqkv (autotuned varlen)")
+    _check_varlen(qv, _cu_seqlens(lengths, device), 70, dv, name=" (autotuned varlen)")
 
 
 def test_autotune_key_buckets_sequence_length():
@@ -739,15 +730,7 @@ def test_dropout_head_dims_dq_paths_cuda(device, d, dtype, dq_path, monkeypatch)
     t = sum(lengths)
     qv = _rand((t, 3, h, d), g, device, dtype)
     dv = _rand((t, h, d), g, device, dtype)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    torch.manual_seed(2)
-    x = qv.detach().requires_grad_(True)
-    out, keep = varlen_attention(x, cu, 193, 0.15, return_dropout_mask=True)
-    (dqkv,) = torch.autograd.grad(out, x, dv)
-    out64, g64 = _fwd_bwd(reference.varlen_attention, qv.double(), dv.double(), cu, 193, 0.15, None, keep)
-    outt, gt = _fwd_bwd(reference.varlen_attention, qv, dv, cu, 193, 0.15, None, keep)
-    assert_close_2x(out, out64, outt, name="out")
-    assert_close_2x(dqkv, g64, gt, name="dqkv")
+    _check_varlen(qv, _cu_seqlens(lengths, device), 193, dv, dropout_p=0.15, name=f" (varlen dropout, {dq_path} dQ)")
 
 
 @needs_cuda

@@ -107,7 +107,19 @@ def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:
             out[name] = str(choose(x, n, k, act, "fwd"))
         except Exception as exc:  # noqa: BLE001
             out[name] = f"error: {exc}"
+        if out[name] == "triton":   # which Triton GEMM: BERT's rows are 16-byte aligned
+            out[name] += " (TMA)" if _gemm_uses_tma(device, dtype) else " (pointer)"
     return out
+
+
+def _gemm_uses_tma(device, dtype) -> bool:
+    import torch
+
+    try:
+        from bert_fast.kernels import linear_tma
+        return linear_tma.enabled_for(torch.device(device), dtype)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def gather_info(device_name: Optional[str] = None) -> dict:

@@ -7,6 +7,8 @@ Kernels
                              forward  y  = x  @ W^T   (B = W read as [K, N] by strides)
                              backward dX = dZ @ W
                              backward dW = dZ^T @ X   (A = dZ read transposed by strides, no copy)
+                           On sm_90+ (fp16/bf16, TMA-readable operands) linear_tma.py's TMA /
+                           persistent kernel computes the same three products instead.
   _linear_bwd_kernel       dZ = dY * act'(z) (the GELU derivative, fused, fp32 math) and per-row-block
                            partial column sums of dZ (fp32) for db
   _linear_bwd_db_kernel    second pass: db[n] = sum over row blocks of the partials (fp32). Two
@@ -161,11 +163,38 @@ def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+    return _dot_acc(a, b, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc += a @ b; "native" lets the tensor cores take 16-bit operands as they are."""
     if DOT_PRECISION == "native":
         acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
     return acc
+
+
+@triton.jit
+def _column_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc[:, :BLOCK_N/2], acc[:, BLOCK_N/2:] (for epilogues that run on one half at a time)."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row-tile, column-tile) of output tile number ``tile`` in grouped ordering: GROUP_M
+    row-tiles walk the N dimension together, so consecutive tiles share one B column-panel and a
+    few A row-panels, which stay in L2 (Triton tutorial 03)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
 
 
 # Autotune key: M bucketed (M is the token count T, which changes every batch), N, K and the GEMM
@@ -175,7 +204,10 @@ def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
 # machine (the next benchmark stage, the next training run) skips the sweep.
 @triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
                  prune_configs_by={"early_config_prune": _prune_configs}, cache_results=True)
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                    "EPILOGUE_SPLIT": lambda args: 2 if (args["BLOCK_N"] >= 128 and
+                                                         (args["ACTIVATION"] != 0 or args["SAVE_Z"]))
+                    else 1})
 @triton.jit
 def _linear_fwd_kernel(
     A, B, BIAS, Y, Z,
@@ -185,19 +217,10 @@ def _linear_fwd_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
     """Y[M, N] = act(A[M, K] @ B[K, N] + BIAS[N]); Z = A @ B + BIAS (pre-activation) if SAVE_Z."""
-    pid = tl.program_id(0).to(tl.int64)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row-tiles walk the N dimension together
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _tile_coords(tl.program_id(0).to(tl.int64), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -226,16 +249,36 @@ def _linear_fwd_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
+    n0 = pid_n * BLOCK_N
+    if EPILOGUE_SPLIT == 2:
+        # the two column halves one after the other (see linear_tma._tile_epilogue: the erf GELU
+        # over a whole 128x256 / 256x128 / 128x128-on-4-warps tile spills, 200-530 B of stack on
+        # sm_90 and sm_80; the halves do not)
+        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
+        _epilogue_store(left, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn, stride_zm,
+                        stride_zn, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_N // 2)
+        _epilogue_store(right, BIAS, Y, Z, offs_m, mask_m, n0 + BLOCK_N // 2, N, stride_ym, stride_yn,
+                        stride_zm, stride_zn, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_N // 2)
+    else:
+        _epilogue_store(acc, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn, stride_zm,
+                        stride_zn, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_N)
+
+
+@triton.jit
+def _epilogue_store(acc, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn, stride_zm, stride_zn,
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
+                    ACC_DTYPE: tl.constexpr, WIDTH: tl.constexpr):
+    """+ bias, store z (pre-activation), activation, store y for columns [n0, n0 + WIDTH)."""
+    offs_n = n0 + tl.arange(0, WIDTH).to(tl.int64)
+    mask_n = offs_n < N
     if HAS_BIAS:
-        bias = tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)
-        acc += bias[None, :]
+        acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SAVE_Z:
         z_ptrs = Z + offs_m[:, None] * stride_zm + offs_n[None, :] * stride_zn
         tl.store(z_ptrs, acc.to(Z.dtype.element_ty), mask=mask)
-    out = _act_fwd(acc, ACTIVATION)
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs, _act_fwd(acc, ACTIVATION).to(Y.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- dZ and db
@@ -319,14 +362,25 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
 
 
 def _launch_gemm(a, b, y, z, bias, activation_code, kind):
-    """y (and z) = epilogue(a @ b); a [M, K], b [K, N] with any strides."""
+    """y (and z) = epilogue(a @ b); a [M, K], b [K, N] with any strides.
+
+    On Hopper the TMA / persistent kernel of linear_tma.py takes every call whose operands TMA can
+    read (fp16/bf16, 16-byte aligned rows: all of BERT's GEMMs); this pointer kernel takes the rest.
+    """
+    from . import linear_tma   # imported here: linear_tma builds on this module's jit helpers
+
     M, K = a.shape
     N = b.shape[1]
+    k_bucket = m_bucket(K) if kind == KIND_DW else K
+    if linear_tma.usable(a, b, y):
+        linear_tma.launch(a, b, y, z, bias, activation_code, kind, m_bucket(M), k_bucket,
+                          _dot_precision(a.dtype), _acc_dtype(a.dtype))
+        return
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     save_z = z is not None
     _linear_fwd_kernel[grid](
         a, b, bias if bias is not None else y, y, z if save_z else y,
-        M, N, K, m_bucket(M), m_bucket(K) if kind == KIND_DW else K, kind,
+        M, N, K, m_bucket(M), k_bucket, kind,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         y.stride(0), y.stride(1),
         z.stride(0) if save_z else 0, z.stride(1) if save_z else 0,

@@ -143,6 +143,7 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 SMEM = {90: 227 * 1024, 80: 163 * 1024}
 out = []
+LAST = {}   # the last compile's artifacts (asm: "ptx", "cubin", ...), for tests that read the SASS
 def comp(fn, types, consts, cc, warps=4, stages=3, label=""):
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
@@ -150,6 +151,8 @@ def comp(fn, types, consts, cc, warps=4, stages=3, label=""):
     c = triton.compile(ASTSource(fn, sig, constexprs=dict(consts)), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": warps, "num_stages": stages})
     out.append([label, cc, c.metadata.shared, SMEM[cc]])
+    LAST.clear()
+    LAST.update(c.asm)
 '''
 
 

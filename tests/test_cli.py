@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import types
@@ -305,7 +306,6 @@ def test_bench_ops_tiny_cases(tmp_path, monkeypatch, capsys):
 def test_attention_op_cases_providers_run(monkeypatch):
     """The attention bench cases at a toy size: every bert_fast provider builds and runs, forward and
     backward (dropout 0.1; the separate-dQ one sets BERT_FAST_ATTN_DQ for its call only)."""
-    import os
     from bert_fast.bench.op_cases import attention as cases_mod
     for name, value in (("TOKENS", 64), ("SEQLENS", (32,)), ("PADDED_SEQLEN", 32), ("HEADS", 2), ("HEAD_DIM", 16)):
         monkeypatch.setattr(cases_mod, name, value)
@@ -325,6 +325,40 @@ def test_attention_op_cases_providers_run(monkeypatch):
             assert "BERT_FAST_ATTN_DQ" not in os.environ
             seen.add(provider)
     assert seen == {"bert_fast", "bert_fast-padded", "bert_fast-dropout", "bert_fast-dq-separate"}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="runs the Triton kernels: the interpreter or a GPU")
+def test_linear_op_cases_providers_run(monkeypatch):
+    """The linear bench cases at a toy size: every bert_fast provider runs forward and backward,
+    and "bert_fast-triton-pointer" really keeps the TMA GEMM out (forced on with
+    BERT_FAST_GEMM_TMA=1, which that provider overrides for its calls only)."""
+    from bert_fast.bench.op_cases import linear as cases_mod
+    from bert_fast.kernels import linear_tma
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    monkeypatch.setattr(cases_mod, "HIDDEN", (32,))
+    monkeypatch.setattr(cases_mod, "TOKENS", (40,))
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "1")
+    tma_launches = []
+    launch = linear_tma.launch
+    monkeypatch.setattr(linear_tma, "launch", lambda *a: (tma_launches.append(a[6]), launch(*a))[1])
+    tma_capable = device == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    for case in cases_mod.cases(device, dtype):
+        for provider, factory in case.providers.items():
+            if not provider.startswith("bert_fast"):
+                continue
+            tma_launches.clear()
+            result = factory()()
+            tensors = result if isinstance(result, tuple) else (result,)
+            assert all(torch.isfinite(t).all() for t in tensors), (case.name, provider)
+            assert os.environ["BERT_FAST_GEMM_TMA"] == "1"
+            if provider == "bert_fast-triton-pointer":
+                assert tma_launches == [], case.name
+            elif provider == "bert_fast-triton" and tma_capable:
+                # forward: y; backward case: its forward (in the factory), then dX and dW
+                assert len(tma_launches) == (1 if case.direction == "fwd" else 3), case.name
 
 
 def test_bench_ops_no_modules(tmp_path, monkeypatch, capsys):

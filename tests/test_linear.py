@@ -71,6 +71,18 @@ def test_linear_129x312x1000(device, backend):
     _check(x, w, b, "gelu", dy, backend)
 
 
+@pytest.mark.parametrize("act", ["gelu", None])
+def test_pointer_gemm_split_epilogue(device, act, monkeypatch):
+    """The pointer kernel's epilogue on two column halves (tiles at least 128 wide with an
+    activation or z): N = 200 is one full 128-wide tile and one whose right half is all outside."""
+    from bert_fast.kernels import linear as K
+
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "0")
+    monkeypatch.setattr(K._linear_fwd_kernel, "configs", [K._cfg(32, 128, 32, 4, 1 if device.type == "cpu" else 3)])
+    x, w, b, dy = _inputs(device, DTYPES[-1], (45,), 40, 200, seed=31)
+    _check(x, w, b, act, dy, "triton")
+
+
 @pytest.mark.parametrize("k", [1000, 3000])
 def test_long_odd_k(device, k):
     x, w, b, dy = _inputs(device, torch.float32, (7,), k, 48, seed=1)
@@ -279,7 +291,8 @@ for cc in (90, 80):
             types = {**{n: "i32" for n in names}, **{n: "*" + dt for n in "A B BIAS Y Z".split()}}
             c = dict(stride_ak=1, stride_bk=1, stride_yn=1, stride_zn=1, HAS_BIAS=True, ACTIVATION=1,
                      SAVE_Z=True, DOT_PRECISION="ieee" if dt == "fp32" else "native", ACC_DTYPE=tl.float32,
-                     INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=False)
+                     INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=False,
+                     EPILOGUE_SPLIT=2 if bn >= 128 else 1)
             comp(K._linear_fwd_kernel, types, c, cc, warps=w, stages=s, label=f"gemm {dt} {bm}x{bn}x{bk}")
         p = "*" + dt
         comp(K._linear_bwd_kernel, dict(DY=p, Z=p, DZ=p, PARTIAL="*fp32", M="i32", N="i32", stride_dym="i32",

@@ -8,6 +8,7 @@ backward case the factory runs the forward itself and the timed callable is the 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict
 
@@ -28,3 +29,17 @@ class OpCase:
     @property
     def name(self) -> str:
         return f"{self.op}/{self.direction}/{self.label}"
+
+
+def with_env(name: str, value: str, run: Callable[[], Any]) -> Any:
+    """run() with the environment variable ``name`` set to ``value``, restored afterwards: for
+    providers that pin a kernel variant our launchers read from the environment at each call."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return run()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old

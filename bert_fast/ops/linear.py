@@ -1,7 +1,8 @@
 """linear: act(x @ W^T + b) as the torch ops ``bert_fast::linear_fwd`` / ``bert_fast::linear_bwd``.
 
 Backends (one is chosen per call, forward and backward separately):
-  "triton"     our Triton GEMM (bert_fast.kernels.linear) with bias + GELU fused in the epilogue;
+  "triton"     our Triton GEMM (bert_fast.kernels.linear; on sm_90+ the TMA / persistent one of
+               bert_fast.kernels.linear_tma) with bias + GELU fused in the epilogue;
                backward: fused dZ = dY * gelu'(z) + deterministic db kernel, Triton GEMMs for dX, dW
   "cublas"     torch.mm / F.linear (cuBLAS) + our fused bias+GELU Triton kernel
                (bert_fast.kernels.bias_gelu); backward: bias_gelu_bwd + torch.mm. On the CPU
@@ -23,10 +24,12 @@ Choosing between "triton" and "cublas" ("dispatch decided by measurement"):
                                              the GEMM's own time; a Triton GEMM at ~80% of cuBLAS
                                              still wins)
        - plain forward, every backward    -> cublas  (nothing to fuse: cuBLASLt fuses the bias
-                                             itself and is hard to beat on Hopper with a non-TMA,
-                                             non-warp-specialised Triton GEMM; the backward's
-                                             fusion, dZ = dY * gelu'(z) + db, is our kernel in
-                                             both backends)
+                                             itself; our Hopper GEMM (TMA, persistent, but not
+                                             warp-specialised) is predicted close to it, not
+                                             ahead, so only a measured win in the table moves
+                                             these to triton; the backward's fusion,
+                                             dZ = dY * gelu'(z) + db, is our kernel in both
+                                             backends)
   On CPU with the interpreter "auto" means "triton" (the kernel is what is being tested).
 
 Save z or recompute it. With an activation the backward needs the pre-activation z. We save it

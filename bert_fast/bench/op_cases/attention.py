@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase
+from bert_fast.bench.op_case import OpCase, with_env
 
 TOKENS = 16384
 SEQLENS = (128, 256, 512)
@@ -110,22 +109,10 @@ def _factory(provider, direction, lengths, seqlen, device, dtype):
         out = fn(qkv)
         dout = torch.randn_like(out)
         if provider == "bert_fast-dq-separate":
-            return lambda: _with_separate_dq(lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True))
+            return lambda: with_env("BERT_FAST_ATTN_DQ", "separate",
+                                    lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True))
         return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
     return make
-
-
-def _with_separate_dq(run):
-    """run() with BERT_FAST_ATTN_DQ=separate (read by the backward launcher at each call)."""
-    old = os.environ.get("BERT_FAST_ATTN_DQ")
-    os.environ["BERT_FAST_ATTN_DQ"] = "separate"
-    try:
-        return run()
-    finally:
-        if old is None:
-            del os.environ["BERT_FAST_ATTN_DQ"]
-        else:
-            os.environ["BERT_FAST_ATTN_DQ"] = old
 
 
 def cases(device, dtype) -> list[OpCase]:

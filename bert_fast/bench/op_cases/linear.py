@@ -1,7 +1,9 @@
 """Benchmark cases of ``linear`` at BERT's GEMM shapes (fused QKV, FFN up + GELU, FFN down).
 
 Providers: "bert_fast" (auto dispatch), "bert_fast-triton" and "bert_fast-cublas" (each path
-forced), "torch" (F.linear + F.gelu) and "torch.compile" (the same, compiled). Compute-bound:
+forced; on Hopper "triton" is the TMA / persistent GEMM of kernels/linear_tma.py),
+"bert_fast-triton-pointer" (the triton path with BERT_FAST_GEMM_TMA=0: the pointer-based GEMM, to
+measure what TMA buys), "torch" (F.linear + F.gelu) and "torch.compile" (the same, compiled). Compute-bound:
 flops = 2*M*N*K forward, 4*M*N*K backward (dX and dW); ``bytes`` is the minimal traffic of one call.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase
+from bert_fast.bench.op_case import OpCase, with_env
 
 # (name, N, K, activation) per hidden size H
 def _shapes(h: int):
@@ -34,6 +36,10 @@ def _compiled(activation):
 
 
 def _make_fn(provider: str, activation):
+    if provider == "bert_fast-triton-pointer":
+        from bert_fast.ops.linear import linear
+        return lambda x, w, b: with_env("BERT_FAST_GEMM_TMA", "0",
+                                        lambda: linear(x, w, b, activation, backend="triton"))
     if provider.startswith("bert_fast"):
         from bert_fast.ops.linear import linear
         backend = provider.split("-", 1)[1] if "-" in provider else None
@@ -56,11 +62,15 @@ def _factory(provider, direction, m, n, k, activation, device, dtype):
             return lambda: fn(x, w, b)
         y = fn(x, w, b)
         dy = torch.randn_like(y)
-        return lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+        grads = lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+        if provider == "bert_fast-triton-pointer":   # the backward's GEMMs too
+            return lambda: with_env("BERT_FAST_GEMM_TMA", "0", grads)
+        return grads
     return factory
 
 
-PROVIDERS = ("bert_fast", "bert_fast-triton", "bert_fast-cublas", "torch", "torch.compile")
+PROVIDERS = ("bert_fast", "bert_fast-triton", "bert_fast-triton-pointer", "bert_fast-cublas", "torch",
+             "torch.compile")
 
 
 def cases(device, dtype) -> List[OpCase]:

@@ -1,0 +1,258 @@
+"""Hopper GEMM of ``linear``: the same product and epilogue as ``_linear_fwd_kernel``, but its tiles
+move through the tensor memory accelerator (TMA) and one program per SM walks many output tiles.
+
+Why a second kernel. The pointer kernel in linear.py compiles to wgmma on sm_90, but its operands
+arrive through cp.async: every thread computes addresses and masks for its share of each tile, and
+each program computes exactly one output tile, so the epilogue's stores of one tile cannot overlap
+the main loop of the next (benchmarks/NOTES.md predicts it at ~65-85% of cuBLAS on H100, below
+issue #3's 95% target for the fused QKV GEMM). Here
+  * operands are loaded by TMA from host-built descriptors (one instruction per tile, bounds
+    handled by the hardware: out-of-range rows / columns / K read as zero, so no masks at all);
+  * the grid is persistent (min(#SM, #tiles) programs, tile = pid, pid + #SM, ...) and the tile loop
+    is flattened with the K loop (``tl.range(flatten=True)``), so the software pipeline runs across
+    tile boundaries and the next tile's loads are in flight during this tile's epilogue;
+  * the epilogue (bias, GELU, optional pre-activation z) stores through TMA too.
+
+Layouts. As in linear.py one kernel computes the forward and both backward GEMMs, which read their
+operands in different orientations. TMA needs a unit stride in the last dimension, so instead of
+arbitrary strides each operand is either "as is" or stored transposed:
+    forward  y  = x @ W^T   A = x  [M, K]             B = W   stored [N, K] (B_T)
+    backward dX = dZ @ W    A = dZ [M, K]             B = W   [K, N]
+    backward dW = dZ^T @ X  A = dZ stored [K, M] (A_T) B = X   [K, N]
+wgmma reads either orientation of 16-bit operands from shared memory, so the transposes cost
+nothing at run time.
+
+When it is used: see ``usable``: CUDA with compute capability >= 9, fp16/bf16, every operand with
+one unit stride, 16-byte aligned base and row pitch (TMA's rules), unless BERT_FAST_GEMM_TMA=0.
+BERT_FAST_GEMM_TMA=1 also enables it in the Triton CPU interpreter (any dtype), which is how the
+CPU tests run it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .linear import _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs, _tile_coords
+
+_ENV = "BERT_FAST_GEMM_TMA"
+
+
+def _set_block_shapes(nargs):
+    """Autotune pre-hook: a host descriptor carries its box (block) shape, which depends on the
+    config being tried, so each config writes its own into the descriptors before launch."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
+    nargs["y_desc"].block_shape = [bm, bn // nargs["EPILOGUE_SPLIT"]]
+    nargs["z_desc"].block_shape = [bm, bn // nargs["EPILOGUE_SPLIT"]]
+
+
+def _cfg(bm, bn, bk, warps, stages, split=1, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
+                          "EPILOGUE_SPLIT": split},
+                         num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes)
+
+
+def _configs():
+    """Hopper tiles (wgmma wants BLOCK_M >= 64 per warpgroup). Shared memory per config, bf16:
+    stages * (BM + BN) * BK * 2 bytes for the operand ring plus the TMA store's staging box,
+    BM * BN / EPILOGUE_SPLIT * 2 (offline sm_90 compile, with or without z: 128x256x64 takes
+    180 KB at 3 stages, 224 KB at 4, of the 227 KB). Tiles at least 128 wide split their epilogue
+    in two: with the erf GELU the whole tile at once spills (255 registers and 72-128 B of stack at
+    128x256, 256x128 and 128x128 / 4 warps), the halves do not (237-251 registers, no stack), and
+    the halved staging box is what lets 128x256 run 4 stages deep."""
+    if _interpreting():
+        return [_cfg(32, 32, 32, 4, 1, split=2)]
+    if os.environ.get("BERT_FAST_AUTOTUNE", "1") == "0":
+        return [_cfg(128, 128, 64, 8, 3, split=2)]
+    return [
+        _cfg(128, 256, 64, 8, 4, split=2),
+        _cfg(128, 256, 64, 8, 3, split=2),
+        _cfg(256, 128, 64, 8, 3, split=2),
+        _cfg(128, 128, 64, 8, 4, split=2),
+        _cfg(128, 128, 64, 4, 4, split=2),
+        _cfg(128, 64, 64, 4, 4),
+        _cfg(64, 128, 64, 4, 4, split=2),
+        _cfg(64, 64, 64, 4, 4),
+    ]
+
+
+@triton.jit
+def _load_a(a_desc, m0, k0, A_T: tl.constexpr):
+    """A's [BLOCK_M, BLOCK_K] tile; stored transposed ([K, M]) it is read as a [BLOCK_K, BLOCK_M]
+    box and transposed in shared memory (free: wgmma takes either orientation)."""
+    if A_T:
+        return tl.trans(a_desc.load([k0, m0]))
+    else:
+        return a_desc.load([m0, k0])
+
+
+@triton.jit
+def _load_b(b_desc, n0, k0, B_T: tl.constexpr):
+    """B's [BLOCK_K, BLOCK_N] tile; stored transposed ([N, K], the weight in the forward) it is
+    read as a [BLOCK_N, BLOCK_K] box."""
+    if B_T:
+        return tl.trans(b_desc.load([n0, k0]))
+    else:
+        return b_desc.load([k0, n0])
+
+
+@triton.jit
+def _tile_main_loop(a_desc, b_desc, m0, n0, K, A_T: tl.constexpr, B_T: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc = A[m0:m0+BM, :] @ B[:, n0:n0+BN]; the K tail and out-of-range rows read as zeros (TMA)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if INTERPRET:
+        # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound (see linear.py)
+        ki = 0
+        while ki < k_tiles:
+            acc = _dot_acc(_load_a(a_desc, m0, ki * BLOCK_K, A_T),
+                           _load_b(b_desc, n0, ki * BLOCK_K, B_T), acc, DOT_PRECISION)
+            ki += 1
+    else:
+        for ki in range(k_tiles):
+            acc = _dot_acc(_load_a(a_desc, m0, ki * BLOCK_K, A_T),
+                           _load_b(b_desc, n0, ki * BLOCK_K, B_T), acc, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS: tl.constexpr,
+                    ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                    WIDTH: tl.constexpr):
+    """Bias, pre-activation store, activation, output store of a [BLOCK_M, WIDTH] accumulator slab."""
+    if HAS_BIAS:
+        offs_n = n0 + tl.arange(0, WIDTH)
+        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
+    if SAVE_Z:
+        z_desc.store([m0, n0], acc.to(z_desc.dtype))
+    y_desc.store([m0, n0], _act_fwd(acc, ACTIVATION).to(y_desc.dtype))
+
+
+@triton.jit
+def _tile_epilogue(acc, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS: tl.constexpr,
+                   ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+    """EPILOGUE_SPLIT = 2 runs the epilogue on the two column halves of the tile one after the
+    other: the GELU's fp32 temporaries then exist for half the accumulator at a time (at 128x256
+    with erf, the whole tile at once needs more than 255 registers and spills, sm_90 offline
+    compile), and the TMA store box (the shared-memory staging buffer) is half as big."""
+    if EPILOGUE_SPLIT == 2:
+        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
+        _epilogue_store(left, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS, ACTIVATION, SAVE_Z,
+                        ACC_DTYPE, BLOCK_N // 2)
+        _epilogue_store(right, BIAS, y_desc, z_desc, m0, n0 + BLOCK_N // 2, N, HAS_BIAS, ACTIVATION,
+                        SAVE_Z, ACC_DTYPE, BLOCK_N // 2)
+    else:
+        _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS, ACTIVATION, SAVE_Z,
+                        ACC_DTYPE, BLOCK_N)
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
+                 prune_configs_by={"early_config_prune": _prune_configs}, cache_results=True)
+@triton.jit
+def _linear_tma_kernel(
+    a_desc, b_desc, y_desc, z_desc, BIAS,
+    M, N, K, M_BUCKET, K_BUCKET, KIND,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, NUM_SMS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
+    """Y[M, N] = act(A @ B + BIAS); Z = A @ B + BIAS if SAVE_Z. Persistent: program p computes
+    tiles p, p + NUM_SMS, ... in grouped order. (Descriptors carry no dtype the autotuner can see;
+    BIAS, always a tensor of the output dtype, puts the dtype into its key.)"""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if INTERPRET:
+        tile = tl.program_id(0)
+        while tile < num_tiles:
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, A_T, B_T,
+                                  DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+            _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS,
+                           ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+            tile += NUM_SMS
+    else:
+        # flatten=True merges this loop with the K loop into one software-pipelined loop, so TMA
+        # loads of the next tile are issued while this one's epilogue runs.
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, A_T, B_T,
+                                  DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+            _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS,
+                           ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
+# ----------------------------------------------------------------------------- host side
+def _mode() -> str:
+    mode = os.environ.get(_ENV, "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{_ENV} must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def _tma_view(t: torch.Tensor):
+    """(storage-order 2-D shape, strides, transposed?) of ``t`` if TMA can read it, else None.
+    TMA needs a unit last stride, a 16-byte aligned base and 16-byte aligned row pitch."""
+    esize = t.element_size()
+    if t.data_ptr() % 16:
+        return None
+    rows, cols = t.shape
+    if t.stride(1) == 1 and (t.stride(0) * esize) % 16 == 0:
+        return (rows, cols), (t.stride(0), 1), False
+    if t.stride(0) == 1 and (t.stride(1) * esize) % 16 == 0:
+        return (cols, rows), (t.stride(1), 1), True
+    return None
+
+
+def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether GEMMs on ``device`` in ``dtype`` take the TMA kernel when their operands allow it."""
+    mode = _mode()
+    if mode == "0":
+        return False
+    if _interpreting():
+        return mode == "1"
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def usable(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the TMA kernel takes a [M, K] @ b [K, N] -> y (see the module docstring)."""
+    if not enabled_for(a.device, a.dtype):
+        return False
+    return all(_tma_view(t) is not None for t in (a, b, y)) and not _tma_view(y)[2]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4   # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype):
+    """y (and z) = epilogue(a @ b) through TMA; the caller checked ``usable(a, b, y)``."""
+    M, K = a.shape
+    N = b.shape[1]
+    a_shape, a_strides, a_t = _tma_view(a)
+    b_shape, b_strides, b_t = _tma_view(b)
+    # block shapes are placeholders: the config's pre-hook sets the real ones
+    a_desc = TensorDescriptor(a, a_shape, a_strides, [16, 16])
+    b_desc = TensorDescriptor(b, b_shape, b_strides, [16, 16])
+    y_desc = TensorDescriptor(y, [M, N], [y.stride(0), 1], [16, 16])
+    z_desc = TensorDescriptor(z, [M, N], [z.stride(0), 1], [16, 16]) if z is not None else y_desc
+    num_sms = _num_sms(a.device)
+    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    _linear_tma_kernel[grid](
+        a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y,
+        M, N, K, m_bucket_, k_bucket, kind,
+        HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=z is not None,
+        A_T=a_t, B_T=b_t, NUM_SMS=num_sms,
+        DOT_PRECISION=dot_precision, ACC_DTYPE=acc_dtype, INTERPRET=_interpreting(),
+    )

@@ -1,0 +1,195 @@
+"""The Hopper GEMM of ``linear`` (kernels/linear_tma.py): TMA loads and stores, persistent grid.
+
+On the CPU it runs in the Triton interpreter (BERT_FAST_GEMM_TMA=1 turns it on there), fp32/fp16;
+on CUDA it runs where it is used (compute capability >= 9), fp16/bf16 (and fp32 for the forced
+mode's rejection). Every test counts the launches of the TMA kernel, so a silent fallback to the
+pointer kernel fails it. Tolerance: the 2x rule of DESIGN.md through test_linear's ``_check``.
+"""
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_fast.kernels import linear as K
+from bert_fast.kernels import linear_tma
+from bert_fast.testing import dtypes_for, pick_test_device
+from test_linear import ACTS, _check, _inputs
+
+DEVICE = pick_test_device()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, EPILOGUE_SPLIT): both epilogue variants. In the
+# interpreter small tiles, so that the test shapes below span several tiles and a K tail.
+CONFIGS = ([(32, 32, 32, 4, 1, 1), (32, 32, 32, 4, 1, 2)] if DEVICE.type == "cpu"
+           else [(64, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 2)])
+# (M, K, N): none a multiple of its tile; K leaves a tail of 8 columns
+SHAPE = (70, 40, 48) if DEVICE.type == "cpu" else (300, 200, 264)
+
+
+def _tma_hardware(device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return INTERPRET
+
+
+@pytest.fixture
+def tma_kinds(monkeypatch, device):
+    """Forces the TMA kernel (BERT_FAST_GEMM_TMA=1) and records the GEMM kind of every launch."""
+    if not _tma_hardware(device):
+        pytest.skip("the TMA GEMM needs compute capability >= 9 (or the Triton interpreter)")
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "1")
+    kinds = []
+    launch = linear_tma.launch
+
+    def counting(a, b, y, z, bias, act, kind, *rest):
+        kinds.append(kind)
+        return launch(a, b, y, z, bias, act, kind, *rest)
+
+    monkeypatch.setattr(linear_tma, "launch", counting)
+    # three programs for 9+ tiles: every program walks several tiles (the persistent loop)
+    monkeypatch.setattr(linear_tma, "_num_sms", lambda dev: 3)
+    return kinds
+
+
+def _pin_config(monkeypatch, cfg):
+    bm, bn, bk, warps, stages, split = cfg
+    monkeypatch.setattr(linear_tma._linear_tma_kernel, "configs",
+                        [linear_tma._cfg(bm, bn, bk, warps, stages, split=split)])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "x".join(map(str, c[:3])) + f"-split{c[5]}")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", dtypes_for(DEVICE, include_fp32=DEVICE.type == "cpu"))
+def test_tma_gemm_forward_and_backward(device, dtype, act, cfg, tma_kinds, monkeypatch):
+    """y, dX and dW (all three GEMM layouts: B transposed, plain, A transposed) and db."""
+    _pin_config(monkeypatch, cfg)
+    m, k, n = SHAPE
+    x, w, b, dy = _inputs(device, dtype, (m,), k, n, seed=21)
+    _check(x, w, b, act, dy, "triton")
+    assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
+
+
+def test_tma_gemm_no_bias_and_leading_dims(device, tma_kinds, monkeypatch):
+    _pin_config(monkeypatch, CONFIGS[-1])
+    m, k, n = SHAPE
+    x, w, _, dy = _inputs(device, dtypes_for(DEVICE)[-1], (2, m // 2), k, n, bias=False, seed=22)
+    _check(x, w, None, "gelu_tanh", dy, "triton")
+    assert len(tma_kinds) == 3
+
+
+def test_tma_gemm_transposed_x(device, tma_kinds, monkeypatch):
+    """x given as the transpose of a contiguous [K, M] tensor: the forward's A is read transposed
+    (M rounded up to a multiple of 8: the pitch of the stored [K, M] must be 16 bytes)."""
+    _pin_config(monkeypatch, CONFIGS[0])
+    m, k, n = SHAPE
+    m = (m + 7) // 8 * 8
+    x, w, b, dy = _inputs(device, dtypes_for(DEVICE)[-1], (m,), k, n, seed=23)
+    x_t = x.t().contiguous()
+    _check(x_t, w, b, "gelu", dy, "triton", x_view=lambda t: t.t())
+    assert K.KIND_FWD in tma_kinds
+
+
+def test_tma_falls_back_where_tma_cannot_read(device, tma_kinds):
+    """What TMA cannot read goes to the pointer kernel, with the right answer:
+    K = 7 fp16 rows are 14 bytes (TMA needs 16-byte row pitches): no GEMM of that layer uses TMA;
+    x with a column stride of 2 has no unit stride: the forward and dW (which reads x) fall back,
+    only dX = dZ @ W (both contiguous) takes the TMA kernel."""
+    x, w, b, dy = _inputs(device, torch.float16, (33,), 7, 24, seed=24)
+    _check(x, w, b, "gelu", dy, "triton")
+    assert tma_kinds == []
+    x2, w2, b2, dy2 = _inputs(device, torch.float16, (33,), 32, 24, seed=25)
+    wide = torch.zeros(33, 64, dtype=torch.float16, device=device)
+    wide[:, ::2] = x2
+    _check(wide, w2, b2, None, dy2, "triton", x_view=lambda t: t[:, ::2])
+    assert tma_kinds == [K.KIND_DX]
+
+
+def test_usable_rules(monkeypatch):
+    t = lambda *shape, dt=torch.float16: torch.empty(*shape, dtype=dt)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "1")
+    a, b, y = t(64, 32), t(48, 32).t(), t(64, 48)
+    assert linear_tma.usable(a, b, y)
+    assert linear_tma.usable(t(32, 64).t(), b, y)                 # A stored transposed
+    assert not linear_tma.usable(t(64, 7), t(48, 7).t(), y)      # 14-byte rows
+    assert not linear_tma.usable(t(64, 64)[:, ::2], b, y)        # no unit stride
+    shifted = t(64 * 32 + 1)[1:].view(64, 32)                   # pitch fine, base 2 bytes off
+    assert not linear_tma.usable(shifted, b, y)
+    assert not linear_tma.usable(a, b, t(48, 64).t())             # the output must be row-major
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "0")
+    assert not linear_tma.usable(a, b, y)
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "auto")             # auto: never in the interpreter
+    assert not linear_tma.usable(a, b, y)
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "yes")
+    with pytest.raises(ValueError, match="BERT_FAST_GEMM_TMA"):
+        linear_tma.usable(a, b, y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA choice needs a GPU")
+def test_auto_mode_on_cuda(monkeypatch):
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "auto")
+    dev = torch.device("cuda")
+    a = torch.empty(64, 32, device=dev, dtype=torch.bfloat16)
+    b = torch.empty(48, 32, device=dev, dtype=torch.bfloat16).t()
+    y = torch.empty(64, 48, device=dev, dtype=torch.bfloat16)
+    assert linear_tma.usable(a, b, y) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not linear_tma.usable(a.float(), b.float(), y.float())   # fp32 keeps the IEEE pointer GEMM
+
+
+# ----------------------------------------------------------------------------- sm_90, offline
+def _cuobjdump():
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else shutil.which("cuobjdump")
+
+
+def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90(tmp_path):
+    """Every autotune config, in the three layouts (forward with bias + erf GELU + z, dX, dW),
+    compiled for sm_90 without a GPU: within shared memory, no stack (no spills), and the SASS
+    really is TMA (UTMALDG loads, UTMASTG stores) feeding wgmma (HGMMA): a regression to cp.async
+    or mma.sync would compile and run, only slower."""
+    from test_bias_gelu import run_offline_compile
+
+    rows = run_offline_compile(r'''
+import os
+os.environ.pop("BERT_FAST_AUTOTUNE", None)
+from bert_fast.kernels import linear_tma as T
+fn = T._linear_tma_kernel
+while not isinstance(fn, triton.runtime.jit.JITFunction):
+    fn = fn.fn
+for cfg in T._configs():
+    kw = dict(cfg.kwargs)
+    bm, bn, bk, split = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["EPILOGUE_SPLIT"]
+    for layout, a_t, b_t, act, save_z, dt in (("fwd", False, True, 1, True, "bf16"),
+                                              ("fwd", False, True, 1, True, "fp16"),
+                                              ("dx", False, False, 0, False, "bf16"),
+                                              ("dw", True, False, 0, False, "bf16")):
+        desc = lambda box: f"tensordesc<{dt}{list(box)}>"
+        types = dict(a_desc=desc([bk, bm] if a_t else [bm, bk]), b_desc=desc([bn, bk] if b_t else [bk, bn]),
+                     y_desc=desc([bm, bn // split]), z_desc=desc([bm, bn // split]), BIAS="*" + dt,
+                     **{n: "i32" for n in "M N K M_BUCKET K_BUCKET KIND".split()})
+        consts = dict(HAS_BIAS=layout == "fwd", ACTIVATION=act, SAVE_Z=save_z, A_T=a_t, B_T=b_t,
+                      NUM_SMS=132, DOT_PRECISION="native", ACC_DTYPE=tl.float32, INTERPRET=False, **kw)
+        label = f"{layout}-{dt}-{bm}x{bn}x{bk}-w{cfg.num_warps}-s{cfg.num_stages}-e{split}"
+        comp(fn, types, consts, 90, warps=cfg.num_warps, stages=cfg.num_stages, label=label)
+        open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
+'''.replace("OUT_DIR", repr(str(tmp_path))))
+    cubins = sorted(tmp_path.glob("*.cubin"))
+    assert len(rows) >= 4 and len(rows) % 4 == 0 and len(cubins) == len(rows)
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS with (shared memory was checked)")
+    for cubin in cubins:
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        for instr in ("HGMMA", "UTMALDG", "UTMASTG"):
+            assert instr in sass, f"{cubin.stem}: no {instr} in the SASS"
+        assert "LDGSTS" not in sass, f"{cubin.stem}: cp.async (LDGSTS) instead of TMA"
+        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+        assert stack == 0, f"{cubin.stem}: {stack} B of stack (register spills)"
+

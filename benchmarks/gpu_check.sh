@@ -186,9 +186,10 @@ run_stage tests 540 "$RUN_DIR/pytest.log" env BERT_FAST_AUTOTUNE=0 "$PY" -m pyte
 # config and sweep time), the evidence for the fixed BERT_FAST_AUTOTUNE=0 configs.
 export TRITON_PRINT_AUTOTUNING=1
 
-# 4. per-op benchmark (300 s: the first attention keys pay ~10 compiles each for the sweep, and the
-#    dropout / separate-dQ providers add their own keys)
-run_stage bench-ops 300 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progress --dtype bf16 \
+# 4. per-op benchmark (360 s: the first attention keys pay ~10 compiles each for the sweep, the
+#    dropout / separate-dQ providers add their own keys, and linear tunes two GEMMs, TMA and
+#    pointer, per shape)
+run_stage bench-ops 360 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progress --dtype bf16 \
     --warmup 10 --iters 50 --max-seconds 3 --json "$RUN_DIR/ops.json" --plot "$RUN_DIR/ops.png"
 
 # 5. model benchmark grid (bf16)

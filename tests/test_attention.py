@@ -96,6 +96,21 @@ def test_attention_no_mask_and_scale(device, dtype):
     _check_padded(qkv, None, dout, scale=0.3, name=" (scale 0.3)")
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.2])
+def test_attention_zero_and_negative_scale(device, scale):
+    """The forward folds a positive scale into one FFMA per score (max(s * c) = max(s) * c needs
+    c > 0); zero and negative scales take the other path: a zero scale is uniform attention over
+    the kept keys (no NaN from -inf * 0 at the masked ones), a negative one favours the lowest
+    scores. Key padding with a fully masked row, 70 keys: a full block and a tail block."""
+    g = _gen(71)
+    b, s, h, d = 2, 70, 2, 32
+    qkv = _rand((b, s, 3, h, d), g, device, DTYPES[-1])
+    dout = _rand((b, s, h, d), g, device, DTYPES[-1])
+    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    out, _ = _check_padded(qkv, mask, dout, scale=scale, name=f" (scale {scale})")
+    assert torch.isfinite(out).all()
+
+
 def test_attention_fully_masked_row(device):
     g = _gen(3)
     b, s, h, d = 3, 40, 2, 32

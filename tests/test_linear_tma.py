@@ -1,9 +1,9 @@
 """The Hopper GEMM of ``linear`` (kernels/linear_tma.py): TMA loads and stores, persistent grid.
 
 On the CPU it runs in the Triton interpreter (BERT_FAST_GEMM_TMA=1 turns it on there), fp32/fp16;
-on CUDA it runs where it is used (compute capability >= 9), fp16/bf16 (and fp32 for the forced
-mode's rejection). Every test counts the launches of the TMA kernel, so a silent fallback to the
-pointer kernel fails it. Tolerance: the 2x rule of DESIGN.md through test_linear's ``_check``.
+on CUDA where it is used (compute capability >= 9), fp16/bf16 (fp32 stays on the pointer kernel
+there). Every test counts the launches of the TMA kernel, so a silent fallback to the pointer
+kernel fails it. Tolerance: the 2x rule of DESIGN.md through test_linear's ``_check``.
 """
 import os
 import re
@@ -148,7 +148,8 @@ def _cuobjdump():
 
 
 def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90(tmp_path):
-    """Every autotune config, in the three layouts (forward with bias + erf GELU + z, dX, dW),
+    """Every autotune config, in the three layouts (forward with bias + erf GELU + z, in bf16 and
+    fp16; dX; dW),
     compiled for sm_90 without a GPU: within shared memory, no stack (no spills), and the SASS
     really is TMA (UTMALDG loads, UTMASTG stores) feeding wgmma (HGMMA): a regression to cp.async
     or mma.sync would compile and run, only slower."""

@@ -11,7 +11,10 @@ issue #3's 95% target for the fused QKV GEMM). Here
   * the grid is persistent (min(#SM, #tiles) programs, tile = pid, pid + #SM, ...) and the tile loop
     is flattened with the K loop (``tl.range(flatten=True)``), so the software pipeline runs across
     tile boundaries and the next tile's loads are in flight during this tile's epilogue;
-  * the epilogue (bias, GELU, optional pre-activation z) stores through TMA too.
+  * the epilogue (bias, GELU, optional pre-activation z) stores through TMA too;
+  * the weight gradient, whose output (a weight matrix) can have fewer tiles than the GPU has SMs
+    while its K (the token count) is long, is split into K-slices (``_split_k``): fp32 partials
+    in a workspace, summed afterwards in a fixed order.
 
 Layouts. As in linear.py one kernel computes the forward and both backward GEMMs, which read their
 operands in different orientations. TMA needs a unit stride in the last dimension, so instead of
@@ -36,7 +39,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .linear import _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs, _tile_coords
+from .linear import (KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs,
+                     _tile_coords)
 
 _ENV = "BERT_FAST_GEMM_TMA"
 
@@ -47,8 +51,11 @@ def _set_block_shapes(nargs):
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["a_desc"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
-    nargs["y_desc"].block_shape = [bm, bn // nargs["EPILOGUE_SPLIT"]]
-    nargs["z_desc"].block_shape = [bm, bn // nargs["EPILOGUE_SPLIT"]]
+    out_box = [bm, bn // nargs["EPILOGUE_SPLIT"]]
+    # with SPLIT_K > 1 y_desc is the [SPLIT_K, M, N] workspace (and there is no z)
+    nargs["y_desc"].block_shape = out_box if nargs["SPLIT_K"] == 1 else [1] + out_box
+    if nargs["z_desc"] is not nargs["y_desc"]:
+        nargs["z_desc"].block_shape = out_box
 
 
 def _cfg(bm, bn, bk, warps, stages, split=1, group=8):
@@ -81,6 +88,28 @@ def _configs():
     ]
 
 
+_SMEM_LIMIT = 227 * 1024   # sm_90's opt-in shared memory per block
+
+
+def fits_shared_memory(cfg: triton.Config, split_k: int) -> bool:
+    """Shared memory of ``cfg``: the operand ring, stages * (BM + BN) * BK * 2 bytes, plus one
+    staging box for the TMA stores (y and z share it), BM * BN / EPILOGUE_SPLIT elements of the
+    output: 16-bit, or the fp32 workspace under split-K. Matches the offline sm_90 compile within
+    ~100 bytes of barriers (180,224 + 32 B for 128x256x64 at 3 stages)."""
+    kw = cfg.kwargs
+    ring = cfg.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * 2
+    box = kw["BLOCK_M"] * kw["BLOCK_N"] // kw["EPILOGUE_SPLIT"] * (4 if split_k > 1 else 2)
+    return ring + box + 1024 <= _SMEM_LIMIT
+
+
+def _prune(configs, named_args, **kwargs):
+    """_prune_configs' small-M rule, and under split-K the tiles whose fp32 staging box no longer
+    fits (128x256 at 4 stages: 262 KB)."""
+    split_k = kwargs.get("SPLIT_K", 1)
+    kept = [c for c in _prune_configs(configs, named_args, **kwargs) if fits_shared_memory(c, split_k)]
+    return kept or configs[-1:]
+
+
 @triton.jit
 def _load_a(a_desc, m0, k0, A_T: tl.constexpr):
     """A's [BLOCK_M, BLOCK_K] tile; stored transposed ([K, M]) it is read as a [BLOCK_K, BLOCK_M]
@@ -102,92 +131,124 @@ def _load_b(b_desc, n0, k0, B_T: tl.constexpr):
 
 
 @triton.jit
-def _tile_main_loop(a_desc, b_desc, m0, n0, K, A_T: tl.constexpr, B_T: tl.constexpr,
+def _tile_main_loop(a_desc, b_desc, m0, n0, k_lo, k_hi, A_T: tl.constexpr, B_T: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc = A[m0:m0+BM, :] @ B[:, n0:n0+BN]; the K tail and out-of-range rows read as zeros (TMA)."""
+    """acc = A[m0:m0+BM, K-tiles k_lo..k_hi) @ B[same, n0:n0+BN]; the K tail and out-of-range
+    rows read as zeros (TMA)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     if INTERPRET:
         # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound (see linear.py)
-        ki = 0
-        while ki < k_tiles:
+        ki = k_lo
+        while ki < k_hi:
             acc = _dot_acc(_load_a(a_desc, m0, ki * BLOCK_K, A_T),
                            _load_b(b_desc, n0, ki * BLOCK_K, B_T), acc, DOT_PRECISION)
             ki += 1
     else:
-        for ki in range(k_tiles):
+        for ki in range(k_lo, k_hi):
             acc = _dot_acc(_load_a(a_desc, m0, ki * BLOCK_K, A_T),
                            _load_b(b_desc, n0, ki * BLOCK_K, B_T), acc, DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS: tl.constexpr,
+def _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS: tl.constexpr,
                     ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                    WIDTH: tl.constexpr):
-    """Bias, pre-activation store, activation, output store of a [BLOCK_M, WIDTH] accumulator slab."""
-    if HAS_BIAS:
-        offs_n = n0 + tl.arange(0, WIDTH)
-        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
-    if SAVE_Z:
-        z_desc.store([m0, n0], acc.to(z_desc.dtype))
-    y_desc.store([m0, n0], _act_fwd(acc, ACTIVATION).to(y_desc.dtype))
+                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Bias, pre-activation store, activation, output store of a [BLOCK_M, WIDTH] accumulator slab;
+    with SPLIT_K > 1 (no bias, activation or z then) the fp32 partial sum of K-slice ``split``
+    goes to slab ``split`` of the [SPLIT_K, M, N] workspace instead."""
+    if SPLIT_K > 1:
+        y_desc.store([split, m0, n0], tl.reshape(acc, (1, BLOCK_M, WIDTH)).to(y_desc.dtype))
+    else:
+        if HAS_BIAS:
+            offs_n = n0 + tl.arange(0, WIDTH)
+            acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
+        if SAVE_Z:
+            z_desc.store([m0, n0], acc.to(z_desc.dtype))
+        y_desc.store([m0, n0], _act_fwd(acc, ACTIVATION).to(y_desc.dtype))
 
 
 @triton.jit
-def _tile_epilogue(acc, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS: tl.constexpr,
+def _tile_epilogue(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS: tl.constexpr,
                    ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   EPILOGUE_SPLIT: tl.constexpr):
     """EPILOGUE_SPLIT = 2 runs the epilogue on the two column halves of the tile one after the
     other: the GELU's fp32 temporaries then exist for half the accumulator at a time (at 128x256
     with erf, the whole tile at once needs more than 255 registers and spills, sm_90 offline
     compile), and the TMA store box (the shared-memory staging buffer) is half as big."""
     if EPILOGUE_SPLIT == 2:
         left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
-        _epilogue_store(left, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS, ACTIVATION, SAVE_Z,
-                        ACC_DTYPE, BLOCK_N // 2)
-        _epilogue_store(right, BIAS, y_desc, z_desc, m0, n0 + BLOCK_N // 2, N, HAS_BIAS, ACTIVATION,
-                        SAVE_Z, ACC_DTYPE, BLOCK_N // 2)
+        _epilogue_store(left, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS, ACTIVATION, SAVE_Z,
+                        ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N // 2)
+        _epilogue_store(right, BIAS, y_desc, z_desc, m0, n0 + BLOCK_N // 2, N, split, HAS_BIAS,
+                        ACTIVATION, SAVE_Z, ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N // 2)
     else:
-        _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, HAS_BIAS, ACTIVATION, SAVE_Z,
-                        ACC_DTYPE, BLOCK_N)
+        _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS, ACTIVATION, SAVE_Z,
+                        ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N)
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
-                 prune_configs_by={"early_config_prune": _prune_configs}, cache_results=True)
+@triton.jit
+def _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K,
+               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
+               A_T: tl.constexpr, B_T: tl.constexpr, SPLIT_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+    """Work unit = (K-slice, output tile), slice-major: consecutive programs take neighbouring
+    tiles of the same K-slice, so grouped ordering still shares their A/B panels in L2."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K == 1:   # the usual case, with no run-time division for the compiler to carry
+        split = 0
+        pid_m, pid_n = _tile_coords(unit, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        k_lo = 0
+        k_hi = k_tiles
+    else:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        split = unit // num_tiles
+        pid_m, pid_n = _tile_coords(unit % num_tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_lo = split * per_split
+        k_hi = tl.minimum(k_tiles, k_lo + per_split)    # may be empty: that slice stores zeros
+    acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, k_hi, A_T, B_T,
+                          DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+    _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, split, HAS_BIAS,
+                   ACTIVATION, SAVE_Z, ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND", "SPLIT_K"],
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.jit
 def _linear_tma_kernel(
     a_desc, b_desc, y_desc, z_desc, BIAS,
     M, N, K, M_BUCKET, K_BUCKET, KIND,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
-    A_T: tl.constexpr, B_T: tl.constexpr, NUM_SMS: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, SPLIT_K: tl.constexpr, NUM_SMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
 ):
     """Y[M, N] = act(A @ B + BIAS); Z = A @ B + BIAS if SAVE_Z. Persistent: program p computes
-    tiles p, p + NUM_SMS, ... in grouped order. (Descriptors carry no dtype the autotuner can see;
-    BIAS, always a tensor of the output dtype, puts the dtype into its key.)"""
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    work units p, p + NUM_SMS, ... (a unit is one output tile, or with SPLIT_K > 1 one K-slice of
+    one, whose fp32 partial goes to the [SPLIT_K, M, N] workspace y_desc then describes).
+    (Descriptors carry no dtype the autotuner can see; BIAS, always a tensor of the output dtype,
+    puts the dtype into its key.)"""
+    num_units = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) * SPLIT_K
     if INTERPRET:
-        tile = tl.program_id(0)
-        while tile < num_tiles:
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, A_T, B_T,
-                                  DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
-            _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS,
-                           ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
-            tile += NUM_SMS
+        unit = tl.program_id(0)
+        while unit < num_units:
+            _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K, HAS_BIAS, ACTIVATION,
+                       SAVE_Z, A_T, B_T, SPLIT_K, DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M,
+                       BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT)
+            unit += NUM_SMS
     else:
         # flatten=True merges this loop with the K loop into one software-pipelined loop, so TMA
-        # loads of the next tile are issued while this one's epilogue runs.
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, A_T, B_T,
-                                  DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
-            _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS,
-                           ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        # loads of the next unit are issued while this one's epilogue runs.
+        for unit in tl.range(tl.program_id(0), num_units, NUM_SMS, flatten=True):
+            _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K, HAS_BIAS, ACTIVATION,
+                       SAVE_Z, A_T, B_T, SPLIT_K, DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M,
+                       BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -236,23 +297,48 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _split_k(kind: int, M: int, N: int, K: int, num_sms: int) -> int:
+    """K-slices for a GEMM whose output has too few tiles to fill the GPU: the weight gradient
+    (KIND_DW), whose output is a weight matrix (768 x 768 for BERT-base's attention output: 36
+    tiles of 128 x 128 on 132 SMs) while K is the token count (16384). Each slice's fp32 partial
+    sum goes to a [slices, M, N] workspace, summed afterwards in a fixed order (deterministic).
+    Slices keep >= 2048 of K, so the workspace traffic (2 * slices * M * N * 4 bytes) stays small
+    next to the slice's own GEMM. (The caller asks only for GEMMs without an epilogue: dW has none.)"""
+    if kind != KIND_DW:
+        return 1
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    if 2 * tiles > num_sms:
+        return 1
+    return max(1, min(num_sms // tiles, 8, K // 2048))
+
+
 def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype):
     """y (and z) = epilogue(a @ b) through TMA; the caller checked ``usable(a, b, y)``."""
     M, K = a.shape
     N = b.shape[1]
+    num_sms = _num_sms(a.device)
+    plain = bias is None and activation_code == 0 and z is None   # the split path has no epilogue
+    split_k = _split_k(kind, M, N, K, num_sms) if plain else 1
     a_shape, a_strides, a_t = _tma_view(a)
     b_shape, b_strides, b_t = _tma_view(b)
     # block shapes are placeholders: the config's pre-hook sets the real ones
     a_desc = TensorDescriptor(a, a_shape, a_strides, [16, 16])
     b_desc = TensorDescriptor(b, b_shape, b_strides, [16, 16])
-    y_desc = TensorDescriptor(y, [M, N], [y.stride(0), 1], [16, 16])
+    if split_k > 1:
+        part = torch.empty((split_k, M, N), device=y.device,
+                           dtype=torch.float64 if y.dtype == torch.float64 else torch.float32)
+        y_desc = TensorDescriptor(part, [split_k, M, N], [M * N, N, 1], [1, 16, 16])
+    else:
+        y_desc = TensorDescriptor(y, [M, N], [y.stride(0), 1], [16, 16])
     z_desc = TensorDescriptor(z, [M, N], [z.stride(0), 1], [16, 16]) if z is not None else y_desc
-    num_sms = _num_sms(a.device)
-    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+                             * split_k),)
     _linear_tma_kernel[grid](
         a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y,
         M, N, K, m_bucket_, k_bucket, kind,
         HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=z is not None,
-        A_T=a_t, B_T=b_t, NUM_SMS=num_sms,
+        A_T=a_t, B_T=b_t, SPLIT_K=split_k, NUM_SMS=num_sms,
         DOT_PRECISION=dot_precision, ACC_DTYPE=acc_dtype, INTERPRET=_interpreting(),
     )
+    if split_k > 1:
+        y.copy_(part.sum(dim=0))   # torch's reduction: fixed order, fp32, no atomics

@@ -92,6 +92,37 @@ def test_tma_gemm_transposed_x(device, tma_kinds, monkeypatch):
     assert K.KIND_FWD in tma_kinds
 
 
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_tma_split_k_weight_gradient(device, tma_kinds, monkeypatch, split_k):
+    """dW in K-slices (fp32 partials in a [slices, M, N] workspace, summed in a fixed order): the
+    token count M = 70 (CPU) is 3 K-tiles of 32, so 5 slices leave two empty ones (zeros)."""
+    _pin_config(monkeypatch, CONFIGS[-1])
+    asked = []
+
+    def forced(kind, m, n, k, num_sms):
+        asked.append(kind)
+        return split_k if kind == K.KIND_DW else 1
+
+    monkeypatch.setattr(linear_tma, "_split_k", forced)
+    m, k, n = SHAPE
+    x, w, b, dy = _inputs(device, dtypes_for(DEVICE)[-1], (m,), k, n, seed=26)
+    _check(x, w, b, "gelu", dy, "triton")
+    assert K.KIND_DW in asked and K.KIND_FWD not in asked   # the forward has an epilogue: never split
+    assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
+
+
+def test_split_k_choice():
+    """Slices only for dW grids that leave most SMs idle (132 SMs, 128x128 tiles), >= 2048 of K each."""
+    dw, dx = K.KIND_DW, K.KIND_DX
+    assert linear_tma._split_k(dw, 768, 768, 16384, 132) == 3      # BERT-base attention output: 36 tiles
+    assert linear_tma._split_k(dw, 1024, 1024, 16384, 132) == 2    # BERT-large: 64 tiles
+    assert linear_tma._split_k(dw, 768, 2304, 16384, 132) == 1     # QKV: 108 tiles
+    assert linear_tma._split_k(dw, 768, 768, 4096, 132) == 2       # bounded by K / 2048
+    assert linear_tma._split_k(dw, 64, 64, 1 << 20, 132) == 8      # at most 8
+    assert linear_tma._split_k(dw, 768, 768, 1024, 132) == 1
+    assert linear_tma._split_k(dx, 768, 768, 16384, 132) == 1      # only the weight gradient
+
+
 def test_tma_falls_back_where_tma_cannot_read(device, tma_kinds):
     """What TMA cannot read goes to the pointer kernel, with the right answer:
     K = 7 fp16 rows are 14 bytes (TMA needs 16-byte row pitches): no GEMM of that layer uses TMA;
@@ -149,7 +180,7 @@ def _cuobjdump():
 
 def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90(tmp_path):
     """Every autotune config, in the three layouts (forward with bias + erf GELU + z, in bf16 and
-    fp16; dX; dW),
+    fp16; dX; dW, also split-K with its fp32 workspace),
     compiled for sm_90 without a GPU: within shared memory, no stack (no spills), and the SASS
     really is TMA (UTMALDG loads, UTMASTG stores) feeding wgmma (HGMMA): a regression to cp.async
     or mma.sync would compile and run, only slower."""
@@ -162,25 +193,34 @@ from bert_fast.kernels import linear_tma as T
 fn = T._linear_tma_kernel
 while not isinstance(fn, triton.runtime.jit.JITFunction):
     fn = fn.fn
+assert all(T.fits_shared_memory(c, 1) for c in T._configs())   # the estimate never prunes these
 for cfg in T._configs():
     kw = dict(cfg.kwargs)
     bm, bn, bk, split = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["EPILOGUE_SPLIT"]
-    for layout, a_t, b_t, act, save_z, dt in (("fwd", False, True, 1, True, "bf16"),
-                                              ("fwd", False, True, 1, True, "fp16"),
-                                              ("dx", False, False, 0, False, "bf16"),
-                                              ("dw", True, False, 0, False, "bf16")):
-        desc = lambda box: f"tensordesc<{dt}{list(box)}>"
+    for layout, a_t, b_t, act, save_z, dt, split_k in (("fwd", False, True, 1, True, "bf16", 1),
+                                                       ("fwd", False, True, 1, True, "fp16", 1),
+                                                       ("dx", False, False, 0, False, "bf16", 1),
+                                                       ("dw", True, False, 0, False, "bf16", 1),
+                                                       ("dwsplit", True, False, 0, False, "bf16", 3)):
+        if split_k > 1 and not T.fits_shared_memory(cfg, split_k):   # pruned, never compiled
+            continue
+        desc = lambda box, t=dt: f"tensordesc<{t}{list(box)}>"
+        # split-K: the output descriptor is the [SPLIT_K, M, N] fp32 workspace (z_desc is the same)
+        out_t = desc([1, bm, bn // split], "fp32") if split_k > 1 else desc([bm, bn // split])
         types = dict(a_desc=desc([bk, bm] if a_t else [bm, bk]), b_desc=desc([bn, bk] if b_t else [bk, bn]),
-                     y_desc=desc([bm, bn // split]), z_desc=desc([bm, bn // split]), BIAS="*" + dt,
+                     y_desc=out_t, z_desc=out_t, BIAS="*" + dt,
                      **{n: "i32" for n in "M N K M_BUCKET K_BUCKET KIND".split()})
         consts = dict(HAS_BIAS=layout == "fwd", ACTIVATION=act, SAVE_Z=save_z, A_T=a_t, B_T=b_t,
-                      NUM_SMS=132, DOT_PRECISION="native", ACC_DTYPE=tl.float32, INTERPRET=False, **kw)
+                      SPLIT_K=split_k, NUM_SMS=132, DOT_PRECISION="native", ACC_DTYPE=tl.float32,
+                      INTERPRET=False, **kw)
         label = f"{layout}-{dt}-{bm}x{bn}x{bk}-w{cfg.num_warps}-s{cfg.num_stages}-e{split}"
         comp(fn, types, consts, 90, warps=cfg.num_warps, stages=cfg.num_stages, label=label)
         open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
 '''.replace("OUT_DIR", repr(str(tmp_path))))
     cubins = sorted(tmp_path.glob("*.cubin"))
-    assert len(rows) >= 4 and len(rows) % 4 == 0 and len(cubins) == len(rows)
+    count = lambda prefix: sum(row[0].startswith(prefix) for row in rows)
+    assert len(cubins) == len(rows) and count("dwsplit") >= 1
+    assert count("fwd-bf16") == count("fwd-fp16") == count("dx-") == count("dw-") >= 1
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS with (shared memory was checked)")

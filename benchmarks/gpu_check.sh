@@ -9,6 +9,10 @@
 #   2. info        bert-fast info --json                              (build, device, driver, kernel per op)
 #   3. tests       python -m pytest tests -q -rs                      (the whole suite, on CUDA)
 #   4. bench-ops   bert-fast bench-ops --json --plot                  (every op case vs measured ceilings)
+#   4b. tune-dispatch  benchmarks/tune_linear_dispatch.py at the shapes of the model benchmarks
+#                  (bert-base/large, bf16, 128 to 16384 tokens): writes bert_fast/data/linear_dispatch.json (our GEMM or
+#                  cuBLAS per shape, measured), which the model benchmarks below then use; the
+#                  tarball carries the table back, to be committed as written
 #   5. bench-*     bert-fast bench over the standard grid:
 #                    infer bf16, bert-base + bert-large: dense 128x128, padded 16x512 random:0.2,
 #                    1x128 with --cuda-graphs; train bf16 bert-base: 32x128 and 8x512
@@ -37,8 +41,9 @@
 # (tens of seconds) is given back, and the detached run with it. --wait exits 0 when the check
 # has ended (its exit status is in the log's last lines), 3 while it is still running.
 # With $OUT set the results come back as few files (a lease returns at most 8 from $OUT):
-# $OUT/<name>.json, $OUT/<name>.tar.gz (the json, the run folder: logs, plots, junit xml, and
-# README.md) and $OUT/README.md; unpack the tarball in the repo root and commit.
+# $OUT/<name>.json, $OUT/<name>.tar.gz (the json, the run folder: logs, plots, junit xml,
+# README.md and the measured linear dispatch table) and $OUT/README.md; unpack the tarball in the
+# repo root and commit.
 
 set -u -o pipefail
 
@@ -53,7 +58,7 @@ copy_out() {
     mkdir -p "$OUT"
     cp "$root/benchmarks/results/$name.json" "$OUT/" 2>/dev/null
     tar -czf "$OUT/$name.tar.gz" -C "$root" "benchmarks/results/$name.json" "benchmarks/results/$name" \
-        README.md 2>/dev/null
+        README.md bert_fast/data/linear_dispatch.json 2>/dev/null
     cp "$root/README.md" "$OUT/README.md" 2>/dev/null
     echo "copied results to $OUT: $name.json $name.tar.gz README.md"
 }
@@ -191,6 +196,14 @@ export TRITON_PRINT_AUTOTUNING=1
 #    pointer, per shape)
 run_stage bench-ops 360 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progress --dtype bf16 \
     --warmup 10 --iters 50 --max-seconds 3 --json "$RUN_DIR/ops.json" --plot "$RUN_DIR/ops.png"
+
+# 4b. the linear dispatch table, measured at the shapes the model benchmarks below run (bert-base
+#     and bert-large, bf16; M buckets 128 (1x128), 4096 (training), 8192 (the padded 16x512 batch,
+#     ~4900 real tokens) and 16384 (dense 128x128)), before
+#     them, so they run the measured choice instead of default_backend's guess. Written at the end
+#     or on interruption (what was measured by then).
+run_stage tune-dispatch 180 "$RUN_DIR/tune-dispatch.log" "$PY" benchmarks/tune_linear_dispatch.py \
+    --hidden 768 1024 --tokens 128 4096 8192 16384 --dtypes bf16
 
 # 5. model benchmark grid (bf16)
 COMMON=(--dtype bf16 --warmup 5 --iters 30 --max-seconds 20 --no-progress)

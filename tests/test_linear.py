@@ -194,6 +194,28 @@ def test_dispatch_table_and_default():
     assert d((8, 0), "fwd", "gelu", torch.float16, 8, 3072, 768) == "cublas"
 
 
+def test_tune_linear_dispatch_merges_a_partial_run():
+    """benchmarks/tune_linear_dispatch.py (the GPU check runs it under a time limit) adds what it
+    measured to the device's table and keeps the shapes it did not reach."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_linear_dispatch.py"
+    spec = importlib.util.spec_from_file_location("tune_linear_dispatch", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    old = {"backend": "cublas", "triton_ms": 2.0, "cublas_ms": 1.0}
+    new = {"backend": "triton", "triton_ms": 0.5, "cublas_ms": 1.0}
+    table = {"schema": 1, "devices": {"GPU A": {"capability": "sm90", "entries": {"k1": old, "k2": old}},
+                                      "GPU B": {"capability": "sm80", "entries": {"k1": old}}}}
+    tool.merge_device_entries(table, "GPU A", {"capability": "sm90", "torch": "x"}, {"k2": new, "k3": new})
+    assert table["devices"]["GPU A"] == {"capability": "sm90", "torch": "x",
+                                         "entries": {"k1": old, "k2": new, "k3": new}}
+    assert table["devices"]["GPU B"]["entries"] == {"k1": old}
+    tool.merge_device_entries(table, "GPU C", {"capability": "sm100"}, {"k1": new})
+    assert table["devices"]["GPU C"]["entries"] == {"k1": new}
+
+
 # ----------------------------------------------------------------------------- op checks
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
 def test_opcheck(device, backend):

@@ -372,9 +372,10 @@ def _launch_gemm(a, b, y, z, bias, activation_code, kind):
     M, K = a.shape
     N = b.shape[1]
     k_bucket = m_bucket(K) if kind == KIND_DW else K
-    if linear_tma.usable(a, b, y):
+    views = linear_tma.tma_views(a, b, y)
+    if views is not None:
         linear_tma.launch(a, b, y, z, bias, activation_code, kind, m_bucket(M), k_bucket,
-                          _dot_precision(a.dtype), _acc_dtype(a.dtype))
+                          _dot_precision(a.dtype), _acc_dtype(a.dtype), views)
         return
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     save_z = z is not None

@@ -25,7 +25,7 @@ arbitrary strides each operand is either "as is" or stored transposed:
 wgmma reads either orientation of 16-bit operands from shared memory, so the transposes cost
 nothing at run time.
 
-When it is used: see ``usable``: CUDA with compute capability >= 9, fp16/bf16, every operand with
+When it is used: see ``tma_views``: CUDA with compute capability >= 9, fp16/bf16, every operand with
 one unit stride, 16-byte aligned base and row pitch (TMA's rules), unless BERT_FAST_GEMM_TMA=0.
 BERT_FAST_GEMM_TMA=1 also enables it in the Triton CPU interpreter (any dtype), which is how the
 CPU tests run it.
@@ -284,11 +284,20 @@ def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def usable(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the TMA kernel takes a [M, K] @ b [K, N] -> y (see the module docstring)."""
+def tma_views(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor):
+    """(a's, b's) ``_tma_view`` if the TMA kernel takes a [M, K] @ b [K, N] -> y (see the module
+    docstring), else None; ``launch`` takes them, so each operand is inspected once per GEMM."""
     if not enabled_for(a.device, a.dtype):
-        return False
-    return all(_tma_view(t) is not None for t in (a, b, y)) and not _tma_view(y)[2]
+        return None
+    a_view, b_view, y_view = _tma_view(a), _tma_view(b), _tma_view(y)
+    if a_view is None or b_view is None or y_view is None or y_view[2]:   # y must be row-major
+        return None
+    return a_view, b_view
+
+
+def usable(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the TMA kernel takes a [M, K] @ b [K, N] -> y."""
+    return tma_views(a, b, y) is not None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -312,15 +321,15 @@ def _split_k(kind: int, M: int, N: int, K: int, num_sms: int) -> int:
     return max(1, min(num_sms // tiles, 8, K // 2048))
 
 
-def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype):
-    """y (and z) = epilogue(a @ b) through TMA; the caller checked ``usable(a, b, y)``."""
+def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype,
+           views):
+    """y (and z) = epilogue(a @ b) through TMA; ``views`` = tma_views(a, b, y), not None."""
     M, K = a.shape
     N = b.shape[1]
     num_sms = _num_sms(a.device)
     plain = bias is None and activation_code == 0 and z is None   # the split path has no epilogue
     split_k = _split_k(kind, M, N, K, num_sms) if plain else 1
-    a_shape, a_strides, a_t = _tma_view(a)
-    b_shape, b_strides, b_t = _tma_view(b)
+    (a_shape, a_strides, a_t), (b_shape, b_strides, b_t) = views
     # block shapes are placeholders: the config's pre-hook sets the real ones
     a_desc = TensorDescriptor(a, a_shape, a_strides, [16, 16])
     b_desc = TensorDescriptor(b, b_shape, b_strides, [16, 16])

@@ -81,7 +81,7 @@ setup(
     install_requires=[
         "torch>=2.5",
         "triton>=3.0",
-        "transformers>=4.40",
+        "transformers>=4.41",   # 4.41 gave BertModel SDPA, which `bert-fast bench` compares against
         "safetensors>=0.4",
         "numpy",
         "tqdm",

@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import smem_per_block as _smem_per_block
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -496,17 +498,6 @@ def _attention_dropout_mask_kernel(OUT, dropout_p, seed, stride_ob, stride_om, s
 
 
 # ----------------------------------------------------------------------------- launch configs
-def _smem_per_block(device: torch.device) -> int:
-    """Opt-in shared memory per block (bytes) of ``device``: what a Triton kernel may use."""
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_block_optin", 0)
-    if not smem:        # older torch: by compute capability
-        major, minor = props.major, props.minor
-        smem = 232448 if (major, minor) in ((9, 0), (10, 0), (10, 3)) else (
-            166912 if (major, minor) in ((8, 0), (8, 7)) else 101376)
-    return int(smem)
-
-
 def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
              dropout: bool = False) -> dict:
     """Block sizes / warps / stages per kernel ``kind`` ("fwd", "dkdv", "dq"), head dim, dtype, GPU.

@@ -25,8 +25,9 @@ arbitrary strides each operand is either "as is" or stored transposed:
 wgmma reads either orientation of 16-bit operands from shared memory, so the transposes cost
 nothing at run time.
 
-When it is used: see ``tma_views``: CUDA with compute capability >= 9, fp16/bf16, every operand with
-one unit stride, 16-byte aligned base and row pitch (TMA's rules), unless BERT_FAST_GEMM_TMA=0.
+When it is used: see ``tma_views``: CUDA with compute capability >= 9 and 227 KB of shared memory,
+fp16/bf16, every operand with one unit stride, 16-byte aligned base and row pitch (TMA's rules) and
+no overlapping rows, unless BERT_FAST_GEMM_TMA=0.
 BERT_FAST_GEMM_TMA=1 also enables it in the Triton CPU interpreter (any dtype), which is how the
 CPU tests run it.
 """
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._device import smem_per_block
 from .linear import (KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs,
                      _tile_coords)
 
@@ -88,7 +90,7 @@ def _configs():
     ]
 
 
-_SMEM_LIMIT = 227 * 1024   # sm_90's opt-in shared memory per block
+_SMEM_LIMIT = 227 * 1024   # sm_90's opt-in shared memory per block: what the configs are sized for
 
 
 def fits_shared_memory(cfg: triton.Config, split_k: int) -> bool:
@@ -131,23 +133,29 @@ def _load_b(b_desc, n0, k0, B_T: tl.constexpr):
 
 
 @triton.jit
-def _tile_main_loop(a_desc, b_desc, m0, n0, k_lo, k_hi, A_T: tl.constexpr, B_T: tl.constexpr,
+def _tile_main_loop(a_desc, b_desc, m0, n0, k_lo, k_steps, A_T: tl.constexpr, B_T: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc = A[m0:m0+BM, K-tiles k_lo..k_hi) @ B[same, n0:n0+BN]; the K tail and out-of-range
-    rows read as zeros (TMA)."""
+    """acc = A[m0:m0+BM, K-tiles k_lo .. k_lo+k_steps) @ B[same, n0:n0+BN]; the K tail, K-tiles
+    past the end and out-of-range rows read as zeros (TMA).
+    The loop runs from 0 to ``k_steps``, which must not depend on the work unit: Triton fuses this
+    loop with the persistent unit loop (flatten=True) only when its bounds are the same for every
+    unit; with per-unit bounds it silently leaves the two loops nested, and the next unit's loads no
+    longer overlap this unit's epilogue."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     if INTERPRET:
         # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound (see linear.py)
-        ki = k_lo
-        while ki < k_hi:
-            acc = _dot_acc(_load_a(a_desc, m0, ki * BLOCK_K, A_T),
-                           _load_b(b_desc, n0, ki * BLOCK_K, B_T), acc, DOT_PRECISION)
-            ki += 1
+        step = 0
+        while step < k_steps:
+            k0 = (k_lo + step) * BLOCK_K
+            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc,
+                           DOT_PRECISION)
+            step += 1
     else:
-        for ki in range(k_lo, k_hi):
-            acc = _dot_acc(_load_a(a_desc, m0, ki * BLOCK_K, A_T),
-                           _load_b(b_desc, n0, ki * BLOCK_K, B_T), acc, DOT_PRECISION)
+        for step in range(0, k_steps):
+            k0 = (k_lo + step) * BLOCK_K
+            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc,
+                           DOT_PRECISION)
     return acc
 
 
@@ -203,15 +211,18 @@ def _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K,
         split = 0
         pid_m, pid_n = _tile_coords(unit, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         k_lo = 0
-        k_hi = k_tiles
+        k_steps = k_tiles
     else:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         split = unit // num_tiles
         pid_m, pid_n = _tile_coords(unit % num_tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_lo = split * per_split
-        k_hi = tl.minimum(k_tiles, k_lo + per_split)    # may be empty: that slice stores zeros
-    acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, k_hi, A_T, B_T,
+        # Every slice walks per_split K-tiles (the same count for every unit, so the loops still
+        # fuse); the last slices' steps past K read zeros from TMA, and a slice that starts past K
+        # stores zeros. That costs at most SPLIT_K - 1 wasted steps per tile (2 of 258 for BERT-base's
+        # 16384-token dW in 3 slices).
+        k_steps = tl.cdiv(k_tiles, SPLIT_K)
+        k_lo = split * k_steps
+    acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, k_steps, A_T, B_T,
                           DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
     _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, split, HAS_BIAS,
                    ACTIVATION, SAVE_Z, ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
@@ -266,9 +277,11 @@ def _tma_view(t: torch.Tensor):
     if t.data_ptr() % 16:
         return None
     rows, cols = t.shape
-    if t.stride(1) == 1 and (t.stride(0) * esize) % 16 == 0:
+    # The row pitch must also cover a row: a broadcast operand (pitch 0, e.g. the gradient of a
+    # sum) or overlapping rows are not something a tensor map describes; the pointer kernel reads them.
+    if t.stride(1) == 1 and (t.stride(0) * esize) % 16 == 0 and t.stride(0) >= cols:
         return (rows, cols), (t.stride(0), 1), False
-    if t.stride(0) == 1 and (t.stride(1) * esize) % 16 == 0:
+    if t.stride(0) == 1 and (t.stride(1) * esize) % 16 == 0 and t.stride(1) >= rows:
         return (cols, rows), (t.stride(1), 1), True
     return None
 
@@ -280,8 +293,11 @@ def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if _interpreting():
         return mode == "1"
+    # Hopper and datacenter Blackwell. Parts with ~99 KB of shared memory (sm_120) have TMA too,
+    # but the configs here are sized for 227 KB: there the pointer kernel, whose configs fit, runs.
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and torch.cuda.get_device_capability(device)[0] >= 9
+            and smem_per_block(device) >= _SMEM_LIMIT)
 
 
 def tma_views(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor):

@@ -150,6 +150,9 @@ def test_usable_rules(monkeypatch):
     shifted = t(64 * 32 + 1)[1:].view(64, 32)                   # pitch fine, base 2 bytes off
     assert not linear_tma.usable(shifted, b, y)
     assert not linear_tma.usable(a, b, t(48, 64).t())             # the output must be row-major
+    assert not linear_tma.usable(t(1, 32).expand(64, 32), b, y)   # broadcast rows (pitch 0)
+    assert not linear_tma.usable(t(64 * 8 + 24).as_strided((64, 32), (8, 1)), b, y)   # overlapping rows
+    assert not linear_tma.usable(a, t(1, 48).expand(32, 48), y)   # a broadcast gradient as B
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "0")
     assert not linear_tma.usable(a, b, y)
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "auto")             # auto: never in the interpreter
@@ -166,7 +169,8 @@ def test_auto_mode_on_cuda(monkeypatch):
     a = torch.empty(64, 32, device=dev, dtype=torch.bfloat16)
     b = torch.empty(48, 32, device=dev, dtype=torch.bfloat16).t()
     y = torch.empty(64, 48, device=dev, dtype=torch.bfloat16)
-    assert linear_tma.usable(a, b, y) == (torch.cuda.get_device_capability()[0] >= 9)
+    big_smem = linear_tma.smem_per_block(dev) >= 227 * 1024     # H100/H200/B200, not sm_120
+    assert linear_tma.usable(a, b, y) == (torch.cuda.get_device_capability()[0] >= 9 and big_smem)
     assert not linear_tma.usable(a.float(), b.float(), y.float())   # fp32 keeps the IEEE pointer GEMM
 
 
@@ -178,10 +182,29 @@ def _cuobjdump():
     return str(tool) if tool.exists() else shutil.which("cuobjdump")
 
 
+def _loop_depth_of_dots(ttgir: str) -> list[int]:
+    """For each MMA of a TTGIR listing, how many scf.for loops enclose it (regions are the lines
+    ending in '{', closed by lines starting with '}')."""
+    stack, depths = [], []
+    for line in ttgir.splitlines():
+        s = line.strip()
+        if s.startswith("}"):
+            stack.pop()
+            if s.endswith("{"):            # "} else {"
+                stack.append("other")
+            continue
+        if "warp_group_dot " in s or "tt.dot " in s:
+            depths.append(stack.count("for"))
+        if s.endswith("{"):
+            stack.append("for" if "scf.for" in s else "other")
+    return depths
+
+
 def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90(tmp_path):
     """Every autotune config, in the three layouts (forward with bias + erf GELU + z, in bf16 and
     fp16; dX; dW, also split-K with its fp32 workspace),
-    compiled for sm_90 without a GPU: within shared memory, no stack (no spills), and the SASS
+    compiled for sm_90 without a GPU: within shared memory, no stack (no spills), the unit and K
+    loops fused into one (split-K included), and the SASS
     really is TMA (UTMALDG loads, UTMASTG stores) feeding wgmma (HGMMA): a regression to cp.async
     or mma.sync would compile and run, only slower."""
     from test_bias_gelu import run_offline_compile
@@ -216,10 +239,16 @@ for cfg in T._configs():
         label = f"{layout}-{dt}-{bm}x{bn}x{bk}-w{cfg.num_warps}-s{cfg.num_stages}-e{split}"
         comp(fn, types, consts, 90, warps=cfg.num_warps, stages=cfg.num_stages, label=label)
         open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
+        open(os.path.join(OUT_DIR, label + ".ttgir"), "w").write(LAST["ttgir"])
 '''.replace("OUT_DIR", repr(str(tmp_path))))
     cubins = sorted(tmp_path.glob("*.cubin"))
     count = lambda prefix: sum(row[0].startswith(prefix) for row in rows)
     assert len(cubins) == len(rows) and count("dwsplit") >= 1
+    for ttgir in sorted(tmp_path.glob("*.ttgir")):
+        # one flat loop: the unit loop fused with the K loop (a nested K loop would still be right,
+        # only without the next unit's loads overlapping this unit's epilogue)
+        depths = _loop_depth_of_dots(ttgir.read_text())
+        assert depths and all(d == 1 for d in depths), f"{ttgir.stem}: K loop not flattened {depths}"
     assert count("fwd-bf16") == count("fwd-fp16") == count("dx-") == count("dw-") >= 1
     tool = _cuobjdump()
     if tool is None:

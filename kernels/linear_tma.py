@@ -43,6 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._device import smem_per_block
 from .linear import (KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs,
                      _tile_coords)
+from .tuned_configs import TunedConfigs
 
 _ENV = "BERT_FAST_GEMM_TMA"
 
@@ -228,8 +229,9 @@ def _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K,
                    ACTIVATION, SAVE_Z, ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
+# (cache_results would be ignored: Triton does not cache kernels with config pre-hooks; _TUNED does)
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND", "SPLIT_K"],
-                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _linear_tma_kernel(
     a_desc, b_desc, y_desc, z_desc, BIAS,
@@ -263,6 +265,11 @@ def _linear_tma_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
+# Winners on disk: Triton's own autotune cache skips kernels with config pre-hooks (see tuned_configs).
+_TUNED = TunedConfigs(_linear_tma_kernel, "linear_tma", persist=not _interpreting())
+_KERNEL_ARGS = ("a_desc", "b_desc", "y_desc", "z_desc", "BIAS", "M", "N", "K", "M_BUCKET",
+                "K_BUCKET", "KIND")
+
 def _mode() -> str:
     mode = os.environ.get(_ENV, "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
@@ -358,12 +365,14 @@ def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_pre
     z_desc = TensorDescriptor(z, [M, N], [z.stride(0), 1], [16, 16]) if z is not None else y_desc
     grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
                              * split_k),)
-    _linear_tma_kernel[grid](
-        a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y,
-        M, N, K, m_bucket_, k_bucket, kind,
-        HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=z is not None,
-        A_T=a_t, B_T=b_t, SPLIT_K=split_k, NUM_SMS=num_sms,
-        DOT_PRECISION=dot_precision, ACC_DTYPE=acc_dtype, INTERPRET=_interpreting(),
-    )
+    args = (a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y,
+            M, N, K, m_bucket_, k_bucket, kind)
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=z is not None,
+                A_T=a_t, B_T=b_t, SPLIT_K=split_k, NUM_SMS=num_sms,
+                DOT_PRECISION=dot_precision, ACC_DTYPE=acc_dtype, INTERPRET=_interpreting())
+    # the autotuner's key, plus the epilogue and layout (they change the best tile too)
+    key = (m_bucket_, N, k_bucket, kind, split_k, str(y.dtype), bias is not None, activation_code,
+           z is not None, a_t, b_t)
+    _TUNED.launch(grid, a.device, key, args, dict(zip(_KERNEL_ARGS, args)), **meta)
     if split_k > 1:
         y.copy_(part.sum(dim=0))   # torch's reduction: fixed order, fp32, no atomics

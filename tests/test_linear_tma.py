@@ -123,6 +123,77 @@ def test_split_k_choice():
     assert linear_tma._split_k(dx, 768, 768, 16384, 132) == 1      # only the weight gradient
 
 
+# ----------------------------------------------------------------------------- autotune winners on disk
+def _two_configs(monkeypatch):
+    configs = [linear_tma._cfg(32, 32, 32, 4, 1), linear_tma._cfg(32, 32, 32, 4, 1, split=2)]
+    monkeypatch.setattr(linear_tma._linear_tma_kernel, "configs", configs)
+    return configs
+
+
+def test_tuned_configs_persist_across_processes(tmp_path, monkeypatch):
+    """Triton skips its disk cache for configs with pre-hooks, so TunedConfigs keeps the winners:
+    a new store (the next process) finds them; another config list, a corrupt file or a config that
+    is not in the list finds nothing; two writers keep each other's entries; persist=False writes
+    nothing."""
+    from bert_fast.kernels.tuned_configs import TunedConfigs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    configs = _two_configs(monkeypatch)
+    kernel, dev = linear_tma._linear_tma_kernel, torch.device("cpu")
+    first, second = TunedConfigs(kernel, "t"), TunedConfigs(kernel, "t")
+    assert first.lookup(dev, (1, 2)) is None and second.lookup(dev, (3, 4)) is None
+    first.remember(dev, (1, 2), configs[1])
+    second.remember(dev, (3, 4), configs[0])          # its in-memory view predates first's write
+    files = list((tmp_path / "bert_fast_autotune").glob("t-*.json"))
+    assert len(files) == 1
+    later = TunedConfigs(kernel, "t")
+    assert later.lookup(dev, (1, 2)) is configs[1] and later.lookup(dev, (3, 4)) is configs[0]
+    later.remember(dev, (5, 6), linear_tma._cfg(64, 64, 32, 4, 1))   # not one of the list's
+    assert later.lookup(dev, (5, 6)) is None
+
+    monkeypatch.setattr(kernel, "configs", configs[::-1])           # another list: another file
+    assert TunedConfigs(kernel, "t").lookup(dev, (1, 2)) is None
+    monkeypatch.setattr(kernel, "configs", configs)
+    files[0].write_text("{not json")
+    assert TunedConfigs(kernel, "t").lookup(dev, (1, 2)) is None
+
+    quiet = TunedConfigs(kernel, "quiet", persist=False)
+    quiet.remember(dev, (1, 2), configs[1])
+    assert quiet.lookup(dev, (1, 2)) is configs[1]
+    assert not list((tmp_path / "bert_fast_autotune").glob("quiet-*"))
+
+
+def test_tma_launch_reuses_the_stored_winner(device, tma_kinds, tmp_path, monkeypatch):
+    """The first GEMM of a key goes through the autotuner and records its winner; the next one,
+    in this process or a new one, launches that config directly, with the same result."""
+    from bert_fast.kernels.tuned_configs import TunedConfigs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    _pin_config(monkeypatch, CONFIGS[-1])
+    kernel = linear_tma._linear_tma_kernel
+    runs = []
+    tuned_run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: runs.append(1) or tuned_run(*a, **kw))
+    monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(kernel, "linear_tma"))
+    m, k, n = SHAPE
+    dtype = dtypes_for(DEVICE)[-1]
+    gen = torch.Generator().manual_seed(27)
+    a = torch.randn(m, k, generator=gen).to(device, dtype)
+    b = torch.randn(k, n, generator=gen).to(device, dtype)
+    outs = []
+    for store in ("this process", "this process", "a new process"):
+        if store == "a new process":
+            monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(kernel, "linear_tma"))
+        y = torch.empty(m, n, device=device, dtype=dtype)
+        K._launch_gemm(a, b, y, None, None, 0, K.KIND_FWD)
+        outs.append(y)
+    assert runs == [1] and len(tma_kinds) == 3
+    assert len(list((tmp_path / "bert_fast_autotune").glob("linear_tma-*.json"))) == 1
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = a.double() @ b.double()
+    assert (outs[0].double() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
 def test_tma_falls_back_where_tma_cannot_read(device, tma_kinds):
     """What TMA cannot read goes to the pointer kernel, with the right answer:
     K = 7 fp16 rows are 14 bytes (TMA needs 16-byte row pitches): no GEMM of that layer uses TMA;

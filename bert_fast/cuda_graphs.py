@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from bert_fast.modeling import BertModel
+from bert_fast.modeling import BertModel, frozen_qkv
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_SEQ_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
@@ -48,10 +48,15 @@ class CudaGraphRunner:
         self.warmup = max(1, int(warmup))
         self._graphs: Dict[Tuple[int, int], dict] = {}
         self._pool = None
+        # The fused QKV weights every graph reads (frozen_qkv): one copy shared by all buckets.
+        self._qkv: dict = {}
 
     def reset(self) -> None:
+        """Forget every graph and the fused QKV weights they read: the next call captures again
+        from the current weights (call after the weights change)."""
         self._graphs.clear()
         self._pool = None
+        self._qkv = {}
 
     def bucket(self, batch: int, seq: int) -> Optional[Tuple[int, int]]:
         bb = next((x for x in self.batch_buckets if x >= batch), None)
@@ -73,21 +78,19 @@ class CudaGraphRunner:
             # workspace for that stream), then capture on the same stream.
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=side):
-                out = self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
+            # The fused QKV weights are built once (in the first warm-up, outside any capture) and
+            # read by address by every graph; the entry keeps them alive, reset() drops them.
+            with frozen_qkv(self.model, self._qkv) as qkv:
+                with torch.cuda.stream(side):
+                    for _ in range(self.warmup):
+                        self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                    out = self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
             self._pool = graph.pool()
-        # The graph reads the fused QKV weights that the model caches per layer by address; keep
-        # them alive with the graph, so that a later rebuild of the cache (weights updated in place,
-        # another dtype) cannot free memory the graph still reads. (Stale values after a weight
-        # update are what reset() is for.)
-        keep = [layer.attention.self.__dict__.get("_bert_fast_qkv") for layer in self.model.encoder.layer]
         entry = {"graph": graph, "ids": ids, "mask": mask, "types": types,
-                 "last": out.last_hidden_state, "pooled": out.pooler_output, "keep": keep}
+                 "last": out.last_hidden_state, "pooled": out.pooler_output, "qkv": qkv}
         self._graphs[key] = entry
         return entry
 

@@ -361,6 +361,40 @@ def test_gradient_checkpointing_same_gradients_with_dropout(api, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- checkpoints
+def test_eval_forward_sees_weight_writes_that_skip_the_version_counter():
+    """An eval forward after the weights change must use the new weights, also for writes that
+    leave the version counter alone (p.data edits, fused AdamW, FSDP2's all-gather copy-out): the
+    fused QKV weight of a layer used to be cached by (address, version) and served stale."""
+    cfg = make_config(hidden=64, heads=2, layers=1)
+    hf, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
+    ids, mask, types = ragged_batch(cfg, [9, 5], 9)
+
+    def check():
+        with torch.no_grad():
+            got = fast(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+            want = hf(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        assert max_diff_real(got, want, mask) <= 1e-4
+
+    check()
+    for name in ("query", "key", "value"):
+        for model in (fast, hf):      # the same edit on both, through .data (no version bump)
+            getattr(model.encoder.layer[0].attention.self, name).weight.data.mul_(0.5)
+        check()
+    if not hasattr(torch, "_fused_adamw_"):
+        return
+    opt = torch.optim.AdamW(fast.parameters(), lr=1e-2, fused=True)
+    fast.train()
+    out = fast(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    out[mask.bool()].square().mean().backward()
+    try:
+        opt.step()
+    except RuntimeError as err:       # no fused AdamW kernel for this device
+        pytest.skip(f"fused AdamW unavailable here: {err}")
+    fast.eval()
+    hf.load_state_dict(fast.state_dict())
+    check()
+
+
 def test_save_then_transformers_loads_strict_and_back():
     cfg = make_config(hidden=64, heads=2)
     hf, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
@@ -528,8 +562,8 @@ def test_cuda_graph_runner_matches_eager():
 def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
     """bf16 at BERT head dims (the Triton GEMM with its autotuner, which must run in the warm-up,
     never in the capture), the 1 x 128 bucket of the benchmark; bad ids and shapes raise before
-    any replay; a weight update followed by reset() is picked up, and the captured graph keeps
-    the fused QKV weights it reads alive when the model's cache is rebuilt."""
+    any replay; every bucket reads one frozen copy of the fused QKV weights, which a weight update
+    does not reach until reset() (while eager calls see it at once)."""
     from bert_fast.cuda_graphs import CudaGraphRunner
 
     cfg = make_config(hidden=256, heads=4, layers=2, vocab=500, max_pos=256)
@@ -548,13 +582,15 @@ def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
         runner(torch.full_like(ids, cfg.vocab_size), attention_mask=mask)
     with pytest.raises(ValueError, match="attention_mask"):
         runner(ids, attention_mask=mask[:, :64])
-    entry = runner._graphs[(1, 128)]
-    kept = entry["keep"][0][1]
+    runner.capture(4, 128)              # a second bucket shares the first one's fused QKV weights
+    qkv = runner._graphs[(1, 128)]["qkv"]
+    assert runner._graphs[(4, 128)]["qkv"] is qkv and set(qkv) == {0, 1}
     with torch.no_grad():
         fast.encoder.layer[0].attention.self.query.weight.mul_(0.5)
         eager2 = fast(ids, attention_mask=mask, token_type_ids=types, padded=True).last_hidden_state
-    assert fast.encoder.layer[0].attention.self.__dict__["_bert_fast_qkv"][1] is not kept
-    runner(ids, attention_mask=mask, token_type_ids=types)     # stale, but reads live memory
+    assert (eager2.float() - eager.float()).abs().max().item() > 1e-2   # eager sees the new weights
+    stale = runner(ids, attention_mask=mask, token_type_ids=types)       # the graph: the frozen QKV
+    assert (stale.last_hidden_state.float() - out.last_hidden_state.float()).abs().max().item() <= 2e-2
     runner.reset()
     out2 = runner(ids, attention_mask=mask, token_type_ids=types)
     assert (out2.last_hidden_state.float() - eager2.float()).abs().max().item() <= 2e-2

@@ -30,6 +30,8 @@ may have any stride (the last dimension must be contiguous; the launcher copies 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -273,7 +275,10 @@ def dropout_keep_mask(shape, dropout_p: float, seed: int, device, row_start: int
         # over 1 KB a thread on sm_80/sm_90). The mask does not depend on the tile.
         bn = min(max(4, triton.next_power_of_2(n)), 1024)   # a multiple of 4: whole Philox groups
         bm = max(1, min(16, 8192 // bn))
-        _dropout_keep_mask_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=8)
+        # Triton launches on the current device: make it out's (a model on cuda:1, say)
+        guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+        with guard:
+            _dropout_keep_mask_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+                out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn,
+                num_warps=8)
     return out.view(shape).bool()

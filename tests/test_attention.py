@@ -471,6 +471,17 @@ def test_empty_varlen(device):
         assert qkv.grad.shape == qkv.shape
 
 
+def test_varlen_compiles_without_a_graph_break(device):
+    """The default validate=True reads cu_seqlens on the host; under torch.compile that check is
+    skipped rather than breaking the graph (fullgraph=True raises on a break)."""
+    g = _gen(31)
+    qkv = _rand((7, 3, 2, 16), g, device, torch.float32)
+    cu = _cu_seqlens([3, 4], device)
+    eager = varlen_attention(qkv, cu, 4)
+    compiled = torch.compile(lambda x, c: varlen_attention(x, c, 4), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(qkv, cu), eager)
+
+
 def test_bad_inputs(device):
     qkv = torch.randn(2, 8, 3, 2, 16, device=device)
     with pytest.raises(ValueError, match="5 dimensions"):

@@ -245,6 +245,30 @@ def test_gradcheck_float64(device, act, backend):
     assert torch.autograd.gradcheck(lambda a, c, d: linear(a, c, d, act, backend=backend), (x, w, b))
 
 
+@pytest.mark.parametrize("backend", ["triton", "cublas", None])
+@pytest.mark.parametrize("act", ["gelu", None])
+def test_autocast_casts_like_nn_linear(device, act, backend):
+    """Under torch.autocast fp32 operands are cast to the autocast dtype, as nn.Linear's are, on
+    every backend: the output has F.linear's dtype and value, and the fp32 leaves get fp32
+    gradients. (Before, autocast also reached the torch.mm inside the op, so the output dtype
+    depended on the backend and the cuBLAS path crashed.) fp16 on the CPU: the interpreter's bf16
+    dot is unreliable."""
+    import torch.nn.functional as F
+
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
+    x, w, b, _ = _inputs(device, torch.float32, (33,), 32, 24, seed=13)
+    for t in (x, w, b):
+        t.requires_grad_(True)
+    with torch.autocast(device.type, dtype=dtype):
+        y = linear(x, w, b, act, backend=backend)
+        want = F.linear(x, w, b)
+        want = F.gelu(want) if act else want
+    assert y.dtype == want.dtype == dtype
+    torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_inputs(device):
     x = torch.randn(4, 16, device=device)

@@ -131,6 +131,18 @@ def test_dropout_mask_matches_output_seed_draw(device):
     torch.testing.assert_close(y1, y_ref, atol=1e-4, rtol=1e-4)
 
 
+def test_dropout_seeds_stay_on_the_cpu_under_another_default_device():
+    """Seeds live on the CPU whatever torch's default device is (with a CUDA default they would
+    cost a host sync per dropout op): drawn from the CPU generator, and the reference mask too."""
+    with torch.device("meta"):
+        torch.manual_seed(3)
+        seed = _dispatch.draw_seed(0.1)
+        mask = _dispatch.reference_dropout_mask((4, 8), 0.1, seed, "cpu")
+    assert seed.device.type == "cpu" and mask.device.type == "cpu"
+    torch.manual_seed(3)
+    assert torch.equal(seed, _dispatch.draw_seed(0.1))
+
+
 def test_dropout_seed_reproducibility(device):
     x, r, w, b, _ = _inputs(9, 384, torch.float32, device, seed=9)
     torch.manual_seed(0)

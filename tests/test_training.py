@@ -405,3 +405,16 @@ def test_build_optimizer_is_fused_on_cuda():
     assert opt.defaults.get("fused") is True
     model(torch.randn(4, 8, device="cuda")).sum().backward()
     opt.step()
+
+
+def test_train_mfu_counts_the_bench_flops():
+    """Training MFU uses the benchmark's FLOP convention (encoder matmuls + attention on real
+    lengths, x3 for the backward; no embeddings): BERT-base, two sequences of 128 and 64 tokens."""
+    import transformers
+    from bert_fast.bench.model_workload import PRESETS, step_flops
+    from bert_fast.training.loop import train_flops
+
+    cfg = transformers.BertConfig(**PRESETS["bert-base"])
+    assert train_flops(cfg, 128, 128.0 ** 2) == pytest.approx(3 * 128 * 174_587_904)
+    assert train_flops(cfg, 192, 128.0 ** 2 + 64.0 ** 2) == pytest.approx(step_flops(cfg, [128, 64], "train"))
+

@@ -12,6 +12,7 @@ ops that use ``tl.dot`` take the reference for bf16 on the CPU; bf16 kernels are
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -100,7 +101,9 @@ def draw_seed(dropout_p: float, generator: Optional[torch.Generator] = None) -> 
     """
     if dropout_p == 0.0:
         return None
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator)
+    # device="cpu" explicitly: under torch.set_default_device("cuda") (or `with torch.device(...)`)
+    # the seed would otherwise live on the GPU, and reading it costs a sync per dropout op.
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator, device="cpu")
 
 
 def seed_value(seed: Optional[torch.Tensor]) -> int:
@@ -117,7 +120,7 @@ def reference_dropout_mask(shape, dropout_p: float, seed: Optional[torch.Tensor]
         return None
     g = torch.Generator(device="cpu")
     g.manual_seed(seed_value(seed) % (2**63 - 1))
-    return (torch.rand(tuple(shape), generator=g) >= dropout_p).to(device)
+    return (torch.rand(tuple(shape), generator=g, device="cpu") >= dropout_p).to(device)
 
 
 def host_checks_allowed(t: torch.Tensor) -> bool:
@@ -129,20 +132,30 @@ def host_checks_allowed(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def on_first_tensor_device(fn):
-    """Run an op implementation with its first argument's GPU as the current device.
+def op_impl(fn):
+    """Run an op implementation on its first argument's GPU, with autocast off.
 
-    Triton launches on the *current* CUDA device, so without this a model on cuda:1 in a process
-    whose current device is cuda:0 would launch on the wrong GPU (an illegal address). Wraps the
-    function, keeping its signature, so torch.library.custom_op can infer the schema from it.
+    * Triton launches on the *current* CUDA device, so without the device guard a model on cuda:1
+      in a process whose current device is cuda:0 would launch on the wrong GPU (an illegal address).
+    * Custom ops fall through autocast, so the torch calls inside an implementation (the cuBLAS
+      GEMM, the references) would still be autocast: their output dtype would then depend on the
+      backend and disagree with the fake implementation. Inside, every op computes in its inputs'
+      dtype; the public functions decide the dtype (``linear`` casts as nn.Linear does).
+    Wraps the function, keeping its signature, so torch.library.custom_op can infer the schema.
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t = args[0]
-        if t.is_cuda and t.device.index != torch.cuda.current_device():
-            with torch.cuda.device(t.device):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+        other_gpu = t.is_cuda and t.device.index != torch.cuda.current_device()
+        autocast_on = torch.is_autocast_enabled(t.device.type)
+        if not (other_gpu or autocast_on):          # the usual case: no context managers
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            if other_gpu:
+                stack.enter_context(torch.cuda.device(t.device))
+            if autocast_on:
+                stack.enter_context(torch.autocast(t.device.type, enabled=False))
+            return fn(*args, **kwargs)
 
     # Resolved annotations: the op modules use `from __future__ import annotations`, whose strings
     # would otherwise be evaluated in this module when custom_op infers the schema.

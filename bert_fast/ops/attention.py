@@ -107,6 +107,7 @@ def _dropout_mask(qkv: Tensor, batch: int, nheads: int, seqlen: int, dropout_p: 
 
 # ----------------------------------------------------------------------------- padded ops
 @torch.library.custom_op("bert_fast::attention_fwd", mutates_args=())
+@_dispatch.op_impl
 def attention_fwd(qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, softmax_scale: float,
                   seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     b, s, _, h, d = qkv.shape
@@ -127,6 +128,7 @@ def _(qkv, key_mask, dropout_p, softmax_scale, seed):
 
 
 @torch.library.custom_op("bert_fast::attention_bwd", mutates_args=())
+@_dispatch.op_impl
 def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
                   dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
     if qkv.numel() == 0:
@@ -172,6 +174,7 @@ def _reference_varlen(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, see
 
 
 @torch.library.custom_op("bert_fast::varlen_attention_fwd", mutates_args=())
+@_dispatch.op_impl
 def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
                          softmax_scale: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     t, _, h, d = qkv.shape
@@ -196,6 +199,7 @@ def _(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
 
 
 @torch.library.custom_op("bert_fast::varlen_attention_bwd", mutates_args=())
+@_dispatch.op_impl
 def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
                          lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
     if qkv.numel() == 0:
@@ -296,7 +300,9 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, qkv: Tensor, validate: bool = True
         raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}") from None
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
-    if not validate:
+    # The value checks read cu_seqlens on the host: skipped when asked, inside a CUDA-graph
+    # capture (a sync there is illegal) and while torch.compile traces (a graph break).
+    if not validate or not _dispatch.host_checks_allowed(qkv) or torch.compiler.is_compiling():
         return max_seqlen
     t = qkv.shape[0]
     cu = cu_seqlens

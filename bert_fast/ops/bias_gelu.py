@@ -23,7 +23,7 @@ def _as_2d(t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("bert_fast::bias_gelu_fwd", mutates_args=())
-@_dispatch.on_first_tensor_device
+@_dispatch.op_impl
 def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
     if _dispatch.use_triton(x):
         from bert_fast.kernels.bias_gelu import bias_gelu_fwd as launch
@@ -37,7 +37,7 @@ def _(x, bias, approximate):
 
 
 @torch.library.custom_op("bert_fast::bias_gelu_bwd", mutates_args=())
-@_dispatch.on_first_tensor_device
+@_dispatch.op_impl
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     if _dispatch.use_triton(x):
         from bert_fast.kernels.bias_gelu import bias_gelu_bwd as launch

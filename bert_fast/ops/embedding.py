@@ -100,6 +100,7 @@ def _num_partials(rows: int, device: torch.device) -> int:
 
 # ----------------------------------------------------------------------------- forward op
 @torch.library.custom_op("bert_fast::embedding_layer_norm_fwd", mutates_args=())
+@_dispatch.op_impl
 def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
                              indices: Optional[Tensor], word_embeddings: Tensor, position_embeddings: Tensor,
                              token_type_embeddings: Tensor, weight: Tensor, bias: Tensor, eps: float,
@@ -153,6 +154,7 @@ def _(input_ids, position_ids, token_type_ids, indices, word_embeddings, positio
 
 # ----------------------------------------------------------------------------- backward op
 @torch.library.custom_op("bert_fast::embedding_layer_norm_bwd", mutates_args=())
+@_dispatch.op_impl
 def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Tensor],
                              token_type_ids: Optional[Tensor], indices: Optional[Tensor], word_embeddings: Tensor,
                              position_embeddings: Tensor, token_type_embeddings: Tensor, weight: Tensor,

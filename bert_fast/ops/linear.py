@@ -190,7 +190,7 @@ def _bias_or_zeros(bias: Optional[Tensor], n: int, like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("bert_fast::linear_fwd", mutates_args=())
-@_dispatch.on_first_tensor_device
+@_dispatch.op_impl
 def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
                save_z: bool) -> Tuple[Tensor, Tensor]:
     """(y, z) for x [M, K] (any strides), weight [N, K]. z is what the backward needs when an
@@ -232,7 +232,7 @@ def _(x, weight, bias, activation, backend, save_z):
 
 # ----------------------------------------------------------------------------- backward op
 @torch.library.custom_op("bert_fast::linear_bwd", mutates_args=())
-@_dispatch.on_first_tensor_device
+@_dispatch.op_impl
 def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Tensor,
                activation: str, fwd_backend: str, bwd_backend: str,
                need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -314,6 +314,17 @@ linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
+def _autocast_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    """Under torch.autocast, what nn.Linear does: fp32/fp16/bf16 operands are cast to the autocast
+    dtype (fp64 is left alone). The op itself then runs with autocast off (``_dispatch.op_impl``)."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(dev)
+    cast = lambda t: t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype)
+    return cast(x), cast(weight), cast(bias)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
            activation: Optional[str] = None, backend: Optional[str] = None) -> Tensor:
     """act(x @ weight^T + bias) for x [..., K], weight [N, K], bias [N] or None -> [..., N].
@@ -327,13 +338,15 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     """
     _dispatch.check_tensor("x", x, dtypes=_DTYPES)
     _dispatch.check_tensor("weight", weight, dtypes=_DTYPES)
+    if bias is not None:
+        _dispatch.check_tensor("bias", bias, dtypes=_DTYPES)
+    x, weight, bias = _autocast_inputs(x, weight, bias)
     if weight.dim() != 2:
         raise ValueError(f"linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: the last dimension of x (shape {tuple(x.shape)}) must equal "
                          f"K = weight.shape[1] (weight shape {tuple(weight.shape)})")
     if bias is not None:
-        _dispatch.check_tensor("bias", bias, dtypes=_DTYPES)
         if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
             raise ValueError(f"linear: bias shape {tuple(bias.shape)} must be (N,) = "
                              f"({weight.shape[0]},) for weight shape {tuple(weight.shape)}")

@@ -53,7 +53,7 @@ def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
 
 
 @torch.library.custom_op("bert_fast::residual_layer_norm_fwd", mutates_args=())
-@_dispatch.on_first_tensor_device
+@_dispatch.op_impl
 def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
                             dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     if _dispatch.use_triton(x):
@@ -76,7 +76,7 @@ def _(x, residual, weight, bias, eps, dropout_p, seed):
 
 
 @torch.library.custom_op("bert_fast::residual_layer_norm_bwd", mutates_args=())
-@_dispatch.on_first_tensor_device
+@_dispatch.op_impl
 def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor,
                             mean: Tensor, rstd: Tensor, eps: float, dropout_p: float,
                             seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:

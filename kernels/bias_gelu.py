@@ -19,15 +19,11 @@ import triton.language as tl
 
 APPROXIMATIONS = ("none", "tanh")
 
-# Constants of the GELU formulas. Written as literals inside the @triton.jit functions below: the
-# compiler (unlike the interpreter) rejects plain-Python-float globals inside a kernel
-# ("Cannot access global variable ... from within @jit'ed function").
+# Constants of the GELU formulas are literals inside the @triton.jit functions below (so are
+# linear.py's): the compiler (unlike the interpreter) rejects plain-Python-float globals inside a
+# kernel ("Cannot access global variable ... from within @jit'ed function").
 #   0.7071067811865476 = 1/sqrt(2),  0.3989422804014327 = 1/sqrt(2*pi),
 #   0.7978845608028654 = sqrt(2/pi), 0.044715 = the tanh approximation's cubic coefficient
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_TANH_C = 0.044715
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

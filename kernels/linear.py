@@ -45,11 +45,6 @@ _ACT_CODES = {None: ACT_NONE, "none": ACT_NONE, "gelu": ACT_GELU, "gelu_tanh": A
 # (x row-major, W^T column-major, dZ^T column-major) and may want different tiles.
 KIND_FWD, KIND_DX, KIND_DW, KIND_OTHER = 0, 1, 2, 3
 
-_SQRT1_2 = 0.7071067811865476        # 1 / sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327   # 1 / sqrt(2 pi)
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_TANH_A = 0.044715
-
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -267,8 +267,6 @@ def _linear_tma_kernel(
 # ----------------------------------------------------------------------------- host side
 # Winners on disk: Triton's own autotune cache skips kernels with config pre-hooks (see tuned_configs).
 _TUNED = TunedConfigs(_linear_tma_kernel, "linear_tma", persist=not _interpreting())
-_KERNEL_ARGS = ("a_desc", "b_desc", "y_desc", "z_desc", "BIAS", "M", "N", "K", "M_BUCKET",
-                "K_BUCKET", "KIND")
 
 def _mode() -> str:
     mode = os.environ.get(_ENV, "auto").strip().lower()
@@ -373,6 +371,6 @@ def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_pre
     # the autotuner's key, plus the epilogue and layout (they change the best tile too)
     key = (m_bucket_, N, k_bucket, kind, split_k, str(y.dtype), bias is not None, activation_code,
            z is not None, a_t, b_t)
-    _TUNED.launch(grid, a.device, key, args, dict(zip(_KERNEL_ARGS, args)), **meta)
+    _TUNED.launch(grid, a.device, key, args, **meta)
     if split_k > 1:
         y.copy_(part.sum(dim=0))   # torch's reduction: fixed order, fp32, no atomics

@@ -99,14 +99,15 @@ class TunedConfigs:
         except OSError:
             pass                                 # read-only cache: this process still remembers
 
-    def launch(self, grid, device: torch.device, key: tuple, args: tuple, named: dict, **meta):
-        """Run the kernel on ``args`` (positional, named as ``named`` for the pre-hook): the stored
-        winner directly if there is one, else through the autotuner, recording its choice."""
+    def launch(self, grid, device: torch.device, key: tuple, args: tuple, **meta):
+        """Run the kernel on the positional ``args`` and keyword ``meta``: the stored winner
+        directly if there is one, else through the autotuner, recording its choice."""
         config = self.lookup(device, key)
         if config is None:
             self.autotuned[grid](*args, **meta)
             self.remember(device, key, getattr(self.autotuned, "best_config", None))
             return
-        if config.pre_hook is not None:
+        if config.pre_hook is not None:     # it sees the arguments by name, as under the autotuner
+            named = dict(zip(self.autotuned.arg_names, args))
             config.pre_hook({**named, **meta, **config.all_kwargs()})
         self.jit[grid](*args, **meta, **config.all_kwargs())

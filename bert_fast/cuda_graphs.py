@@ -14,6 +14,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
 from bert_fast.modeling import BertModel, frozen_qkv
+from bert_fast.ops.embedding import check_index_ranges
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_SEQ_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
@@ -117,17 +118,11 @@ class CudaGraphRunner:
             raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             return
-        stats = [input_ids.min(), input_ids.max()]
-        if token_type_ids is not None:
-            stats += [token_type_ids.min().to(input_ids.device), token_type_ids.max().to(input_ids.device)]
-        vals = torch.stack([v.to(torch.int64) for v in stats]).tolist()
-        vocab = self.model.config.vocab_size
-        if vals[0] < 0 or vals[1] >= vocab:
-            raise IndexError(f"input_ids must be in [0, {vocab}), got values in [{vals[0]}, {vals[1]}]")
-        if token_type_ids is not None:
-            tv = self.model.config.type_vocab_size
-            if vals[2] < 0 or vals[3] >= tv:
-                raise IndexError(f"token_type_ids must be in [0, {tv}), got values in [{vals[2]}, {vals[3]}]")
+        config = self.model.config
+        check_index_ranges((
+            ("input_ids", input_ids, config.vocab_size, "the config's vocab_size"),
+            ("token_type_ids", None if token_type_ids is None else token_type_ids.to(input_ids.device),
+             config.type_vocab_size, "the config's type_vocab_size")))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

@@ -128,10 +128,9 @@ def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], 
                             token_type_embeddings, rows, dropout_p, seed)
     params.update(out=_ptr(out), mean=_ptr(mean), rstd=_ptr(rstd), gamma=_ptr(weight), beta=_ptr(bias),
                   eps=float(eps))
-    if word.is_cuda:
-        with torch.cuda.device(word.device):
-            params["stream"] = _stream(word.device)
-            _ext.embedding_fwd_cuda(params)
+    if word.is_cuda:     # on word's GPU: _dispatch.op_impl made it the current device
+        params["stream"] = _stream(word.device)
+        _ext.embedding_fwd_cuda(params)
     else:
         _ext.embedding_fwd_cpu(params)
     return out, mean, rstd
@@ -195,48 +194,48 @@ def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: 
         _ext.embedding_bwd_cpu(params)
         return tuple(bufs[i].to(dtype) if need[i] else word.new_empty((0,)) for i in range(5))
 
-    with torch.cuda.device(device):
-        stream = _stream(device)
-        params["stream"] = stream
-        nparts = _num_partials(rows, device)
-        params["num_partials"] = nparts
-        dgb = [accum(3), accum(4)]
-        # Every workspace whose pointer goes into params must stay referenced until its kernels are
-        # queued: a temporary would return its block to the caching allocator at once, and the
-        # next allocation below (a table accumulator) could get the same memory, which the
-        # kernel then writes as both partials and gradient.
-        partials = None
-        if need[3] or need[4]:
-            partials = torch.empty((nparts, 2, hidden), dtype=torch.float32, device=device)
-            params["partials"] = _ptr(partials)
-            params.update(dgamma=_ptr(dgb[0]), dbeta=_ptr(dgb[1]))
-        tables_needed = need[0] or need[1] or need[2]
-        if not deterministic or not tables_needed:
-            bufs = [accum(i) for i in range(3)]
-            params.update(dword=_ptr(bufs[0]), dpos=_ptr(bufs[1]), dtype_grad=_ptr(bufs[2]))
-            _ext.embedding_bwd_cuda(params)
-            grads = [bufs[i].to(dtype) if need[i] else word.new_empty((0,)) for i in range(3)]
-        else:
-            dx = torch.empty((rows, hidden), dtype=torch.float32, device=device)
-            params["dx_ws"] = _ptr(dx)
-            _ext.embedding_bwd_cuda(params)
-            ids, pos_ids, tt_ids = _row_ids(input_ids, position_ids, token_type_ids, indices)
-            grads = []
-            for i, (tbl, ids_i) in enumerate(((word, ids), (pos, pos_ids), (typ, tt_ids))):
-                if not need[i]:
-                    grads.append(word.new_empty((0,)))
-                    continue
-                g = torch.zeros(tbl.shape, dtype=dtype, device=device)
-                perm = torch.argsort(ids_i, stable=True)
-                seg_rows, counts = torch.unique_consecutive(ids_i[perm], return_counts=True)
-                offsets = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=device)
-                torch.cumsum(counts, 0, out=offsets[1:])
-                _ext.embedding_segment_sum_cuda(
-                    _ptr(dx), _ptr(perm), _ptr(offsets), _ptr(seg_rows), int(seg_rows.numel()), hidden,
-                    int(padding_idx) if i == 0 else -1, _ptr(g), _DTYPE_CODES[dtype], stream)
-                grads.append(g)
-        grads += [dgb[0].to(dtype) if need[3] else word.new_empty((0,)),
-                  dgb[1].to(dtype) if need[4] else word.new_empty((0,))]
+    # on the tables' GPU: _dispatch.op_impl made it the current device
+    stream = _stream(device)
+    params["stream"] = stream
+    nparts = _num_partials(rows, device)
+    params["num_partials"] = nparts
+    dgb = [accum(3), accum(4)]
+    # Every workspace whose pointer goes into params must stay referenced until its kernels are
+    # queued: a temporary would return its block to the caching allocator at once, and the
+    # next allocation below (a table accumulator) could get the same memory, which the
+    # kernel then writes as both partials and gradient.
+    partials = None
+    if need[3] or need[4]:
+        partials = torch.empty((nparts, 2, hidden), dtype=torch.float32, device=device)
+        params["partials"] = _ptr(partials)
+        params.update(dgamma=_ptr(dgb[0]), dbeta=_ptr(dgb[1]))
+    tables_needed = need[0] or need[1] or need[2]
+    if not deterministic or not tables_needed:
+        bufs = [accum(i) for i in range(3)]
+        params.update(dword=_ptr(bufs[0]), dpos=_ptr(bufs[1]), dtype_grad=_ptr(bufs[2]))
+        _ext.embedding_bwd_cuda(params)
+        grads = [bufs[i].to(dtype) if need[i] else word.new_empty((0,)) for i in range(3)]
+    else:
+        dx = torch.empty((rows, hidden), dtype=torch.float32, device=device)
+        params["dx_ws"] = _ptr(dx)
+        _ext.embedding_bwd_cuda(params)
+        ids, pos_ids, tt_ids = _row_ids(input_ids, position_ids, token_type_ids, indices)
+        grads = []
+        for i, (tbl, ids_i) in enumerate(((word, ids), (pos, pos_ids), (typ, tt_ids))):
+            if not need[i]:
+                grads.append(word.new_empty((0,)))
+                continue
+            g = torch.zeros(tbl.shape, dtype=dtype, device=device)
+            perm = torch.argsort(ids_i, stable=True)
+            seg_rows, counts = torch.unique_consecutive(ids_i[perm], return_counts=True)
+            offsets = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=device)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            _ext.embedding_segment_sum_cuda(
+                _ptr(dx), _ptr(perm), _ptr(offsets), _ptr(seg_rows), int(seg_rows.numel()), hidden,
+                int(padding_idx) if i == 0 else -1, _ptr(g), _DTYPE_CODES[dtype], stream)
+            grads.append(g)
+    grads += [dgb[0].to(dtype) if need[3] else word.new_empty((0,)),
+              dgb[1].to(dtype) if need[4] else word.new_empty((0,))]
     return tuple(grads)
 
 
@@ -313,30 +312,33 @@ def _broadcast_ids(name: str, t: Optional[Tensor], shape) -> Optional[Tensor]:
     return t.contiguous()
 
 
-def _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, max_pos, type_vocab) -> None:
-    """One fused min/max reduction (a single host sync on CUDA) over every index tensor."""
-    stats, names = [], []
-    # (indices are checked even when input_ids is empty: any index into no tokens is out of range,
-    # and the kernel would read ids[indices[t]] past the end)
-    for name, t in (("input_ids", input_ids), ("position_ids", position_ids), ("token_type_ids", token_type_ids),
-                    ("indices", indices)):
-        if t is not None and t.numel() > 0:
-            stats += [t.min(), t.max()]
-            names.append(name)
-    if not stats:
+def check_index_ranges(checks) -> None:
+    """IndexError unless every index tensor lies in [0, limit): ``checks`` holds (name, tensor or
+    None, limit, what the limit is) tuples, tensors on one device. One fused min/max reduction,
+    i.e. a single host sync on CUDA."""
+    present = [(name, t, limit, what) for name, t, limit, what in checks if t is not None and t.numel() > 0]
+    if not present:
         return
+    stats = [s for _, t, _, _ in present for s in (t.min(), t.max())]
     vals = torch.stack([s.to(torch.int64) for s in stats]).tolist()
-    limits = {"input_ids": (vocab, "the word vocabulary size (word_embeddings.shape[0])"),
-              "position_ids": (max_pos, "the number of positions (position_embeddings.shape[0])"),
-              "token_type_ids": (type_vocab, "the token type vocabulary size (token_type_embeddings.shape[0])"),
-              "indices": (input_ids.numel(), "input_ids.numel()")}
-    for i, name in enumerate(names):
+    for i, (name, _, limit, what) in enumerate(present):
         lo, hi = vals[2 * i], vals[2 * i + 1]
-        limit, what = limits[name]
         if lo < 0:
             raise IndexError(f"{name} contains {lo}, out of range [0, {limit})")
         if hi >= limit:
             raise IndexError(f"{name} contains {hi}, out of range [0, {limit}): must be < {what}")
+
+
+def _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, max_pos, type_vocab) -> None:
+    """Every index tensor of the op in range (one host sync on CUDA), and positions for the sequence
+    length when they are implicit. (indices are checked even when input_ids is empty: any index
+    into no tokens is out of range, and the kernel would read ids[indices[t]] past the end.)"""
+    check_index_ranges((
+        ("input_ids", input_ids, vocab, "the word vocabulary size (word_embeddings.shape[0])"),
+        ("position_ids", position_ids, max_pos, "the number of positions (position_embeddings.shape[0])"),
+        ("token_type_ids", token_type_ids, type_vocab,
+         "the token type vocabulary size (token_type_embeddings.shape[0])"),
+        ("indices", indices, input_ids.numel(), "input_ids.numel()")))
     if position_ids is None and input_ids.numel() > 0 and input_ids.shape[-1] > max_pos:
         raise IndexError(f"sequence length {input_ids.shape[-1]} needs position ids up to "
                          f"{input_ids.shape[-1] - 1}, out of range [0, {max_pos}) "

@@ -19,18 +19,23 @@ kernel and matches transformers at every position, pads included.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, Optional
 
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttentions,
+                                           BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
 
-from bert_fast import ops
+from bert_fast import dropin, ops
+from bert_fast.masks import key_padding_mask
 from bert_fast.padding import Unpadded, pad, unpad
+
+logger = logging.getLogger("bert_fast")
 
 # transformers' hidden_act names -> our fused activation.
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -110,45 +115,121 @@ def frozen_qkv(model, store: dict):
 
 @dataclass
 class _Batch:
-    """What every layer needs to know about the batch layout."""
+    """What every layer needs to know about the batch layout, and which pieces run unfused."""
     padded: bool
     unpadded: Optional[Unpadded]         # varlen path
     mask: Optional[torch.Tensor]         # padded path: [B, S] key-padding mask
     batch: int
     seqlen: int
+    # Exact mode (some piece runs through its module's forward): per layer index, the blocks
+    # ("attention", "attention.self", "attention.output", "intermediate", "output") that do, and
+    # the attention mask in the form transformers' own attention modules take.
+    unfused: Dict[int, FrozenSet[str]] = field(default_factory=dict)
+    hf_mask: Optional[torch.Tensor] = None
+
+
+def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype):
+    """The LoRA terms of Linear layers as extra GEMM columns: returns (x_aug, w_extra) such that
+    [x | x_aug] @ [W | w_extra]^T = x W^T + sum_j scaling_j * B_j A_j dropout_j(x) for every
+    output row block. ``terms``: per output block, (rows, [LoraTerm]); rows is the block's height.
+
+    One skinny GEMM for the A projections of the adapters whose dropout is off (their A's are
+    concatenated), one per adapter with an active dropout (each draws its own mask, as in peft).
+    Returns (None, None) when no term is active."""
+    flat = [(i, t) for i, (_, ts) in enumerate(terms) for t in ts]
+    if not flat:
+        return None, None
+    shared = [(i, t) for i, t in flat if t.dropout is None]
+    own = [(i, t) for i, t in flat if t.dropout is not None]
+    order = shared + own
+    us = []
+    if shared:
+        a = torch.cat([_cast(t.a, dtype) for _, t in shared]) if len(shared) > 1 else _cast(shared[0][1].a, dtype)
+        us.append(ops.linear(x, a))
+    for _, t in own:
+        us.append(ops.linear(t.dropout(x), _cast(t.a, dtype)))
+    u = torch.cat(us, dim=-1) if len(us) > 1 else us[0]
+    # Block matrix [sum rows, sum r]: adapter j's scaled B in its output block's rows, zeros elsewhere.
+    ranks = [t.a.shape[0] for _, t in order]
+    blocks = []
+    for i, (rows, _) in enumerate(terms):
+        row = [(_cast(t.b, dtype) * t.scaling) if owner == i else x.new_zeros((rows, r))
+               for (owner, t), r in zip(order, ranks)]
+        blocks.append(torch.cat(row, dim=1))
+    return u, torch.cat(blocks, dim=0)
+
+
+def _linear(x: torch.Tensor, lin: dropin.LinearTerms, dtype: torch.dtype, activation=None) -> torch.Tensor:
+    """act(x W^T + b [+ LoRA]) with the LoRA term inside the same GEMM (extra K columns)."""
+    w, b = _cast(lin.weight, dtype), _cast(lin.bias, dtype)
+    u, w_extra = _lora_augment(x, [(w.shape[0], lin.lora)], dtype)
+    if u is not None:
+        x, w = torch.cat([x, u], dim=-1), torch.cat([w, w_extra], dim=1)
+    return ops.linear(x, w, b, activation=activation)
+
+
+def _qkv(self_attn, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fused QKV projection [.., 3H], LoRA terms of query/key/value included."""
+    wqkv, bqkv = fused_qkv(self_attn, dtype)
+    parts = [dropin.linear_terms(m) for m in (self_attn.query, self_attn.key, self_attn.value)]
+    u, w_extra = _lora_augment(h, [(p.weight.shape[0], p.lora) for p in parts], dtype)
+    if u is None:
+        return ops.linear(h, wqkv, bqkv)
+    return ops.linear(torch.cat([h, u], dim=-1), torch.cat([wqkv, w_extra], dim=1), bqkv)
+
+
+def _first(out):
+    """The hidden states of a transformers block's output (a tensor, or a tuple in 4.x)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool) -> torch.Tensor:
-    """One transformers BertLayer, run by our kernels. h: [T, H] (varlen) or [B, S, H] (padded)."""
+    """One transformers BertLayer, run by our kernels. h: [T, H] (varlen) or [B, S, H] (padded).
+
+    A block listed in ``batch.unfused`` (it holds a hook or a module we cannot reproduce) runs
+    through its own module forward instead, on the same tensors transformers gives it."""
     dtype = h.dtype
     heads = config.num_attention_heads
     hidden = config.hidden_size
-    p_hidden = config.hidden_dropout_prob if training else 0.0
-    p_attn = config.attention_probs_dropout_prob if training else 0.0
+    unfused = batch.unfused.get(layer.bert_fast_index, frozenset())
     att = layer.attention
 
-    wqkv, bqkv = fused_qkv(att.self, dtype)
-    qkv = ops.linear(h, wqkv, bqkv)
-    if batch.padded:
-        ctx = ops.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
-                            batch.mask, dropout_p=p_attn)
+    if "attention" in unfused:
+        h1 = _cast(_first(att(h, batch.hf_mask)), dtype)
     else:
-        u = batch.unpadded
-        # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
-        ctx = ops.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
-                                   u.max_seqlen, dropout_p=p_attn, validate=False)
-    ctx = ctx.reshape(h.shape)
+        if "attention.self" in unfused:
+            ctx = _cast(_first(att.self(h, attention_mask=batch.hf_mask)), dtype)
+        else:
+            p_attn = att.self.dropout.p if training else 0.0
+            qkv = _qkv(att.self, h, dtype)
+            if batch.padded:
+                ctx = ops.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
+                                    batch.mask, dropout_p=p_attn)
+            else:
+                u = batch.unpadded
+                # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
+                ctx = ops.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
+                                           u.max_seqlen, dropout_p=p_attn, validate=False)
+            ctx = ctx.reshape(h.shape)
+        if "attention.output" in unfused:
+            h1 = _cast(att.output(ctx, h), dtype)
+        else:
+            so = att.output
+            a = _linear(ctx, dropin.linear_terms(so.dense), dtype)
+            h1 = ops.residual_layer_norm(a, h, _cast(so.LayerNorm.weight, dtype), _cast(so.LayerNorm.bias, dtype),
+                                         so.LayerNorm.eps, so.dropout.p if training else 0.0)
 
-    dense, ln = att.output.dense, att.output.LayerNorm
-    a = ops.linear(ctx, _cast(dense.weight, dtype), _cast(dense.bias, dtype))
-    h1 = ops.residual_layer_norm(a, h, _cast(ln.weight, dtype), _cast(ln.bias, dtype), ln.eps, p_hidden)
-
-    up = layer.intermediate.dense
-    f = ops.linear(h1, _cast(up.weight, dtype), _cast(up.bias, dtype),
-                   activation=ACTIVATIONS[config.hidden_act])
-    down, ln2 = layer.output.dense, layer.output.LayerNorm
-    o = ops.linear(f, _cast(down.weight, dtype), _cast(down.bias, dtype))
-    return ops.residual_layer_norm(o, h1, _cast(ln2.weight, dtype), _cast(ln2.bias, dtype), ln2.eps, p_hidden)
+    if "intermediate" in unfused:
+        f = _cast(layer.intermediate(h1), dtype)
+    else:
+        f = _linear(h1, dropin.linear_terms(layer.intermediate.dense), dtype,
+                    activation=ACTIVATIONS[config.hidden_act])
+    if "output" in unfused:
+        return _cast(layer.output(f, h1), dtype)
+    out = layer.output
+    o = _linear(f, dropin.linear_terms(out.dense), dtype)
+    return ops.residual_layer_norm(o, h1, _cast(out.LayerNorm.weight, dtype), _cast(out.LayerNorm.bias, dtype),
+                                   out.LayerNorm.eps, out.dropout.p if training else 0.0)
 
 
 class BertLayer(transformers.models.bert.modeling_bert.BertLayer):
@@ -162,6 +243,48 @@ class BertLayer(transformers.models.bert.modeling_bert.BertLayer):
         return _layer_forward(self, hidden_states, batch, self.bert_fast_config, self.training)
 
 
+class BertEncoder(transformers.models.bert.modeling_bert.BertEncoder):
+    """transformers' BertEncoder (class-swapped, same parameters) running our layers, so that hooks
+    on the encoder fire as on transformers."""
+
+    def forward(self, hidden_states: torch.Tensor, batch: _Batch, checkpointed: bool = False,
+                collect=None) -> BaseModelOutputWithPastAndCrossAttentions:
+        h = hidden_states
+        for layer in self.layer:
+            if not isinstance(layer, BertLayer):
+                # A layer module the user replaced: called as transformers' encoder calls it.
+                h = _cast(_first(layer(h, batch.hf_mask)), h.dtype)
+            elif checkpointed:
+                # Dropout seeds come from torch's RNG, which checkpoint restores before recomputing,
+                # so the recomputed masks are the forward's.
+                h = checkpoint(layer, h, batch, use_reentrant=False)
+            else:
+                h = layer(h, batch)
+            if collect is not None:
+                collect(h)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=h)
+
+
+dropin.register_fast_types(BertLayer, BertEncoder)
+
+
+def _unfused_blocks(found: Dict[str, str], num_layers: int):
+    """From ``dropin.find_unfused``'s paths: (embeddings unfused?, {layer index: blocks})."""
+    all_blocks = frozenset(("attention", "intermediate", "output"))
+    if "*" in found:   # global hooks: every module must be called
+        return True, {i: all_blocks for i in range(num_layers)}
+    embeddings, layers = False, {}
+    for path in found:
+        parts = path.split(".")
+        if parts[0] == "embeddings":
+            embeddings = True
+        elif parts[0] == "encoder" and len(parts) >= 4 and parts[1] == "layer":
+            rest = parts[3:]
+            block = rest[0] if rest[0] != "attention" or len(rest) == 1 else f"attention.{rest[1]}"
+            layers.setdefault(int(parts[2]), set()).add(block)
+    return embeddings, {i: frozenset(b) for i, b in layers.items()}
+
+
 # transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__; older versions did it in
 # the encoder loop, which our forward replaces, so there we checkpoint ourselves.
 try:
@@ -172,24 +295,27 @@ _LAYER_CHECKPOINTS_ITSELF = (GradientCheckpointingLayer is not None
                              and issubclass(transformers.models.bert.modeling_bert.BertLayer, GradientCheckpointingLayer))
 
 
-def _check_mask(attention_mask, input_shape, device) -> torch.Tensor:
-    """Validate a [B, S] key-padding mask (bool, integer, or 0/1 floats) and return it as bool."""
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
-    if tuple(attention_mask.shape) != tuple(input_shape):
-        raise ValueError(f"attention_mask must have shape {tuple(input_shape)} (batch, seq), "
-                         f"got {tuple(attention_mask.shape)}")
-    if attention_mask.device != device:
-        raise ValueError(f"attention_mask is on {attention_mask.device} but input is on {device}")
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    if attention_mask.is_complex():
-        raise TypeError(f"attention_mask dtype {attention_mask.dtype} is not supported: use bool, an "
-                        "integer type or 0/1 floats")
-    if attention_mask.is_floating_point() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-        raise ValueError("a floating attention_mask must hold only 0 and 1 (1 = attend); "
-                         "extended additive masks are not accepted")
-    return attention_mask != 0
+# Keywords transformers' BertModel.forward takes (TransformersKwargs) and trainers pass through
+# the heads: those meaningless for an encoder forward are ignored; those that would change the
+# result (packed-sequence attention boundaries, a causal mask) are refused rather than ignored.
+_IGNORED_KWARGS = {"num_items_in_batch": "a loss normalizer for the head, not used by the encoder",
+                   "output_router_logits": "mixture-of-experts output, BERT has none",
+                   "cache_position": "a decoder cache index"}
+_REFUSED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        if key in _IGNORED_KWARGS or value is None or value is False:
+            continue
+        if key in _REFUSED_KWARGS:
+            raise ValueError(f"{key} (packed sequences for flash attention) is not supported by "
+                             "bert_fast.BertModel.forward: pass a padded batch with attention_mask; "
+                             "bert_fast unpads it itself")
+        if key == "is_causal":
+            raise ValueError("is_causal=True is not supported: bert_fast implements the bidirectional "
+                             "BERT encoder")
+        raise TypeError(f"unexpected argument for bert_fast.BertModel.forward: {key!r}")
 
 
 class BertModel(transformers.BertModel):
@@ -206,11 +332,41 @@ class BertModel(transformers.BertModel):
         """Make this (possibly class-swapped) module ready for the fast forward."""
         check_config(self.config)
         self.padded = bool(padded)
-        for layer in self.encoder.layer:
-            if not isinstance(layer, BertLayer):
+        self.bert_fast_expected_act = dropin.expected_activation(self.config)
+        self.bert_fast_logged = set()
+        if type(self.encoder) is transformers.models.bert.modeling_bert.BertEncoder:
+            self.encoder.__class__ = BertEncoder
+        for i, layer in enumerate(self.encoder.layer):
+            if type(layer) is transformers.models.bert.modeling_bert.BertLayer:
                 layer.__class__ = BertLayer
             layer.bert_fast_config = self.config
+            layer.bert_fast_index = i
         return self
+
+    def unfused_pieces(self) -> Dict[str, str]:
+        """{module path: reason} of the pieces the next forward runs through their own module
+        forward (hooks, non-transformers classes, parametrizations); empty when all are fused."""
+        return dropin.find_unfused(self, self.bert_fast_expected_act)
+
+    def _log_unfused(self, found: Dict[str, str]) -> None:
+        key = frozenset(found.items())
+        if key in self.bert_fast_logged:
+            return
+        self.bert_fast_logged.add(key)
+        pieces = "; ".join(f"{p} ({r})" for p, r in sorted(found.items()))
+        logger.warning("bert_fast: %d piece(s) of %s run through their own forward, unfused, on "
+                       "transformers' padded layout, so that they compute what they compute on "
+                       "transformers: %s", len(found), type(self).__name__, pieces)
+
+    def _hf_attention_mask(self, mask: torch.Tensor, embedding_output: torch.Tensor):
+        """The attention mask in the form transformers' own attention modules take (exact mode)."""
+        mask = mask.long()
+        create = getattr(transformers.BertModel, "_create_attention_masks", None)
+        if create is not None:   # transformers 5
+            return create(self, attention_mask=mask, encoder_attention_mask=None,
+                          embedding_output=embedding_output, encoder_hidden_states=None,
+                          past_key_values=None)[0]
+        return self.get_extended_attention_mask(mask, tuple(mask.shape), dtype=embedding_output.dtype)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, output_hidden_states=None, return_dict=None, output_attentions=None,
@@ -225,14 +381,11 @@ class BertModel(transformers.BertModel):
             raise ValueError("past_key_values / use_cache are decoder features, not supported by bert_fast")
         if head_mask is not None:
             raise ValueError("head_mask is not supported by bert_fast")
-        unknown = {k for k, v in kwargs.items() if v is not None and v is not False}
-        if unknown:
-            raise TypeError(f"unexpected arguments for bert_fast.BertModel.forward: {sorted(unknown)}")
+        _check_kwargs(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
         config = self.config
-        padded = self.padded if padded is None else bool(padded)
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else getattr(config, "output_hidden_states", False))
         return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
@@ -253,13 +406,30 @@ class BertModel(transformers.BertModel):
         if attention_mask is None:
             attention_mask = torch.ones((b, s), dtype=torch.bool, device=device)
         else:
-            attention_mask = _check_mask(attention_mask, (b, s), device)
+            attention_mask = key_padding_mask(attention_mask, b, s, device)
+
+        # Pieces a hook, a non-transformers module or a parametrization makes us run unfused: then
+        # the whole batch runs in transformers' padded layout (exact mode), so that those pieces and
+        # their hooks see the tensors they see on transformers.
+        found = self.unfused_pieces()
+        if found:
+            self._log_unfused(found)
+        embeddings_unfused, unfused = _unfused_blocks(found, len(self.encoder.layer))
+        padded = bool(found) or (self.padded if padded is None else bool(padded))
 
         batch = _Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
-                       mask=attention_mask if padded else None, batch=b, seqlen=s)
-        h = self._embed(input_ids, inputs_embeds, position_ids, token_type_ids, batch)
+                       mask=attention_mask if padded else None, batch=b, seqlen=s, unfused=unfused)
+        if embeddings_unfused:
+            h = emb(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids,
+                    inputs_embeds=inputs_embeds)
+        else:
+            h = self._embed(input_ids, inputs_embeds, position_ids, token_type_ids, batch)
+            if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
+                h.requires_grad_(True)    # what transformers' enable_input_require_grads hook does
         dtype = compute_dtype(emb.word_embeddings.weight)
         h = _cast(h, dtype)
+        if found:
+            batch.hf_mask = self._hf_attention_mask(attention_mask, h)
 
         def to_bsh(x):
             return x if padded else pad(x, batch.unpadded)
@@ -267,15 +437,12 @@ class BertModel(transformers.BertModel):
         all_hidden = [to_bsh(h)] if output_hidden_states else None
         encoder_ckpt = (self.training and torch.is_grad_enabled() and not _LAYER_CHECKPOINTS_ITSELF
                         and getattr(self.encoder, "gradient_checkpointing", False))
-        for layer in self.encoder.layer:
-            if encoder_ckpt:
-                # Dropout seeds come from torch's RNG, which checkpoint restores before recomputing,
-                # so the recomputed masks are the forward's.
-                h = checkpoint(layer, h, batch, use_reentrant=False)
-            else:
-                h = layer(h, batch)
-            if output_hidden_states:
-                all_hidden.append(to_bsh(h))
+        collect = (lambda x: all_hidden.append(to_bsh(x))) if output_hidden_states else None
+        if isinstance(self.encoder, BertEncoder):
+            h = self.encoder(h, batch, checkpointed=encoder_ckpt, collect=collect).last_hidden_state
+        else:   # a user's own encoder class (reported by unfused_pieces): called as transformers does
+            h = _first(self.encoder(h, attention_mask=batch.hf_mask))
+            h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h
 
         last = to_bsh(h)
         pooled = self.pooler(last) if self.pooler is not None and s > 0 else None
@@ -291,7 +458,7 @@ class BertModel(transformers.BertModel):
     def _embed(self, input_ids, inputs_embeds, position_ids, token_type_ids, batch: _Batch) -> torch.Tensor:
         """Embedding sum + LayerNorm + dropout, for the real tokens only on the varlen path."""
         emb = self.embeddings
-        p = self.config.hidden_dropout_prob if self.training else 0.0
+        p = emb.dropout.p if self.training else 0.0
         indices = None if batch.padded else batch.unpadded.indices
         if inputs_embeds is None:
             return ops.embedding_layer_norm(

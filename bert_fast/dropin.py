@@ -1,0 +1,208 @@
+"""Which submodules the fast forward may bypass, checked at every forward.
+
+The fast forward reads the weights of transformers' Linear / LayerNorm / Embedding modules and runs
+our fused ops instead of calling those modules. That is only equal to transformers' forward while
+every bypassed module is *plain*: exactly the class transformers builds, no forward/backward hooks
+of its own or global ones, no parametrization. Anything else (a user hook, a PEFT layer, a
+quantized or subclassed Linear, weight norm, a pruning pre-hook) is found here, and the model runs
+that piece through the module's own forward (see modeling.py): never a silently different answer.
+
+PEFT LoRA on a Linear is the one customization run natively: the low-rank term goes into the
+fused GEMM (``linear_terms``), with peft's semantics (scaling, lora_dropout, several adapters,
+disabled or merged adapters).
+
+Cost: one walk over the module tree per forward (~100 modules for MiniLM), a type lookup and four
+dict truth tests each; measured in benchmarks/NOTES.md ("drop-in check").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.modules.module as _module_globals
+import transformers
+from torch import nn
+from transformers.models.bert import modeling_bert as _hf
+
+try:   # optional: PEFT's LoRA Linear, run natively when present
+    from peft.tuners.lora.layer import Linear as _LoraLinear
+except Exception:   # peft absent or its layout changed: LoRA layers are then simply "not plain"
+    _LoraLinear = None
+
+
+def _hf_classes(*names) -> Tuple[type, ...]:
+    """transformers' classes by name, skipping those this version does not have."""
+    return tuple(getattr(_hf, n) for n in names if hasattr(_hf, n))
+
+
+# Modules whose forward the fast path reproduces (or that it calls itself, like the pooler).
+# BertSdpaSelfAttention & co. exist in transformers 4.x only.
+_PLAIN_TYPES = frozenset((nn.Linear, nn.LayerNorm, nn.Embedding, nn.Dropout, nn.ModuleList, nn.Tanh,
+                          *_hf_classes("BertEmbeddings", "BertEncoder", "BertLayer", "BertAttention",
+                                       "BertSelfAttention", "BertSdpaSelfAttention",
+                                       "BertFlashAttention2", "BertSelfOutput", "BertIntermediate",
+                                       "BertOutput", "BertPooler")))
+
+
+# transformers' own hooks whose effect the fast forward reproduces:
+#  * output_capturing_hook (transformers 5): installed for good on BertLayer/BertSelfAttention the
+#    first time a model is asked for hidden states; inert unless an output collector is active
+#    (our forward collects hidden states itself);
+#  * make_inputs_require_grads (enable_input_require_grads(), which PEFT and gradient
+#    checkpointing install on the word embeddings): the model applies it to its embedding output.
+_UNDERSTOOD_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
+
+
+def _is_inert_hook(fn) -> bool:
+    return (getattr(fn, "__name__", "") in _UNDERSTOOD_HOOKS
+            and getattr(fn, "__module__", "").startswith("transformers."))
+
+
+def wants_input_grads(word_embeddings: nn.Module) -> bool:
+    """Whether transformers' enable_input_require_grads() hook is on the word embeddings."""
+    return any(getattr(f, "__name__", "") == "make_inputs_require_grads"
+               for f in word_embeddings._forward_hooks.values())
+
+
+def _hook_reason(m: nn.Module) -> Optional[str]:
+    if m._forward_pre_hooks:
+        return "forward pre-hook"
+    if m._forward_hooks and not all(_is_inert_hook(f) for f in m._forward_hooks.values()):
+        return "forward hook"
+    if m._backward_hooks or m._backward_pre_hooks:
+        return "backward hook"
+    return None
+
+
+def global_hooks() -> Optional[str]:
+    """A reason when a global module hook is registered (it must fire on every module)."""
+    g = _module_globals
+    if g._global_forward_pre_hooks or g._global_forward_hooks:
+        return "global forward hook"
+    if g._global_backward_hooks or g._global_backward_pre_hooks:
+        return "global backward hook"
+    return None
+
+
+# ----------------------------------------------------------------------------- LoRA
+@dataclass
+class LoraTerm:
+    """One active adapter on one Linear: y += scaling * B(A(dropout(x)))."""
+    a: torch.Tensor             # lora_A weight [r, in]
+    b: torch.Tensor             # lora_B weight [out, r]
+    scaling: float
+    dropout: Optional[nn.Module]    # None when it is the identity (p == 0, eval, nn.Identity)
+
+
+@dataclass
+class LinearTerms:
+    """What a (possibly LoRA-wrapped) Linear computes: x W^T + bias + sum of LoRA terms."""
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    lora: List[LoraTerm]
+
+
+def _active_dropout(d: nn.Module) -> Optional[nn.Module]:
+    if type(d) is nn.Identity or (type(d) is nn.Dropout and (d.p == 0.0 or not d.training)):
+        return None
+    return d
+
+
+def _lora_reason(m: nn.Module) -> Optional[str]:
+    """None when this peft LoRA Linear can run natively, else why not."""
+    if type(m.base_layer) is not nn.Linear or _hook_reason(m.base_layer):
+        return "LoRA over a non-plain base layer"
+    if m.disable_adapters:
+        return "LoRA disabled while merged (peft unmerges in forward)" if m.merged else None
+    if m.merged:
+        return None
+    for name in m.active_adapters:
+        if name not in m.lora_A:
+            continue
+        if name in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(name, False):
+            return f"LoRA variant (DoRA or other) on adapter {name!r}"
+        a, b, d = m.lora_A[name], m.lora_B[name], m.lora_dropout[name]
+        if type(a) is not nn.Linear or type(b) is not nn.Linear or b.bias is not None or a.bias is not None:
+            return f"LoRA adapter {name!r} is not a plain pair of bias-free Linear layers"
+        if type(d) not in (nn.Dropout, nn.Identity):
+            return f"LoRA adapter {name!r} has a custom dropout module"
+        if _hook_reason(a) or _hook_reason(b) or _hook_reason(d):
+            return f"hook inside LoRA adapter {name!r}"
+    return None
+
+
+def linear_terms(m: nn.Module) -> LinearTerms:
+    """The weights a plain or natively supported LoRA Linear computes with (call only on modules
+    that ``find_unfused`` did not report)."""
+    if type(m) is nn.Linear:
+        return LinearTerms(m.weight, m.bias, [])
+    base = m.base_layer
+    if m.disable_adapters or m.merged:
+        return LinearTerms(base.weight, base.bias, [])
+    terms = []
+    for name in m.active_adapters:
+        if name in m.lora_A:
+            terms.append(LoraTerm(m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]),
+                                  _active_dropout(m.lora_dropout[name])))
+    return LinearTerms(base.weight, base.bias, terms)
+
+
+# ----------------------------------------------------------------------------- the walk
+def _module_reason(m: nn.Module, expected_act: type) -> Optional[str]:
+    """Why module ``m`` itself (not its children) is not plain, or None."""
+    t = type(m)
+    if _LoraLinear is not None and t is _LoraLinear:
+        return _hook_reason(m) or _lora_reason(m)
+    if t not in _PLAIN_TYPES and not isinstance(m, _FAST_TYPES):
+        if hasattr(m, "parametrizations"):
+            return "parametrization (" + ", ".join(m.parametrizations.keys()) + ")"
+        if t is expected_act:
+            return _hook_reason(m)
+        return f"type {t.__module__}.{t.__qualname__}"
+    reason = _hook_reason(m)
+    if reason:
+        return reason
+    if t is nn.LayerNorm and (m.weight is None or m.bias is None):
+        return "LayerNorm without affine weight or bias"
+    if t is nn.Linear and m.bias is None:
+        return "Linear without bias"
+    if t is _hf.BertIntermediate and type(m.intermediate_act_fn) is not expected_act:
+        return f"activation {type(m.intermediate_act_fn).__qualname__} instead of {expected_act.__qualname__}"
+    return None
+
+
+_FAST_TYPES: Tuple[type, ...] = ()   # our class-swapped BertLayer / BertEncoder (set by modeling.py)
+
+
+def register_fast_types(*types: type) -> None:
+    global _FAST_TYPES
+    _FAST_TYPES = tuple(types)
+
+
+def find_unfused(model: nn.Module, expected_act: type) -> Dict[str, str]:
+    """{dotted path: reason} of every submodule of ``model`` (a BertModel) that is not plain.
+
+    A natively run LoRA Linear is plain; its children are not walked (``_lora_reason`` checks
+    them). The walk is iterative over ``_modules`` (named_modules() costs ~3x more)."""
+    found: Dict[str, str] = {}
+    g = global_hooks()
+    if g:
+        return {"*": g}
+    stack = [(name, child) for name, child in model._modules.items() if child is not None]
+    while stack:
+        path, m = stack.pop()
+        reason = _module_reason(m, expected_act)
+        if reason:
+            found[path] = reason
+        if _LoraLinear is not None and type(m) is _LoraLinear:
+            continue
+        for name, child in m._modules.items():
+            if child is not None:
+                stack.append((f"{path}.{name}", child))
+    return found
+
+
+def expected_activation(config) -> type:
+    """The class transformers builds for config.hidden_act (e.g. GELUActivation for "gelu")."""
+    return type(transformers.activations.ACT2FN[config.hidden_act])

@@ -2,17 +2,23 @@
 
     python -m pytest benchmarks -o python_files='bench_*.py' --benchmark-json=out.json
 
-Same models, weights, inputs and steps as ``bert-fast bench`` (bert_fast.bench.model_bench, model_workload, model_providers):
-bert-base in bf16, inference at dense 32x128 and padded 8x512 (random:0.2 lengths), one training
-step at 16x128, for bert_fast and transformers' sdpa attention. Each round is one call followed by
-a synchronize; extra_info carries tokens/s on real tokens.
+Same models, weights, inputs, steps and timing as ``bert-fast bench`` (bert_fast.bench.model_bench:
+its run_case builds every provider, then times them side by side in interleaved rounds with
+bert_fast.bench.timing.measure until each median's 95% interval is within +-3% or CASE_SECONDS is
+spent): bert-base in bf16, inference at dense 32x128 and padded 8x512 (random:0.2 lengths), one
+training step at 16x128, bert_fast against transformers' sdpa attention. One test per case; the
+figures (per provider: median, p20/p80, interval, unstable flag, tokens/s on real tokens; the
+speedup of bert_fast with its interval) are in ``extra_info``. pytest-benchmark's own statistics
+time the whole measurement (one round), not a call.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from bert_fast.bench import model_providers as mp
+from bert_fast.bench import model_bench as mb
 from bert_fast.bench import model_workload as mw
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="model benchmarks need a CUDA GPU")
@@ -23,43 +29,39 @@ CASES = [  # (id, batch, seq, lengths, mode)
     ("train-16x128", 16, 128, "full", "train"),
 ]
 PROVIDERS = ["bert_fast", "hf-sdpa"]
+MODEL = "bert-base"
+CASE_SECONDS = float(os.environ.get("BERT_FAST_BENCH_CASE_SECONDS", "5"))
+KEYS = ("status", "error", "median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel", "unstable",
+        "tokens_per_s", "peak_mem_bytes", "speedup_of_bert_fast", "speedup_ci", "speedup_unstable")
 
 
-@pytest.fixture(scope="module")
-def bench_env():
-    return torch.device("cuda"), torch.bfloat16, mw.load_config("bert-base")
+def make_case(model, batch, seq, lengths_spec, mode, dtype_name, seed=0):
+    config = mw.load_config(model)
+    lengths = mw.parse_lengths(lengths_spec, batch, seq, seed=seed)
+    flops = mw.step_flops(config, lengths, mode)
+    return {"model": model, "batch": batch, "seq": seq, "lengths": lengths_spec, "mode": mode, "dtype": dtype_name,
+            "cuda_graphs": False, "flops_per_step": flops, "real_tokens": sum(lengths), "parity": None,
+            "results": [], "_config": config, "_lengths": lengths}
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
+def measure_case(case, device, dtype, providers=PROVIDERS, budget_s=CASE_SECONDS, timer=None, warmup=5):
+    mb.run_case(case, providers, device, dtype, warmup=warmup, n_inputs=3, seed=0, progress=False,
+                ceilings={}, min_rounds=10, max_rounds=500, max_seconds=budget_s, timer=timer)
+    return {"providers": {r["provider"]: {k: r.get(k) for k in KEYS} for r in case["results"]},
+            "timing": case.get("timing"), "parity": case.get("parity")}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_model(benchmark, bench_env, case, provider):
-    device, dtype, config = bench_env
+def test_model(benchmark, case):
     _, batch, seq, lengths_spec, mode = case
-    lengths = mw.parse_lengths(lengths_spec, batch, seq, seed=0)
-    state = mp.reference_state_dict(config, "bert-base", seed=0)
-    try:
-        model, runner, _ = mp.build_provider_model(provider, config, state, device, dtype, mode, cuda_graphs=False)
-    except (ImportError, AttributeError) as exc:
-        pytest.skip(f"{provider} not available: {exc}")
-    optimizer = mp._make_optimizer(model, device) if mode == "train" else None
-    inputs = mw.make_inputs(config, lengths, seq, device, n_sets=3, seed=0)
-    steps = [mp.make_step(runner, model, inp, mode, optimizer) for inp in inputs]
-    for i in range(5):                      # warm-up: Triton autotuning, cuBLAS heuristics
-        steps[i % len(steps)]()
-    torch.cuda.synchronize()
-    counter = {"i": 0}
-
-    def call():
-        steps[counter["i"] % len(steps)]()
-        counter["i"] += 1
-        torch.cuda.synchronize()
-
-    benchmark.pedantic(call, rounds=20, iterations=1, warmup_rounds=2)
-    if benchmark.stats is None:        # --benchmark-disable
-        return
-    median = benchmark.stats.stats.median
-    benchmark.extra_info.update(provider=provider, batch=batch, seq=seq, lengths=lengths_spec, mode=mode,
-                                real_tokens=sum(lengths), tokens_per_s=sum(lengths) / median,
-                                flops_per_step=mw.step_flops(config, lengths, mode))
-    del steps, model, runner, optimizer
+    bench_case = make_case(MODEL, batch, seq, lengths_spec, mode, "bf16")
+    result = {}
+    benchmark.pedantic(lambda: result.update(measure_case(bench_case, torch.device("cuda"), torch.bfloat16)),
+                       rounds=1, iterations=1, warmup_rounds=0)
+    benchmark.extra_info.update(model=MODEL, batch=batch, seq=seq, lengths=lengths_spec, mode=mode,
+                                real_tokens=bench_case["real_tokens"], flops_per_step=bench_case["flops_per_step"],
+                                **result)
+    failed = {p: r["error"] for p, r in result["providers"].items() if r["status"] == "error"}
+    if failed:
+        pytest.fail(f"providers failed: {failed}")
     torch.cuda.empty_cache()

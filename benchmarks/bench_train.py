@@ -13,7 +13,9 @@ Providers:
   hf-sdpa              transformers.BertForMaskedLM, attn_implementation="sdpa", AMP
   hf-compile           torch.compile(transformers sdpa model), AMP
 
-extra_info: tokens/s (real tokens), MFU = (6 * params * tokens + 12 * L * H * B * S^2) / time / peak
+Timing: per case, all providers side by side (bert_fast.bench.timing.measure, interleaved rounds);
+pytest-benchmark's own statistics time the whole measurement, the figures are in extra_info.
+extra_info, per provider: median, p20/p80, 95% interval, unstable flag, tokens/s (real tokens), MFU = (6 * params * tokens + 12 * L * H * B * S^2) / time / peak
 (peak: BERT_FAST_PEAK_TFLOPS or the measured bf16 GEMM rate of this GPU), peak memory (GiB).
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ CASES = [  # (id, preset, batch, seq)
     ("bert-large-S512-B16", "large", 16, 512),
 ]
 PROVIDERS = ["bert_fast", "bert_fast-full-head", "hf-sdpa", "hf-compile"]
+CASE_SECONDS = float(os.environ.get("BERT_FAST_BENCH_CASE_SECONDS", "10"))
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +80,12 @@ def _batch(config, b: int, s: int):
     return ids.cuda(), mask.cuda(), labels.cuda()
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_train_step(benchmark, peak_tflops, case, provider):
-    from bert_fast.training.loop import build_optimizer, count_params, model_flops
+def _step_fn(provider, config, b, s):
+    """(model, step) of one provider: one training step per call (no synchronize: the timer's
+    CUDA events bracket each call)."""
+    from bert_fast.training.loop import build_optimizer
 
-    name, preset, b, s = case
-    config = _config(preset)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        model, step_model = _model(provider, config)
-    except Exception as exc:  # noqa: BLE001 - a provider that cannot be built is reported, not fatal
-        pytest.skip(f"{provider} unavailable: {type(exc).__name__}: {exc}")
+    model, step_model = _model(provider, config)
     ids, mask, labels = _batch(config, b, s)
 
     class _Args:
@@ -103,26 +99,69 @@ def test_train_step(benchmark, peak_tflops, case, provider):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+    return model, step
 
-    try:
-        for _ in range(3):
-            step()
-    except torch.cuda.OutOfMemoryError:
-        pytest.skip(f"{provider} {name}: out of memory")
-    torch.cuda.reset_peak_memory_stats()
-    benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=2)
-    if benchmark.stats is None:         # --benchmark-disable
-        return
-    t = benchmark.stats.stats.median
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_train_step(benchmark, peak_tflops, case):
+    """All providers of one case side by side (bert_fast.bench.timing.measure: interleaved rounds,
+    warm-up first, until each median's 95% interval is within +-3% or CASE_SECONDS is spent);
+    the figures are in extra_info, pytest-benchmark's own statistics time the whole measurement."""
+    from bert_fast.bench.timing import measure
+    from bert_fast.training.loop import count_params, model_flops
+
+    name, preset, b, s = case
+    config = _config(preset)
+    torch.cuda.empty_cache()
+    steps, models, skipped, peaks = {}, {}, {}, {}
+    for provider in PROVIDERS:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            models[provider], steps[provider] = _step_fn(provider, config, b, s)
+            steps[provider]()                       # compile, autotune, allocate the optimizer state
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            skipped[provider] = "out of memory"
+        except Exception as exc:  # noqa: BLE001 - a provider that cannot be built is reported, not fatal
+            skipped[provider] = f"{type(exc).__name__}: {exc}"[:300]
+        if provider in skipped:
+            models.pop(provider, None)
+            steps.pop(provider, None)
+            torch.cuda.empty_cache()
+            continue
+        peaks[provider] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    if not steps:
+        pytest.skip(f"no provider runs: {skipped}")
+    result = {}
+
+    def run():
+        result["m"] = measure(steps, torch.device("cuda"), warmup=2, min_rounds=10, max_rounds=200,
+                              budget_s=CASE_SECONDS)
+
+    benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    m = result["m"]
     tokens = b * s
-    flops = model_flops(count_params(model), tokens, float(b * s * s), config.num_hidden_layers, config.hidden_size)
+    figures = {}
+    for provider, t in m.timings.items():
+        sec = t.median_ms * 1e-3
+        flops = model_flops(count_params(models[provider]), tokens, float(b * s * s), config.num_hidden_layers,
+                            config.hidden_size)
+        sp = m.speedup("bert_fast", provider) if provider != "bert_fast" and "bert_fast" in m.timings else None
+        figures[provider] = {
+            "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "ci_low_ms": t.ci_low_ms,
+            "ci_high_ms": t.ci_high_ms, "unstable": t.unstable, "tokens_per_s": tokens / sec,
+            "tflops": flops / sec / 1e12, "mfu": flops / sec / (peak_tflops * 1e12),
+            "peak_memory_gib": peaks.get(provider),
+            "speedup_of_bert_fast": sp.to_dict() if sp is not None else None}
+    skipped.update(m.skipped)
     benchmark.extra_info.update({
-        "case": name, "provider": provider, "batch": b, "seq": s, "tokens": tokens,
-        "tokens_per_s": tokens / t, "tflops": flops / t / 1e12, "peak_tflops": peak_tflops,
-        "mfu": flops / t / (peak_tflops * 1e12),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "case": name, "batch": b, "seq": s, "tokens": tokens, "peak_tflops": peak_tflops,
+        "rounds": len(m.rounds), "stop_reason": m.stop_reason, "providers": figures, "skipped": skipped,
+        "errors": {p: f"{type(e).__name__}: {e}"[:300] for p, e in m.errors.items()},
         "device": torch.cuda.get_device_name(), "precision": "bf16 autocast, fp32 master weights, fused AdamW",
     })
-    del model, step_model, opt
+    del models, steps
     torch.cuda.empty_cache()
+    if m.errors:
+        pytest.fail(f"{name}: {benchmark.extra_info['errors']}")

@@ -57,11 +57,24 @@ def _md_row(cells: List[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
+def _speedup(sp, ci) -> str:
+    if not sp:
+        return "–"
+    return f"{sp:.2f}× ({ci[0]:.2f}–{ci[1]:.2f})" if ci else f"{sp:.2f}×"
+
+
+def _flags(r: Dict[str, Any]) -> str:
+    """The flags of bert_fast.bench.timing: an interval wider than +-10% is 'unstable'."""
+    names = (("unstable", "unstable"), ("speedup_unstable", "unstable speedup"),
+             ("ceiling_unstable", "ceiling unstable"))
+    return ", ".join(text for key, text in names if r.get(key))
+
+
 def model_table(runs: List[Dict[str, Any]]) -> List[str]:
     if not runs:
         return ["_No model benchmark figures in this run._"]
     head = ["model", "mode", "batch × seq", "lengths", "CUDA graphs", "provider", "median ms", "p20–p80 ms",
-            "tokens/s", "MFU", "peak MiB", "bert_fast speedup"]
+            "tokens/s", "MFU", "peak MiB", "speedup of bert_fast (95% CI)", "flags"]
     lines = [_md_row(head), _md_row(["---"] * len(head))]
     order = {"train": 1, "infer": 0}
     for c in sorted(runs, key=lambda c: (order.get(c.get("mode"), 2), c.get("model", ""), c.get("seq", 0),
@@ -71,7 +84,7 @@ def model_table(runs: List[Dict[str, Any]]) -> List[str]:
                     "yes" if c.get("cuda_graphs") else "no", f"`{r.get('provider')}`"]
             if r.get("status") != "ok":
                 err = (r.get("error") or "").splitlines()[0][:60] if r.get("error") else ""
-                lines.append(_md_row(base + [f"{r.get('status')}: {err}"] + [""] * 5))
+                lines.append(_md_row(base + [f"{r.get('status')}: {err}"] + [""] * 6))
                 continue
             sp = r.get("speedup_of_bert_fast")
             lines.append(_md_row(base + [
@@ -79,25 +92,27 @@ def model_table(runs: List[Dict[str, Any]]) -> List[str]:
                 _f(r.get("tokens_per_s"), ",.0f"),
                 _f(None if r.get("mfu") is None else 100 * r["mfu"], ".1f") + ("%" if r.get("mfu") is not None else ""),
                 _f(r.get("peak_mem_mb"), ",.0f"),
-                "1.00× (itself)" if r.get("provider") == "bert_fast" else (f"{sp:.2f}×" if sp else "–")]))
+                "1.00× (itself)" if r.get("provider") == "bert_fast" else _speedup(sp, r.get("speedup_ci")),
+                _flags(r)]))
     return lines
 
 
 def ops_table(cases: List[Dict[str, Any]]) -> List[str]:
     if not cases:
         return ["_No per-op figures in this run._"]
-    head = ["op", "dir", "case", "bound", "provider", "median µs", "GB/s", "TFLOP/s", "% of ceiling"]
+    head = ["op", "dir", "case", "bound", "provider", "median µs", "GB/s", "TFLOP/s", "% of ceiling", "flags"]
     lines = [_md_row(head), _md_row(["---"] * len(head))]
     for c in cases:
         for r in c.get("results", []):
             base = [c.get("op"), c.get("direction"), c.get("label"), c.get("bound"), f"`{r.get('provider')}`"]
             if r.get("status") != "ok":
-                lines.append(_md_row(base + [str(r.get("status")), "", "", ""]))
+                lines.append(_md_row(base + [str(r.get("status")), "", "", "", ""]))
                 continue
             lines.append(_md_row(base + [
                 _f(None if r.get("median_ms") is None else 1e3 * r["median_ms"], ",.1f"),
                 _f(r.get("gbs"), ",.0f"), _f(r.get("tflops"), ".1f"),
-                _f(r.get("pct_of_ceiling"), ".0f") + ("%" if r.get("pct_of_ceiling") is not None else "")]))
+                _f(r.get("pct_of_ceiling"), ".0f") + ("%" if r.get("pct_of_ceiling") is not None else ""),
+                _flags(r)]))
     return lines
 
 

@@ -85,6 +85,53 @@ def test_bad_arguments_exit_nonzero(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["info", "bench", "bench-ops", "train", None])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_subcommand_help_works(command, flag, capsys):
+    """--help of every subcommand prints its usage and exits 0 (bench-ops --help used to crash on
+    an unescaped % in the --plot help: "TypeError: %o format: an integer is required, not dict")."""
+    argv = [flag] if command is None else [command, flag]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc in (0, None)
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--help" in out, out[:500]
+    if command in ("bench", "bench-ops"):
+        assert "--max-rounds" in out and "--threads" in out
+
+
+def test_bench_ops_default_providers_exit_0_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """`bert-fast bench-ops` with its default providers, on the CPU, at the smallest case sizes:
+    providers that cannot run here (torch-sdpa-efficient: "No viable backend for
+    scaled_dot_product_attention"; the GPU-only linear backends) are skipped with a one-line reason
+    and the command exits 0 (it exited 1)."""
+    from bert_fast.bench.op_cases import attention, bias_gelu, embedding, linear, residual_layer_norm
+
+    for mod, values in ((attention, dict(TOKENS=64, SEQLENS=(32,), PADDED_SEQLEN=32, HEADS=2, HEAD_DIM=16)),
+                        (linear, dict(HIDDEN=(32,), TOKENS=(16,))),
+                        (bias_gelu, dict(HIDDEN=(32,), TOKENS=(16,))),
+                        (residual_layer_norm, dict(HIDDEN=(32,), TOKENS=(16,))),
+                        (embedding, dict(TOKENS=64, SEQ=32, HIDDEN=(32,), VOCAB=100))):
+        for name, value in values.items():
+            monkeypatch.setattr(mod, name, value)
+    out_json = tmp_path / "ops.json"
+    rc = cli.main(["bench-ops", "--device", "cpu", "--warmup", "0", "--max-rounds", "6", "--inputs", "1",
+                   "--no-progress", "--json", str(out_json)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    doc = json.loads(out_json.read_text())
+    status = {(c["op"], r["provider"]): (r["status"], r["error"]) for c in doc["cases"] for r in c["results"]}
+    assert set(op for op, _ in status) == {"embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"}
+    st, why = status[("attention", "torch-sdpa-efficient")]
+    assert st == "skipped" and "No viable backend" in why and "\n" not in why
+    assert status[("linear", "bert_fast-cublas")] == ("skipped", "cuBLAS needs a CUDA GPU")
+    assert all(st in ("ok", "skipped") for st, _ in status.values()), status
+    assert all(s == "ok" for (op, p), (s, _) in status.items() if p in ("bert_fast", "torch"))
+    assert "SKIPPED" in captured.out and "torch-sdpa-efficient: No viable backend" in captured.err
+
+
 def test_no_command_is_an_error(capsys):
     assert cli.main([]) == 2
     assert "a command is required" in capsys.readouterr().err

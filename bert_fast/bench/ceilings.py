@@ -1,24 +1,27 @@
 """The two ceilings every figure is compared against, measured on the device at hand.
 
-* ``copy_bandwidth_gbs(device)``: a device-to-device copy of a large buffer (dst.copy_(src));
+* copy bandwidth: a device-to-device copy of a large buffer (dst.copy_(src));
   GB/s = (bytes read + bytes written) / time, 1 GB = 1e9 bytes. A memory-bound op's GB/s is
   quoted as a percentage of this.
-* ``matmul_tflops(device, dtype)``: a large square GEMM (8192^3 on the GPU); TFLOP/s =
-  2*n^3 / time. A compute-bound op's TFLOP/s and the model's MFU are quoted against this.
+* GEMM rate: a large square GEMM (8192^3 on the GPU, 1024^3 on the CPU); TFLOP/s = 2*n^3 / time.
+  A compute-bound op's TFLOP/s and the model's MFU are quoted against this.
 
-Each is the best (fastest) of its timed repetitions: a ceiling is what the device can reach.
 Both are measured (not datasheet numbers: a datasheet's peak is not reachable and differs between
-SKUs, clocks and power caps) once per process and cached. On the CPU they are measured the same
-way with small sizes so that the CLI still runs; they only describe that CPU.
+SKUs, clocks and power caps) the way every other figure is (bert_fast.bench.timing.measure): the
+two are interleaved in rounds after a warm-up, until each median's 95% interval is within +-3% or
+the budget is spent. A ceiling is the rate at the median time, with the interval of that rate;
+one whose interval is wider than +-10% is flagged unstable, and so is every figure quoted above
+100% of it (a rate above its ceiling means the ceiling was not one: measured while the machine
+was busier, or the op's data stayed in a cache the large copy cannot use). Measured once per
+process and device (cached).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
-from bert_fast.bench.timing import time_callables
+from bert_fast.bench import timing as _timing
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -47,34 +50,49 @@ def _copy_bytes(device: torch.device) -> int:
     return 64 << 20
 
 
-@functools.lru_cache(maxsize=None)
-def _copy_bandwidth(device_str: str) -> float:
+def _ceilings(device_str: str, dtype: torch.dtype, n: int, budget_s: float) -> dict:
     device = torch.device(device_str)
     nbytes = _copy_bytes(device)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    iters = 20 if device.type == "cuda" else 5
-    t = time_callables([lambda: dst.copy_(src)], device, warmup=3, iters=iters)
-    gbs = 2.0 * src.numel() * src.element_size() / (t.min_ms * 1e-3) / 1e9
-    del src, dst
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return gbs
-
-
-@functools.lru_cache(maxsize=None)
-def _matmul_rate(device_str: str, dtype: torch.dtype, n: int) -> float:
-    device = torch.device(device_str)
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=torch.float32, generator=g).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32, generator=g).to(dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
-    iters = 20 if device.type == "cuda" else 5
-    t = time_callables([lambda: torch.matmul(a, b, out=c)], device, warmup=3, iters=iters)
-    del a, b, c
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    m = _timing.measure({"copy": lambda: dst.copy_(src), "matmul": lambda: torch.matmul(a, b, out=c)}, device,
+                warmup=3, min_rounds=10 if cuda else _timing.MIN_ROUNDS, max_rounds=200 if cuda else 60,
+                budget_s=budget_s, catch=False)
+    copy_work = 2.0 * src.numel() * src.element_size() / 1e9     # GB read + written per call
+    del src, dst, a, b, c
+    if cuda:
         torch.cuda.empty_cache()
-    return 2.0 * n ** 3 / (t.min_ms * 1e-3) / 1e12
+    mm_work = 2.0 * n ** 3 / 1e12             # TFLOP per call
+    tc, tm = m.timings["copy"], m.timings["matmul"]
+
+    def rate(work, t):   # the rate at the median time; the interval follows the times' interval
+        return work / (t.median_ms * 1e-3), [work / (t.ci_high_ms * 1e-3), work / (t.ci_low_ms * 1e-3)]
+
+    gbs, gbs_ci = rate(copy_work, tc)
+    tfl, tfl_ci = rate(mm_work, tm)
+    return {"copy_bandwidth_gbs": gbs, "copy_bandwidth_ci_gbs": gbs_ci, "copy_unstable": tc.unstable,
+            "matmul_tflops": tfl, "matmul_tflops_ci": tfl_ci, "matmul_unstable": tm.unstable,
+            "rounds": len(m.rounds), "threads": m.threads}
+
+
+_CACHE: dict = {}
+
+
+def _cached(device, dtype, n: Optional[int] = None, budget_s: Optional[float] = None) -> dict:
+    device_s = _device_str(device)
+    dtype = parse_dtype(dtype)
+    n = int(n or matmul_size(device))
+    # the thread count is part of the key: a CPU ceiling measured with 8 threads is not one for 2
+    key = (device_s, dtype, n, torch.get_num_threads())
+    if key not in _CACHE:
+        budget = budget_s if budget_s is not None else (5.0 if torch.device(device_s).type == "cuda" else 8.0)
+        _CACHE[key] = _ceilings(device_s, dtype, n, budget)
+    return _CACHE[key]
 
 
 def _device_str(device) -> str:
@@ -84,9 +102,9 @@ def _device_str(device) -> str:
     return str(device)
 
 
-def copy_bandwidth_gbs(device) -> float:
+def copy_bandwidth_gbs(device, dtype=torch.float32) -> float:
     """Measured device-to-device copy bandwidth of ``device`` in GB/s (read + write bytes)."""
-    return _copy_bandwidth(_device_str(device))
+    return _cached(device, dtype)["copy_bandwidth_gbs"]
 
 
 def matmul_size(device) -> int:
@@ -95,20 +113,30 @@ def matmul_size(device) -> int:
 
 def matmul_tflops(device, dtype=torch.bfloat16, n: Optional[int] = None) -> float:
     """Measured rate of a large ``dtype`` GEMM (n^3, n=8192 on the GPU) on ``device``, TFLOP/s."""
-    dtype = parse_dtype(dtype)
-    return _matmul_rate(_device_str(device), dtype, int(n or matmul_size(device)))
+    return _cached(device, dtype, n)["matmul_tflops"]
 
 
 def measure(device, dtype) -> dict:
-    """Both ceilings, as written into the JSON results."""
+    """Both ceilings with their intervals and flags, as written into the JSON results."""
     dtype = parse_dtype(dtype)
     n = matmul_size(device)
+    found = _cached(device, dtype, n)
     return {
-        "copy_bandwidth_gbs": copy_bandwidth_gbs(device),
-        "matmul_tflops": matmul_tflops(device, dtype, n),
+        **found,
         "matmul_dtype": dtype_name(dtype),
         "matmul_shape": [n, n, n],
         "copy_bytes_per_buffer": _copy_bytes(torch.device(device)),
         "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if torch.device(device).type == "cuda" else None,
-        "method": "measured at the start of this run: fastest of the timed dst.copy_(src) and torch.matmul calls",
+        "method": "rate at the median time of dst.copy_(src) and torch.matmul, interleaved in rounds "
+                  "(bert_fast.bench.timing.measure); *_ci: 95% interval; *_unstable: interval wider than +-10%",
     }
+
+
+def describe(ceilings: dict, dtype_label: str) -> str:
+    """One line for the console: both ceilings with their intervals and flags."""
+    def one(value, ci, unit, fmt, unstable):
+        text = f"{value:{fmt}} {unit} ({ci[0]:{fmt}}-{ci[1]:{fmt}})"
+        return text + (" UNSTABLE" if unstable else "")
+    return (f"copy {one(ceilings['copy_bandwidth_gbs'], ceilings['copy_bandwidth_ci_gbs'], 'GB/s', '.1f', ceilings['copy_unstable'])}, "
+            f"{dtype_label} GEMM {one(ceilings['matmul_tflops'], ceilings['matmul_tflops_ci'], 'TFLOP/s', '.3g', ceilings['matmul_unstable'])}"
+            f"; {ceilings['threads']} threads")

@@ -31,17 +31,6 @@ CPU_NOTE = ("No CUDA GPU: bert_fast's Triton and CUDA kernels need a CUDA GPU. O
             "measure CPU PyTorch, not the kernels; the speedups and MFU say nothing about GPU speed.")
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None, None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None, None
-    bar = tqdm(total=total, desc=desc, unit="it", leave=False, file=sys.stderr, dynamic_ncols=True)
-    return bar, (lambda k: bar.update(k))
-
-
 def _cleanup(device) -> None:
     import torch
 
@@ -66,13 +55,36 @@ def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
             "ref_max_abs": float(a[m].abs().max()) if diff.numel() else 0.0}
 
 
-def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, warmup: int, iters: int,
-             n_inputs: int, seed: int, progress: bool, ceilings: Dict[str, Any],
-             max_seconds: Optional[float] = None, on_result: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
-    """Run every provider on one (model, batch, seq, lengths, mode) case; fills ``case['results']``."""
+def _new_record(provider: str) -> Dict[str, Any]:
+    return {"provider": provider, "status": "ok", "error": None, "notes": [],
+            **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "mean_ms", "min_ms", "max_ms", "ci_low_ms",
+                                 "ci_high_ms", "ci_level", "ci_rel", "converged", "unstable", "threads",
+                                 "iters", "method", "tokens_per_s", "padded_tokens_per_s", "tflops", "mfu",
+                                 "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast", "speedup_ci",
+                                 "speedup_unstable")}}
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = f"{type(exc).__name__}: {exc}"
+    return msg.splitlines()[0] if msg else msg
+
+
+def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, warmup: int, n_inputs: int,
+             seed: int, progress: bool, ceilings: Dict[str, Any], min_rounds: int = 6, max_rounds: int = 100,
+             target: float = 0.03, max_seconds: Optional[float] = None,
+             on_result: Optional[Callable[[], None]] = None, timer=None,
+             on_round: Optional[Callable[[Any, int], None]] = None) -> Dict[str, Any]:
+    """Run every provider on one (model, batch, seq, lengths, mode) case; fills ``case['results']``.
+
+    Every provider is built first (one untimed call each: it compiles, autotunes, gives the output
+    for the parity check and, on CUDA, the peak memory of the provider: its weights and state plus
+    one call's working memory). Then bert_fast.bench.timing.measure times them side by side in
+    interleaved rounds until each median is known to +-``target`` or ``max_seconds`` is spent.
+    """
     import torch
 
-    from bert_fast.bench.timing import reset_peak_memory, time_callables
+    from bert_fast.bench.timing import (ProviderUnavailable, allocated_memory, measure, peak_memory,
+                                        reset_peak_memory, synchronize)
 
     config = case["_config"]
     mode = case["mode"]
@@ -84,89 +96,138 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     matmul_rate = ceilings.get("matmul_tflops")
     results: List[Dict[str, Any]] = case.setdefault("results", [])
     parity_outs: Dict[str, Any] = {}
-    label = f"{case['model']} B={case['batch']} S={case['seq']} {case['lengths']} {mode}"
-    for provider in providers:
-        rec: Dict[str, Any] = {"provider": provider, "status": "ok", "error": None, "notes": [],
-                               **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "mean_ms", "min_ms", "max_ms",
-                                                    "iters", "method", "tokens_per_s", "padded_tokens_per_s",
-                                                    "tflops", "mfu", "peak_mem_bytes", "peak_mem_mb",
-                                                    "speedup_of_bert_fast")}}
-        model = runner = optimizer = None
-        bar = None
-        try:
-            if provider == "bert_fast":
-                try:
-                    bert_fast_model_class()
-                except (ImportError, AttributeError) as exc:
-                    rec.update(status="unavailable", error=f"bert_fast.BertModel not importable: {exc}")
-                    results.append(rec)
-                    continue
-            reset_peak_memory(device)
-            model, runner, notes = build_provider_model(provider, config, state, device, dtype, mode,
-                                                        case["cuda_graphs"])
-            rec["notes"] = notes
-            if mode == "train":
-                optimizer = _make_optimizer(model, device)
-            fns = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
-            if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast"):
-                # one untimed forward on the first input set, kept (on the CPU) for the parity check
-                with torch.no_grad():
-                    out = runner(**inputs[0])
-                    parity_outs[provider] = _hidden(out).detach().float().cpu()
-                    del out
-            bar, cb = _progress(warmup + iters, f"{label} | {provider}", progress)
-            t = time_callables(fns, device, warmup=warmup, iters=iters, progress=cb, max_seconds=max_seconds)
-            del fns
-            sec = t.median_ms * 1e-3
-            rec.update(t.to_dict())
-            rec["tokens_per_s"] = real / sec
-            rec["padded_tokens_per_s"] = case["batch"] * case["seq"] / sec
-            rec["tflops"] = flops / sec / 1e12
-            rec["mfu"] = rec["tflops"] / matmul_rate if matmul_rate else None
-            rec["peak_mem_mb"] = t.peak_mem_bytes / 2**20 if t.peak_mem_bytes is not None else None
-        except KeyboardInterrupt:
-            rec.update(status="interrupted", error="interrupted (timeout or Ctrl-C)")
+    built: Dict[str, Any] = {}          # provider -> (model, runner, optimizer)
+    fns: Dict[str, List[Callable[[], Any]]] = {}
+    records: Dict[str, Dict[str, Any]] = {}
+    try:
+        for provider in providers:
+            rec = records[provider] = _new_record(provider)
             results.append(rec)
-            raise
-        except BenchError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others
-            msg = f"{type(exc).__name__}: {exc}"
-            rec.update(status="error", error=msg[:2000])
-            print(f"  {provider}: FAILED: {msg.splitlines()[0] if msg else msg}", file=sys.stderr)
-        finally:
-            if bar is not None:
-                bar.close()
-            del model, runner, optimizer
-            _cleanup(device)
-        results.append(rec)
-        _fill_speedups(case)
-        if on_result is not None:
-            on_result()
+            try:
+                if provider == "bert_fast":
+                    try:
+                        bert_fast_model_class()
+                    except (ImportError, AttributeError) as exc:
+                        rec.update(status="unavailable", error=f"bert_fast.BertModel not importable: {exc}")
+                        continue
+                base = allocated_memory(device)
+                reset_peak_memory(device)
+                model, runner, notes = build_provider_model(provider, config, state, device, dtype, mode,
+                                                            case["cuda_graphs"])
+                built[provider] = (model, runner, None)
+                rec["notes"] = notes
+                optimizer = _make_optimizer(model, device) if mode == "train" else None
+                built[provider] = (model, runner, optimizer)
+                steps = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
+                if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast"):
+                    # the first call, on the first input set, is kept (on the CPU) for the parity check
+                    with torch.no_grad():
+                        out = runner(**inputs[0])
+                        parity_outs[provider] = _hidden(out).detach().float().cpu()
+                        del out
+                else:
+                    steps[0]()
+                synchronize(device)
+                peak = peak_memory(device)
+                if peak is not None and base is not None:
+                    rec["peak_mem_bytes"] = max(0, peak - base)
+                    rec["peak_mem_mb"] = rec["peak_mem_bytes"] / 2**20
+                fns[provider] = steps
+            except BenchError:
+                raise
+            except ProviderUnavailable as exc:
+                rec.update(status="skipped", error=str(exc).splitlines()[0] if str(exc) else "unavailable")
+                print(f"  {provider}: skipped: {rec['error']}", file=sys.stderr)
+                built.pop(provider, None)
+            except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others
+                rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+                print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+                built.pop(provider, None)
+            if on_result is not None:
+                on_result()
+        if fns:
+            m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
+                        budget_s=max_seconds, timer=timer, on_round=on_round)
+            case["timing"] = {"rounds": len(m.rounds), "stop_reason": m.stop_reason, "seconds": m.seconds,
+                              "threads": m.threads, "target_rel": target}
+            for provider in fns:
+                rec = records[provider]
+                if provider in m.skipped:
+                    rec.update(status="skipped", error=m.skipped[provider])
+                    print(f"  {provider}: skipped: {m.skipped[provider]}", file=sys.stderr)
+                    continue
+                if provider in m.errors:
+                    exc = m.errors[provider]
+                    rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+                    print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+                    continue
+                t = m.timings[provider]
+                peak = rec["peak_mem_bytes"]
+                rec.update(t.to_dict())
+                rec["peak_mem_bytes"] = peak
+                sec = t.median_ms * 1e-3
+                rec["tokens_per_s"] = real / sec
+                rec["padded_tokens_per_s"] = case["batch"] * case["seq"] / sec
+                rec["tflops"] = flops / sec / 1e12
+                rec["mfu"] = rec["tflops"] / matmul_rate if matmul_rate else None
+            _fill_speedups(case, m)
+    except KeyboardInterrupt:
+        for rec in results:
+            if rec["status"] == "ok" and rec["median_ms"] is None:
+                rec.update(status="interrupted", error="interrupted (timeout or Ctrl-C)")
+        raise
+    finally:
+        built.clear()
+        fns.clear()
+        _cleanup(device)
     ref = next((p for p in ("hf-eager", "hf-sdpa") if p in parity_outs), None)
     if ref is not None and "bert_fast" in parity_outs:
         case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"],
                                                       inputs[0]["attention_mask"].cpu())}
-    _fill_speedups(case)
+    if on_result is not None:
+        on_result()
     return case
 
 
-def _fill_speedups(case: Dict[str, Any]) -> None:
-    """speedup_of_bert_fast = provider median / bert_fast median (>1: bert_fast is faster)."""
+def _fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast") -> None:
+    """speedup_of_bert_fast = provider median / bert_fast median (> 1: bert_fast is faster), with the
+    interval of the paired rounds (bert_fast.bench.timing.Measurement.speedup)."""
     res = case.get("results", [])
-    bf = next((r for r in res if r["provider"] == "bert_fast" and r["status"] == "ok"), None)
+    bf = next((r for r in res if r["provider"] == subject and r["status"] == "ok"), None)
     for r in res:
-        ok = r["status"] == "ok" and bf is not None
-        r["speedup_of_bert_fast"] = (r["median_ms"] / bf["median_ms"]) if ok else None
+        ok = r["status"] == "ok" and bf is not None and r.get("median_ms") is not None
+        r["speedup_of_bert_fast"] = r["speedup_ci"] = r["speedup_unstable"] = None
+        if not ok:
+            continue
+        if r is bf:
+            r["speedup_of_bert_fast"] = 1.0
+            continue
+        sp = m.speedup(subject, r["provider"]) if m is not None else None
+        if sp is None:
+            continue
+        r["speedup_of_bert_fast"] = sp.value
+        r["speedup_ci"] = [sp.ci_low, sp.ci_high]
+        r["speedup_unstable"] = sp.unstable
     case["speedups"] = {r["provider"]: r["speedup_of_bert_fast"] for r in res
-                        if r["provider"] != "bert_fast" and r.get("speedup_of_bert_fast") is not None}
+                        if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None}
 
 
 # ----------------------------------------------------------------------------- table
+def _flags(r: Dict[str, Any]) -> str:
+    out = []
+    if r.get("unstable"):
+        out.append("unstable")
+    if r.get("speedup_unstable"):
+        out.append("unstable speedup")
+    return ", ".join(out)
+
+
 def format_table(doc: Dict[str, Any]) -> str:
+    """One block per case. Times: median, its 95% interval and p20-p80; the last columns are the
+    speedup of bert_fast over the row's provider with its 95% interval, and the flags."""
     lines = []
-    header = (f"{'case':<44} {'provider':<11} {'median ms':>10} {'p20-p80 ms':>16} {'tokens/s':>11} "
-              f"{'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'bf speedup':>10}")
+    header = (f"{'case':<44} {'provider':<11} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
+              f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'speedup of bert_fast':>22}  flags")
     for case in doc.get("runs", []):
         label = (f"{case['model']} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}"
                  + (" graphs" if case.get("cuda_graphs") else ""))
@@ -174,18 +235,24 @@ def format_table(doc: Dict[str, Any]) -> str:
         lines.append("-" * len(header))
         for r in case.get("results", []):
             if r["status"] != "ok":
-                err = (r.get("error") or "").splitlines()[0][:90] if r.get("error") else ""
+                err = (r.get("error") or "").splitlines()[0][:110] if r.get("error") else ""
                 lines.append(f"{label:<44.44} {r['provider']:<11} {r['status'].upper():>10}  {err}")
                 continue
-            sp = r.get("speedup_of_bert_fast")
+            sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
+            sp_text = "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
             mfu = r.get("mfu")
             mem = r.get("peak_mem_mb")
             lines.append(
                 f"{label:<44.44} {r['provider']:<11} {r['median_ms']:>10.3f} "
-                f"{r['p20_ms']:>7.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
+                f"{r['ci_low_ms']:>8.3f}-{r['ci_high_ms']:<8.3f} "
+                f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
                 f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
                 f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
-                f"{(f'{sp:.2f}x' if sp is not None else '-'):>10}")
+                f"{sp_text:>22}  {_flags(r)}".rstrip())
+        tm = case.get("timing")
+        if tm:
+            lines.append(f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
+                         f"{tm['threads']} threads; intervals are 95%")
         par = case.get("parity")
         if par:
             lines.append(f"  parity bert_fast vs {par['reference']} (real tokens): max |diff| "
@@ -261,12 +328,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="infer only: bert_fast through bert_fast.cuda_graphs.CudaGraphRunner, hf-compile "
                         "with mode='reduce-overhead'")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--warmup", type=_nonneg_int, default=None, help="untimed calls (default: 10 on CUDA, 2 on the CPU)")
-    p.add_argument("--iters", type=_pos_int, default=None, help="timed calls (default: 50 on CUDA, 5 on the CPU)")
+    p.add_argument("--warmup", type=_nonneg_int, default=None,
+                   help="untimed rounds first, each calling every provider once (default: 10 on CUDA, 2 on the CPU)")
+    p.add_argument("--min-rounds", type=_pos_int, default=None,
+                   help="timed rounds at least (default: 10 on CUDA, 6 on the CPU: the fewest whose "
+                        "interval of the median reaches 95%%)")
+    p.add_argument("--max-rounds", "--iters", type=_pos_int, default=None, dest="max_rounds",
+                   help="timed rounds at most; each round calls every provider once, in rotating order "
+                        "(default: 500 on CUDA, 1000 on the CPU)")
+    p.add_argument("--target", type=float, default=0.03,
+                   help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)")
     p.add_argument("--inputs", type=_pos_int, default=3, dest="n_inputs",
-                   help="input sets rotated among the timed calls (default: 3)")
+                   help="input sets rotated among the rounds (default: 3)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="stop timing a provider after this many seconds (at least 5 calls)")
+                   help="time budget of one case's rounds (default: 10 on CUDA, 60 on the CPU); figures "
+                        "still short of the target then carry their wider interval, 'unstable' beyond +-10%%")
+    p.add_argument("--threads", type=_pos_int, default=None,
+                   help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: speedup by batch and sequence length")
@@ -308,8 +386,14 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         args.providers = list(PROVIDERS) if cuda else ["bert_fast", "hf-eager", "hf-sdpa"]
     if args.warmup is None:
         args.warmup = 10 if cuda else 2
-    if args.iters is None:
-        args.iters = 50 if cuda else 5
+    if args.min_rounds is None:
+        args.min_rounds = 10 if cuda else 6
+    if args.max_rounds is None:
+        args.max_rounds = 500 if cuda else 1000
+    if args.max_seconds is None:
+        args.max_seconds = 10.0 if cuda else 60.0
+    if not 0 < args.target < 1:
+        raise BenchError(f"--target must be in (0, 1), got {args.target}")
     if args.cuda_graphs and args.mode != "infer":
         raise BenchError("--cuda-graphs applies to --mode infer only")
     if not cuda:
@@ -329,9 +413,11 @@ def run(args) -> int:
 
     from bert_fast.bench import ceilings as ceil_mod
     from bert_fast.bench.results import new_document, write_json
+    from bert_fast.bench.timing import fix_threads, method_description
 
     device, notes = apply_defaults(args)
     dtype = ceil_mod.parse_dtype(args.dtype)
+    args.threads = fix_threads(args.threads)
     models = _csv(args.model)
     configs = {}
     for m in models:
@@ -361,12 +447,14 @@ def run(args) -> int:
           f"{args.mode}", file=sys.stderr)
     print("measuring ceilings (copy bandwidth, GEMM rate)...", file=sys.stderr)
     ceilings = ceil_mod.measure(device, dtype)
-    print(f"  copy {ceilings['copy_bandwidth_gbs']:.1f} GB/s, {args.dtype} GEMM "
-          f"{ceilings['matmul_tflops']:.2f} TFLOP/s", file=sys.stderr)
+    print(f"  {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
 
     arguments = {k: v for k, v in vars(args).items() if k not in ("func", "handler")}
     arguments["device"] = str(device)
     doc = new_document("model", device, arguments, ceilings, notes)
+    doc["threads"] = args.threads
+    doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
+                                       max_rounds=args.max_rounds, target=args.target, budget_s=args.max_seconds)
     doc["runs"] = cases
 
     def public() -> Dict[str, Any]:
@@ -380,9 +468,10 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         for case in cases:
-            run_case(case, args.providers, device, dtype, warmup=args.warmup, iters=args.iters,
-                     n_inputs=args.n_inputs, seed=args.seed, progress=not args.no_progress,
-                     ceilings=ceilings, max_seconds=args.max_seconds, on_result=save)
+            run_case(case, args.providers, device, dtype, warmup=args.warmup, min_rounds=args.min_rounds,
+                     max_rounds=args.max_rounds, target=args.target, n_inputs=args.n_inputs, seed=args.seed,
+                     progress=not args.no_progress, ceilings=ceilings, max_seconds=args.max_seconds,
+                     on_result=save)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)

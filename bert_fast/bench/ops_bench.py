@@ -58,37 +58,65 @@ def discover_modules(ops: Optional[List[str]] = None) -> Tuple[Dict[str, Any], D
 
 
 def _summ_provider(case, rec, ceilings):
+    """GB/s, TFLOP/s and the % of the ceiling the case is bound by. A figure above 100% of its
+    ceiling, or quoted against an unstable ceiling, carries the flag "ceiling unstable": a rate
+    above a ceiling means the ceiling was not one here (measured while the machine was busier, or
+    the op's data stayed in a cache the large copy cannot use)."""
     sec = rec["median_ms"] * 1e-3
     rec["gbs"] = case.bytes / sec / 1e9 if case.bytes else None
     rec["tflops"] = case.flops / sec / 1e12 if case.flops else None
+    rec["pct_of_ceiling_ci"] = None
     if case.bound == "compute" and rec["tflops"] is not None:
         rec["ceiling"] = "matmul_tflops"
-        rec["pct_of_ceiling"] = 100.0 * rec["tflops"] / ceilings["matmul_tflops"]
+        work, unstable = case.flops / 1e12, ceilings.get("matmul_unstable")
     elif rec["gbs"] is not None:
         rec["ceiling"] = "copy_bandwidth_gbs"
-        rec["pct_of_ceiling"] = 100.0 * rec["gbs"] / ceilings["copy_bandwidth_gbs"]
+        work, unstable = case.bytes / 1e9, ceilings.get("copy_unstable")
     else:
         rec["ceiling"] = None
         rec["pct_of_ceiling"] = None
+        rec["ceiling_unstable"] = None
+        return
+    ceiling = ceilings[rec["ceiling"]]
+    rec["pct_of_ceiling"] = 100.0 * work / sec / ceiling
+    if rec.get("ci_low_ms") and rec.get("ci_high_ms"):
+        rec["pct_of_ceiling_ci"] = [100.0 * work / (rec["ci_high_ms"] * 1e-3) / ceiling,
+                                    100.0 * work / (rec["ci_low_ms"] * 1e-3) / ceiling]
+    rec["ceiling_unstable"] = bool(unstable or rec["pct_of_ceiling"] > 100.0)
+
+
+def _flags(r: Dict[str, Any]) -> str:
+    out = []
+    if r.get("unstable"):
+        out.append("unstable")
+    if r.get("speedup_unstable"):
+        out.append("unstable speedup")
+    if r.get("ceiling_unstable"):
+        out.append("ceiling unstable")
+    return ", ".join(out)
 
 
 def format_table(doc: Dict[str, Any]) -> str:
-    header = (f"{'case':<50} {'provider':<18} {'median ms':>10} {'p20-p80 ms':>17} {'GB/s':>9} "
-              f"{'TFLOP/s':>8} {'% ceiling':>10}")
+    header = (f"{'case':<50} {'provider':<18} {'median ms':>10} {'95% CI ms':>19} {'p20-p80 ms':>19} {'GB/s':>9} "
+              f"{'TFLOP/s':>8} {'% ceiling':>10} {'speedup of bert_fast':>22}  flags")
     lines = [header, "-" * len(header)]
     for c in doc.get("cases", []):
         name = c["name"]
         for r in c.get("results", []):
             if r["status"] != "ok":
-                err = (r.get("error") or "").splitlines()[0][:80] if r.get("error") else ""
+                err = (r.get("error") or "").splitlines()[0][:100] if r.get("error") else ""
                 lines.append(f"{name:<50.50} {r['provider']:<18} {r['status'].upper():>10}  {err}")
                 continue
             gbs = f"{r['gbs']:.1f}" if r.get("gbs") is not None else "-"
             tfl = f"{r['tflops']:.2f}" if r.get("tflops") is not None else "-"
             pct = f"{r['pct_of_ceiling']:.1f}%" if r.get("pct_of_ceiling") is not None else "-"
             tag = {"matmul_tflops": " mm", "copy_bandwidth_gbs": " bw"}.get(r.get("ceiling"), "")
+            sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
+            sp_text = "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
             lines.append(f"{name:<50.50} {r['provider']:<18} {r['median_ms']:>10.4f} "
-                         f"{r['p20_ms']:>8.4f}-{r['p80_ms']:<8.4f} {gbs:>9} {tfl:>8} {pct + tag:>10}")
+                         f"{r['ci_low_ms']:>9.4f}-{r['ci_high_ms']:<9.4f} "
+                         f"{r['p20_ms']:>9.4f}-{r['p80_ms']:<9.4f} {gbs:>9} {tfl:>8} {pct + tag:>10} "
+                         f"{sp_text:>22}  {_flags(r)}".rstrip())
     return "\n".join(lines)
 
 
@@ -101,18 +129,124 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
                    help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--warmup", type=int, default=None, help="default: 10 on CUDA, 1 on the CPU")
-    p.add_argument("--iters", type=int, default=None, help="default: 50 on CUDA, 3 on the CPU")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed rounds first, each calling every provider once (default: 10 on CUDA, 1 on the CPU)")
+    p.add_argument("--min-rounds", type=int, default=None,
+                   help="timed rounds at least (default: 10 on CUDA, 6 on the CPU)")
+    p.add_argument("--max-rounds", "--iters", type=int, default=None, dest="max_rounds",
+                   help="timed rounds at most; a round calls every provider of the case once, in rotating "
+                        "order (default: 500 on CUDA, 50 on the CPU)")
+    p.add_argument("--target", type=float, default=0.03,
+                   help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)")
     p.add_argument("--inputs", type=int, default=3, dest="n_inputs",
-                   help="input sets (factory calls) rotated among the timed calls (default: 3)")
+                   help="input sets (factory calls) per provider, rotated among the rounds (default: 3)")
     p.add_argument("--max-cases", type=int, default=None,
                    help="at most this many cases per op (default: all on CUDA, 1 on the CPU)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="stop timing one provider after this many seconds (at least 5 calls)")
+                   help="time budget of one case's rounds (default: 3 on CUDA, 20 on the CPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
     p.add_argument("--flush-l2", action="store_true", help="flush the L2 cache before each timed call (CUDA)")
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of the per-op % of roofline")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of the per-op %% of roofline")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _record(provider: str) -> Dict[str, Any]:
+    return {"provider": provider, "status": "ok", "error": None,
+            **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel", "unstable",
+                                 "gbs", "tflops", "pct_of_ceiling", "pct_of_ceiling_ci", "ceiling",
+                                 "ceiling_unstable", "peak_mem_bytes", "speedup_of_bert_fast", "speedup_ci",
+                                 "speedup_unstable")}}
+
+
+def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args, ceilings, timer=None) -> None:
+    """Build every provider's input sets (one untimed call each: compile, autotune, and on CUDA the
+    peak memory of its inputs plus one call), then time the providers side by side in interleaved
+    rounds (bert_fast.bench.timing.measure). A provider that cannot run here is skipped with its
+    reason; one that fails is an error; neither stops the others."""
+    import torch
+
+    from bert_fast.bench.op_case import ProviderUnavailable
+    from bert_fast.bench.timing import allocated_memory, measure, peak_memory, reset_peak_memory, synchronize
+
+    fns: Dict[str, List[Any]] = {}
+    recs: Dict[str, Dict[str, Any]] = {}
+    cuda = device.type == "cuda"
+
+    def fail(rec, exc):
+        if isinstance(exc, ProviderUnavailable):
+            rec.update(status="skipped", error=(str(exc).splitlines() or ["unavailable"])[0])
+            print(f"  {case.name} {rec['provider']}: skipped: {rec['error']}", file=sys.stderr)
+        else:
+            rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
+                       traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=6))[-3000:])
+            print(f"  {case.name} {rec['provider']}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    try:
+        for provider in providers:
+            rec = recs[provider] = _record(provider)
+            entry["results"].append(rec)
+            reason = (getattr(case, "unavailable", None) or {}).get(provider)
+            if reason:
+                rec.update(status="skipped", error=reason)
+                print(f"  {case.name} {provider}: skipped: {reason}", file=sys.stderr)
+                continue
+            try:
+                base = allocated_memory(device)
+                reset_peak_memory(device)
+                sets = [case.providers[provider]() for _ in range(args.n_inputs)]
+                sets[0]()
+                synchronize(device)
+                peak = peak_memory(device)
+                rec["peak_mem_bytes"] = max(0, peak - base) if peak is not None and base is not None else None
+                fns[provider] = sets
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                fail(rec, exc)
+        if not fns:
+            return
+        m = measure(fns, device, warmup=args.warmup, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+                    target=args.target, budget_s=args.max_seconds, flush_l2=args.flush_l2, timer=timer)
+        entry["timing"] = {"rounds": len(m.rounds), "stop_reason": m.stop_reason, "seconds": m.seconds,
+                           "threads": m.threads}
+        for provider in fns:
+            rec = recs[provider]
+            if provider in m.skipped:
+                fail(rec, ProviderUnavailable(m.skipped[provider]))
+                continue
+            if provider in m.errors:
+                fail(rec, m.errors[provider])
+                continue
+            peak = rec["peak_mem_bytes"]
+            rec.update(m.timings[provider].to_dict())
+            rec["peak_mem_bytes"] = peak
+            _summ_provider(case, rec, ceilings)
+        speedups = {}
+        bf = recs.get("bert_fast")
+        bf_ok = bf is not None and bf["status"] == "ok" and bf["median_ms"] is not None
+        for provider, rec in recs.items():
+            if not bf_ok or rec["status"] != "ok" or rec["median_ms"] is None:
+                continue
+            if provider == "bert_fast":
+                rec["speedup_of_bert_fast"] = 1.0
+                continue
+            sp = m.speedup("bert_fast", provider)
+            if sp is not None:
+                rec.update(speedup_of_bert_fast=sp.value, speedup_ci=[sp.ci_low, sp.ci_high],
+                           speedup_unstable=sp.unstable)
+                speedups[provider] = sp.value
+        entry["speedups"] = speedups
+    except KeyboardInterrupt:
+        for rec in recs.values():
+            if rec["status"] == "ok" and rec["median_ms"] is None:
+                rec.update(status="interrupted", error="interrupted")
+        raise
+    finally:
+        fns.clear()
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
@@ -122,7 +256,7 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     from bert_fast.bench import ceilings as ceil_mod
     from bert_fast.bench.model_bench import BenchError, resolve_device
     from bert_fast.bench.results import new_document, write_json
-    from bert_fast.bench.timing import time_factory
+    from bert_fast.bench.timing import fix_threads, method_description
 
     try:
         device = resolve_device(args.device)
@@ -131,9 +265,16 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     cuda = device.type == "cuda"
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     args.warmup = (10 if cuda else 1) if args.warmup is None else args.warmup
-    args.iters = (50 if cuda else 3) if args.iters is None else args.iters
-    if args.iters < 1 or args.warmup < 0 or args.n_inputs < 1:
-        raise OpsBenchError("--iters and --inputs must be >= 1 and --warmup >= 0")
+    args.min_rounds = (10 if cuda else 6) if args.min_rounds is None else args.min_rounds
+    args.max_rounds = (500 if cuda else 50) if args.max_rounds is None else args.max_rounds
+    args.max_seconds = (3.0 if cuda else 20.0) if args.max_seconds is None else args.max_seconds
+    if args.max_rounds < 1 or args.min_rounds < 1 or args.warmup < 0 or args.n_inputs < 1:
+        raise OpsBenchError("--min-rounds, --max-rounds and --inputs must be >= 1 and --warmup >= 0")
+    if not 0 < args.target < 1:
+        raise OpsBenchError(f"--target must be in (0, 1), got {args.target}")
+    if args.threads is not None and args.threads < 1:
+        raise OpsBenchError(f"--threads must be >= 1, got {args.threads}")
+    args.threads = fix_threads(args.threads)
     if args.max_cases is None and not cuda:
         args.max_cases = 1
     dtype = ceil_mod.parse_dtype(args.dtype)
@@ -162,11 +303,14 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     ceilings = ceil_mod.measure(device, dtype)
-    print(f"ceilings on {device}: copy {ceilings['copy_bandwidth_gbs']:.1f} GB/s, {args.dtype} GEMM "
-          f"{ceilings['matmul_tflops']:.2f} TFLOP/s", file=sys.stderr)
+    print(f"ceilings on {device}: {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
     arguments = {k: v for k, v in vars(args).items() if k not in ("func", "handler")}
     arguments["device"] = str(device)
     doc = new_document("ops", device, arguments, ceilings, notes)
+    doc["threads"] = args.threads
+    doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
+                                       max_rounds=args.max_rounds, target=args.target,
+                                       budget_s=args.max_seconds, flush_l2=args.flush_l2)
     doc["import_errors"] = import_errors
     doc["cases"] = out_cases = []
 
@@ -194,12 +338,12 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
             return provider in wanted_providers
         return not (skip_compile and "compile" in provider)
 
-    total = sum(len([p for p in c.providers if selected(p)]) for c in todo)
+    total = len(todo)
     if not args.no_progress and total:
         try:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="bench-ops", unit="provider", file=sys.stderr, leave=False)
+            bar = tqdm(total=total, desc="bench-ops", unit="case", file=sys.stderr, leave=False)
         except ImportError:
             bar = None
 
@@ -215,42 +359,12 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
                      "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "params": case.params,
                      "dtype": args.dtype, "results": []}
             out_cases.append(entry)
-            for provider, factory in case.providers.items():
-                if not selected(provider):
-                    continue
-                if bar is not None:
-                    bar.set_postfix_str(f"{case.name} {provider}"[:60])
-                rec: Dict[str, Any] = {"provider": provider, "status": "ok", "error": None,
-                                       **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "gbs", "tflops",
-                                                            "pct_of_ceiling", "ceiling", "peak_mem_bytes")}}
-                try:
-                    t = time_factory(factory, device, n_inputs=args.n_inputs, warmup=args.warmup,
-                                     iters=args.iters, flush_l2=args.flush_l2, max_seconds=args.max_seconds)
-                    rec.update(t.to_dict())
-                    _summ_provider(case, rec, ceilings)
-                except KeyboardInterrupt:
-                    rec.update(status="interrupted", error="interrupted")
-                    entry["results"].append(rec)
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
-                               traceback=traceback.format_exc(limit=6)[-3000:])
-                    print(f"  {case.name} {provider}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-                finally:
-                    if cuda:
-                        torch.cuda.empty_cache()
-                entry["results"].append(rec)
-                if bar is not None:
-                    bar.update(1)
-                save()
-            speedups = {}
-            bf = next((r for r in entry["results"] if r["provider"] == "bert_fast" and r["status"] == "ok"), None)
-            for r in entry["results"]:
-                r["speedup_of_bert_fast"] = (r["median_ms"] / bf["median_ms"]
-                                             if bf is not None and r["status"] == "ok" else None)
-                if r["provider"] != "bert_fast" and r["speedup_of_bert_fast"] is not None:
-                    speedups[r["provider"]] = r["speedup_of_bert_fast"]
-            entry["speedups"] = speedups
+            if bar is not None:
+                bar.set_postfix_str(case.name[:60])
+            run_op_case(case, entry, [p for p in case.providers if selected(p)], device, args, ceilings)
+            if bar is not None:
+                bar.update(1)
+            save()
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)

@@ -1,9 +1,14 @@
 """PNG plots of the benchmark JSON (matplotlib, Agg backend; no display needed).
 
-* plot_model: speedup of bert_fast over each baseline, one group of bars per case (model, mode,
-  batch x sequence length, lengths), and tokens/s per provider.
+* plot_model: speedup of bert_fast over each baseline, one group per case (model, mode,
+  batch x sequence length, lengths), on a log axis (2x faster and 2x slower are the same distance
+  from 1, and one large ratio does not flatten the others), and tokens/s per provider.
 * plot_ops: per op case, the % of the measured ceiling (copy bandwidth or GEMM rate) per provider.
 * plot_combined: both, for the GPU-check results file.
+Every figure carries its 95% interval as an error bar; a figure flagged unstable (interval wider
+than +-10%, bert_fast.bench.timing) is drawn hatched and hollow and labelled "unstable", and a %
+of a ceiling that is itself unstable (or above 100%) is labelled "ceiling unstable". Legends sit
+outside the axes so that they never hide data.
 Each returns True when it wrote a file (False when there was nothing successful to draw).
 """
 from __future__ import annotations
@@ -49,46 +54,98 @@ def _sorted_runs(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                        str(c.get("lengths")), bool(c.get("cuda_graphs"))))
 
 
+def _legend_outside(ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _err(value, ci):
+    """Error-bar half-lengths [[below], [above]] of ``value`` from its interval (zero without one)."""
+    if not ci or value is None:
+        return [[0.0], [0.0]]
+    return [[max(0.0, value - ci[0])], [max(0.0, ci[1] - value)]]
+
+
 def _draw_model(axes, runs) -> bool:
     runs = [c for c in _sorted_runs(runs) if any(r.get("status") == "ok" for r in c.get("results", []))]
     if not runs:
         return False
     ax_sp, ax_tp = axes
-    baselines = [p for p in ("hf-eager", "hf-sdpa", "hf-compile")
-                 if any(r["provider"] == p and r.get("speedup_of_bert_fast") for c in runs for r in c["results"])]
+    subject = "bert_fast"
+    baselines = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"]
+                                   if r["provider"] != subject and r.get("speedup_of_bert_fast")))
     providers = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"] if r.get("status") == "ok"))
     x = list(range(len(runs)))
     labels = [_case_label(c) for c in runs]
     if baselines:
         w = 0.8 / len(baselines)
+        lo_all, hi_all = [], []
         for j, p in enumerate(baselines):
-            vals = [next((r.get("speedup_of_bert_fast") or 0 for r in c["results"] if r["provider"] == p), 0)
-                    for c in runs]
-            bars = ax_sp.bar([i + (j - (len(baselines) - 1) / 2) * w for i in x], vals, w, label=f"vs {p}",
-                             color=COLORS.get(p))
-            for b, v in zip(bars, vals):
-                if v:
-                    ax_sp.annotate(f"{v:.2f}x", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
-                                   fontsize=7)
+            first = True
+            for i, c in enumerate(runs):
+                r = next((r for r in c["results"] if r["provider"] == p and r.get("speedup_of_bert_fast")), None)
+                if r is None:
+                    continue
+                v, ci = r["speedup_of_bert_fast"], r.get("speedup_ci")
+                unstable = bool(r.get("speedup_unstable") or r.get("unstable"))
+                xi = i + (j - (len(baselines) - 1) / 2) * w
+                if first:   # the legend's entry: a filled marker whatever the first point's flag
+                    ax_sp.plot([], [], "o", ms=7, color=COLORS.get(p), label=f"vs {p}")
+                ax_sp.errorbar([xi], [v], yerr=_err(v, ci), fmt="o", ms=7, capsize=3, color=COLORS.get(p),
+                               mfc="white" if unstable else COLORS.get(p))
+                first = False
+                lo_all.append(ci[0] if ci else v)
+                hi_all.append(ci[1] if ci else v)
+                ax_sp.annotate(f"{v:.2f}x" + ("\nunstable" if unstable else ""), (xi, v), xytext=(4, 4),
+                               textcoords="offset points", fontsize=7, color="black")
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        ax_sp.set_yscale("log")
+        lo, hi = min(lo_all + [1.0]), max(hi_all + [1.0])
+        ax_sp.set_ylim(lo / 1.3, hi * 1.3)
+        # ticks at powers of two, written as ratios (0.5x, 1x, 2x), not as 10^0
+        ax_sp.yaxis.set_major_locator(LogLocator(base=2.0))
+        ax_sp.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x"))
+        ax_sp.yaxis.set_minor_formatter(NullFormatter())
         ax_sp.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax_sp.set_ylabel("speedup of bert_fast (x)")
-        ax_sp.legend(fontsize=8)
+        ax_sp.set_ylabel("speedup of bert_fast (x, log scale)")
+        _legend_outside(ax_sp)
     else:
         ax_sp.text(0.5, 0.5, "no speedup: bert_fast or baselines missing", ha="center", va="center",
                    transform=ax_sp.transAxes)
-    ax_sp.set_title("bert_fast speedup by model, batch and sequence length (median latency ratio)")
+    ax_sp.set_title("speedup of bert_fast (ratio of medians; bars: 95% interval; hollow: unstable)")
     ax_sp.set_xticks(x)
     ax_sp.set_xticklabels(labels, fontsize=7)
+    ax_sp.set_xlim(-0.6, len(runs) - 0.4)
     w = 0.8 / max(1, len(providers))
     for j, p in enumerate(providers):
-        vals = [next((r["tokens_per_s"] / 1e3 for r in c["results"] if r["provider"] == p and r.get("status") == "ok"), 0)
-                for c in runs]
-        ax_tp.bar([i + (j - (len(providers) - 1) / 2) * w for i in x], vals, w, label=p, color=COLORS.get(p))
+        first = True
+        for i, c in enumerate(runs):
+            r = next((r for r in c["results"] if r["provider"] == p and r.get("status") == "ok"), None)
+            if r is None or not r.get("tokens_per_s"):
+                continue
+            v = r["tokens_per_s"] / 1e3
+            ci = None
+            if r.get("ci_low_ms") and r.get("ci_high_ms"):
+                tokens = r["tokens_per_s"] * r["median_ms"]          # tokens per call x 1e3
+                ci = [tokens / r["ci_high_ms"] / 1e3, tokens / r["ci_low_ms"] / 1e3]
+            unstable = bool(r.get("unstable"))
+            xi = i + (j - (len(providers) - 1) / 2) * w
+            if first:       # the legend's entry: a plain bar whatever the first bar's flag
+                ax_tp.bar([xi], [0], w, label=p, color=COLORS.get(p))
+            ax_tp.bar([xi], [v], w, yerr=_err(v, ci), capsize=2,
+                      color="white" if unstable else COLORS.get(p), edgecolor=COLORS.get(p),
+                      hatch="//" if unstable else None)
+            first = False
+            if unstable:
+                ax_tp.annotate("unstable", (xi, v), xytext=(0, 3), textcoords="offset points", ha="center",
+                               fontsize=6, rotation=90)
     ax_tp.set_ylabel("k real tokens / s")
-    ax_tp.set_title("throughput on real tokens")
+    ax_tp.set_title("throughput on real tokens (bars: 95% interval; hatched: unstable)")
     ax_tp.set_xticks(x)
     ax_tp.set_xticklabels(labels, fontsize=7)
-    ax_tp.legend(fontsize=8)
+    _legend_outside(ax_tp)
     return True
 
 
@@ -97,23 +154,38 @@ def _draw_ops(ax, cases) -> bool:
     for c in cases:
         for r in c.get("results", []):
             if r.get("status") == "ok" and r.get("pct_of_ceiling") is not None:
-                rows.append((f"{c['op']} {c['direction']} {c['label']}", r["provider"], r["pct_of_ceiling"]))
+                rows.append((f"{c['op']} {c['direction']} {c['label']}", r["provider"], r))
     if not rows:
         return False
     names = list(dict.fromkeys(n for n, _, _ in rows))
     providers = list(dict.fromkeys(p for _, p, _ in rows))
     h = 0.8 / len(providers)
     for j, p in enumerate(providers):
-        vals = {n: v for n, pp, v in rows if pp == p}
-        ys = [i + (j - (len(providers) - 1) / 2) * h for i in range(len(names))]
-        ax.barh(ys, [vals.get(n, 0) for n in names], h, label=p, color=COLORS.get(p))
+        first = True
+        for n, pp, r in rows:
+            if pp != p:
+                continue
+            i = names.index(n)
+            y = i + (j - (len(providers) - 1) / 2) * h
+            v = r["pct_of_ceiling"]
+            unstable = bool(r.get("unstable"))
+            if first:       # the legend's entry: a plain bar whatever the first bar's flag
+                ax.barh([y], [0], h, label=p, color=COLORS.get(p))
+            ax.barh([y], [v], h, xerr=_err(v, r.get("pct_of_ceiling_ci")), capsize=2,
+                    color="white" if unstable else COLORS.get(p), edgecolor=COLORS.get(p),
+                    hatch="//" if unstable else None)
+            first = False
+            tags = [t for t, on in (("unstable", unstable), ("ceiling unstable", r.get("ceiling_unstable"))) if on]
+            if tags:
+                ax.annotate(", ".join(tags), (v, y), xytext=(4, 0), textcoords="offset points", va="center",
+                            fontsize=6)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(100, color="black", lw=0.8, ls="--")
-    ax.set_xlabel("% of measured ceiling (memory-bound: copy GB/s; compute-bound: GEMM TFLOP/s)")
-    ax.set_title("per-op % of roofline")
-    ax.legend(fontsize=8)
+    ax.set_xlabel("% of measured ceiling (memory-bound: copy GB/s; compute-bound: GEMM TFLOP/s); bars: 95% interval")
+    ax.set_title("per-op % of roofline (hatched: unstable; 'ceiling unstable': the ceiling is not a bound here)")
+    _legend_outside(ax)
     return True
 
 
@@ -121,8 +193,11 @@ def _title(doc: Dict[str, Any]) -> str:
     env = doc.get("environment") or {}
     commit = str(env.get("git_commit", "unknown"))[:12]
     title = f"{env.get('device_name', '?')} | driver {env.get('driver_version') or '-'} | commit {commit}"
+    threads = doc.get("threads") or env.get("cpu_threads")
+    if threads:
+        title += f" | {threads} threads"
     if env.get("device_type") == "cpu":   # a CPU figure read out of context must not pass for kernel speed
-        title += "\nCPU: bert_fast runs its PyTorch reference path here, not the GPU kernels"
+        title += "\nCPU: bert_fast runs its CPU path here, not the GPU kernels"
     return title
 
 
@@ -132,7 +207,7 @@ def _finish(plt, fig, ok: bool, doc: Dict[str, Any], path, dpi: int = 110) -> bo
         fig.suptitle(_title(doc), fontsize=9)
         fig.tight_layout()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=dpi)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")   # "tight": keeps the outside legends in
     plt.close(fig)
     return ok
 

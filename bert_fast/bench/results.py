@@ -11,18 +11,24 @@ Schema of ``bert-fast bench --json`` (kind "model") and ``bert-fast bench-ops --
                       driver_version, cuda_runtime, python, platform, torch, triton,
                       transformers, bert_fast, git_commit, build_info, env},
       "arguments": {every CLI argument},
-      "ceilings": {copy_bandwidth_gbs, matmul_tflops, matmul_dtype, matmul_shape, ...},
+      "ceilings": {copy_bandwidth_gbs, copy_bandwidth_ci_gbs, copy_unstable, matmul_tflops,
+                   matmul_tflops_ci, matmul_unstable, matmul_dtype, matmul_shape, threads, ...},
       "notes": ["...", ...],
+      "threads": torch.get_num_threads() during the run (fixed by --threads),
+      "timing": {how: clock, rounds, target, interval methods (bert_fast.bench.timing)},
       # kind "model":
       "runs": [{model, config, batch, seq, lengths, real_tokens, padded_tokens, mode, dtype,
-                cuda_graphs, flops_per_token, flops_per_step, parity,
-                "results": [{provider, status, error, median_ms, p20_ms, p80_ms, mean_ms, min_ms,
-                             max_ms, iters, tokens_per_s, tflops, mfu, peak_mem_bytes,
-                             peak_mem_mb, speedup_of_bert_fast, ...}]}],
+                cuda_graphs, flops_per_token, flops_per_step, parity, timing,
+                "results": [{provider, status ("ok" | "skipped" | "error" | ...), error, median_ms,
+                             p20_ms, p80_ms, ci_low_ms, ci_high_ms, ci_rel, unstable, mean_ms, min_ms,
+                             max_ms, iters, tokens_per_s, tflops, mfu, peak_mem_bytes, peak_mem_mb,
+                             speedup_of_bert_fast, speedup_ci, speedup_unstable, ...}]}],
       # kind "ops":
-      "cases": [{name, op, label, direction, bound, flops, bytes, params, dtype,
-                 "results": [{provider, status, error, median_ms, p20_ms, p80_ms, gbs, tflops,
-                              pct_of_ceiling, ceiling, peak_mem_bytes, ...}]}]
+      "cases": [{name, op, label, direction, bound, flops, bytes, params, dtype, timing,
+                 "results": [{provider, status, error, median_ms, p20_ms, p80_ms, ci_low_ms,
+                              ci_high_ms, ci_rel, unstable, gbs, tflops, pct_of_ceiling,
+                              pct_of_ceiling_ci, ceiling, ceiling_unstable, peak_mem_bytes,
+                              speedup_of_bert_fast, speedup_ci, speedup_unstable, ...}]}]
     }
 
 ``python -m bert_fast.bench.results merge ...`` (used by benchmarks/gpu_check.sh) combines the

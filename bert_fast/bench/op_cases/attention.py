@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase, with_env
+from bert_fast.bench.op_case import OpCase, ProviderUnavailable, with_env
 
 TOKENS = 16384
 SEQLENS = (128, 256, 512)
@@ -55,8 +55,17 @@ def _sdpa(backend_name):
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
 
     def run(q, k, v, mask=None):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        try:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        except RuntimeError as exc:
+            # A pinned backend this device, dtype or shape has no kernel for (the efficient one on
+            # the CPU: "No viable backend for scaled_dot_product_attention was found"; on GPUs
+            # "No available kernel") cannot be measured here: a skip with torch's reason, not an error.
+            msg = str(exc)
+            if "No viable backend" in msg or "No available kernel" in msg:
+                raise ProviderUnavailable(f"torch-sdpa-{backend_name}: {msg.splitlines()[0]}") from exc
+            raise
     return run
 
 

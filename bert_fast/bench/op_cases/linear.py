@@ -9,6 +9,7 @@ flops = 2*M*N*K forward, 4*M*N*K backward (dX and dW); ``bytes`` is the minimal 
 from __future__ import annotations
 
 import functools
+import os
 from typing import List
 
 import torch
@@ -73,8 +74,21 @@ PROVIDERS = ("bert_fast", "bert_fast-triton", "bert_fast-triton-pointer", "bert_
              "torch.compile")
 
 
+def _unavailable(device: torch.device):
+    """Providers that name a GPU path: on a CPU (without the Triton interpreter) they would run the
+    same CPU implementation as "bert_fast" under a misleading name, so they are skipped there."""
+    if device.type == "cuda":
+        return {}
+    out = {"bert_fast-cublas": "cuBLAS needs a CUDA GPU"}
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        why = "the Triton GEMM needs a CUDA GPU (or TRITON_INTERPRET=1)"
+        out.update({"bert_fast-triton": why, "bert_fast-triton-pointer": why})
+    return out
+
+
 def cases(device, dtype) -> List[OpCase]:
     device = torch.device(device)
+    unavailable = _unavailable(device)
     esize = torch.empty((), dtype=dtype).element_size()
     out = []
     for h in HIDDEN:
@@ -92,6 +106,7 @@ def cases(device, dtype) -> List[OpCase]:
                         op="linear", label=f"{name} H={h} M={m} N={n} K={k}", direction=direction,
                         bound="compute", flops=flops, bytes=nbytes,
                         providers={p: _factory(p, direction, m, n, k, act, device, dtype) for p in PROVIDERS},
+                        unavailable=unavailable,
                         params={"name": name, "H": h, "M": m, "N": n, "K": k, "activation": act,
                                 "dtype": str(dtype).replace("torch.", "")},
                     ))

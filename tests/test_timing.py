@@ -1,0 +1,288 @@
+"""bert_fast.bench.timing: interleaved rounds, the stopping rule, intervals and flags.
+
+Every test feeds a synthetic timer and clock (no real timing: the machine is shared, and timings
+live in benchmarks, never in tests), so each runs in milliseconds.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bert_fast.bench import timing
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class SyntheticTimer:
+    """Draws each call's time from ``dists[provider](rng, round)``; the provider is known from the
+    callable, which records its name in ``self.last`` when called. Advances the fake clock."""
+
+    method = "synthetic"
+
+    def __init__(self, dists, clock, seed=0):
+        self.dists, self.clock, self.rng = dists, clock, random.Random(seed)
+        self.order = []          # provider names, call by call (timed rounds only)
+        self.last = None
+        self.round = 0
+
+    def provider(self, name):
+        def call():
+            self.last = name
+        return call
+
+    def time_round(self, calls):
+        out = []
+        names = []
+        for call in calls:
+            call()
+            names.append(self.last)
+            ms = self.dists[self.last](self.rng, self.round)
+            self.clock.now += ms * 1e-3
+            out.append(ms)
+        self.order.append(names)
+        self.round += 1
+        return out
+
+
+def _setup(dists, seed=0):
+    clock = FakeClock()
+    t = SyntheticTimer(dists, clock, seed)
+    return t, clock, {name: t.provider(name) for name in dists}
+
+
+def test_median_ci_order_statistics():
+    # n = 100: the textbook distribution-free 95% interval is [x_(40), x_(61)]
+    vals = list(range(1, 101))
+    lo, hi, level = timing.median_ci(vals)
+    assert (lo, hi) == (40, 61) and level >= 0.95
+    # n = 6 is the smallest n whose extreme order statistics reach 95% (1 - 2/64)
+    assert timing.median_ci([3, 1, 2, 6, 5, 4]) == (1, 6, pytest.approx(1 - 2 / 64))
+    # n = 5 cannot: [min, max] with its real, lower level
+    lo, hi, level = timing.median_ci([1, 2, 3, 4, 5])
+    assert (lo, hi) == (1, 5) and level == pytest.approx(1 - 2 / 32) and level < 0.95
+
+
+def test_stable_timer_converges_before_the_budget():
+    """1% noise: the interval shrinks under +-3% and the rounds stop early, not at max_rounds."""
+    t, clock, providers = _setup({"a": lambda r, i: 10.0 * (1 + 0.01 * r.gauss(0, 1)),
+                                  "b": lambda r, i: 20.0 * (1 + 0.01 * r.gauss(0, 1))})
+    m = timing.measure(providers, warmup=1, min_rounds=6, max_rounds=500, budget_s=60, timer=t, clock=clock)
+    assert m.stop_reason == "converged" and len(m.rounds) < 500
+    for name, med in (("a", 10.0), ("b", 20.0)):
+        tm = m.timings[name]
+        assert tm.converged and not tm.unstable and tm.ci_rel <= 0.03
+        assert tm.ci_low_ms <= tm.median_ms <= tm.ci_high_ms
+        assert tm.median_ms == pytest.approx(med, rel=0.02) and tm.p20_ms <= tm.median_ms <= tm.p80_ms
+        assert tm.method == "synthetic" and tm.iters == len(m.rounds)
+    sp = m.speedup("a", "b")
+    assert sp.value == pytest.approx(2.0, rel=0.02) and sp.ci_low <= sp.value <= sp.ci_high
+    assert not sp.unstable
+
+
+def test_noisy_timer_is_flagged_unstable_and_stops_at_the_budget():
+    """Heavy-tailed noise (lognormal, sigma 1): the budget runs out before +-3%; the interval is
+    wider than +-10%, so the figure is flagged unstable rather than reported as if precise."""
+    t, clock, providers = _setup({"noisy": lambda r, i: 10.0 * math.exp(r.gauss(0, 1.0)),
+                                  "calm": lambda r, i: 10.0})
+    m = timing.measure(providers, warmup=0, min_rounds=6, max_rounds=10_000, budget_s=0.5, timer=t, clock=clock)
+    assert m.stop_reason == "budget"
+    noisy = m.timings["noisy"]
+    assert noisy.unstable and not noisy.converged and noisy.ci_rel > 0.10
+    assert not m.timings["calm"].unstable
+    sp = m.speedup("calm", "noisy")
+    assert sp.unstable and sp.ci_rel > 0.10
+
+
+def test_rounds_interleave_in_rotating_order():
+    t, clock, providers = _setup({n: (lambda r, i: 1.0) for n in ("a", "b", "c")})
+    timing.measure(providers, warmup=0, min_rounds=6, max_rounds=6, timer=t, clock=clock)
+    assert t.order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] * 2
+
+
+def test_paired_rounds_cancel_shared_drift():
+    """Each round the machine is 1x..3x slower for both providers alike: the medians' own intervals
+    are wide, but the paired speedup is exactly 2 with a zero-width interval."""
+    drift = lambda i: 1.0 + (i % 3)                                        # noqa: E731
+    t, clock, providers = _setup({"fast": lambda r, i: 5.0 * drift(i), "slow": lambda r, i: 10.0 * drift(i)})
+    m = timing.measure(providers, warmup=0, min_rounds=30, max_rounds=30, timer=t, clock=clock)
+    assert m.timings["fast"].unstable
+    sp = m.speedup("fast", "slow")
+    assert (sp.value, sp.ci_low, sp.ci_high) == (2.0, 2.0, 2.0) and not sp.unstable
+
+
+def test_failing_and_unavailable_providers_do_not_stop_the_others():
+    t, clock, providers = _setup({"ok": lambda r, i: 1.0})
+
+    def unavailable():
+        raise timing.ProviderUnavailable("No viable backend for scaled_dot_product_attention\nmore")
+
+    calls = {"n": 0}
+
+    def breaks_later():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("kernel exploded")
+        t.last = "ok"
+
+    providers.update(unavailable=unavailable, broken=breaks_later)
+    m = timing.measure(providers, warmup=1, min_rounds=6, max_rounds=8, timer=t, clock=clock)
+    assert m.skipped == {"unavailable": "No viable backend for scaled_dot_product_attention"}
+    assert isinstance(m.errors["broken"], RuntimeError)
+    assert m.stop_reason == "converged" and m.timings["ok"].iters == len(m.samples("ok")) == 6
+    with pytest.raises(RuntimeError, match="exploded"):
+        calls["n"] = 10
+        timing.measure({"broken": breaks_later}, warmup=1, timer=t, clock=clock, catch=False)
+
+
+def test_few_rounds_are_never_called_precise():
+    """Fewer than 6 rounds: no 95% interval exists, so even identical times are not 'converged'."""
+    t, clock, providers = _setup({"a": lambda r, i: 1.0})
+    m = timing.measure(providers, warmup=0, min_rounds=3, max_rounds=3, timer=t, clock=clock)
+    tm = m.timings["a"]
+    assert tm.iters == 3 and tm.ci_level < 0.95 and tm.unstable and not tm.converged
+
+
+def test_fix_threads_reports_the_count():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert timing.fix_threads(1) == 1 and torch.get_num_threads() == 1
+        assert timing.fix_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- through the CLI
+class NoisyTimer:
+    """Runs the calls, reports heavy-tailed synthetic times (lognormal, sigma 1)."""
+
+    method = "synthetic-noisy"
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def time_round(self, calls):
+        out = []
+        for call in calls:
+            call()
+            out.append(5.0 * math.exp(self.rng.gauss(0, 1.0)))
+        return out
+
+
+def _figure_texts(plot_fn, doc, monkeypatch):
+    """Every text drawn by ``plot_fn(doc)``: titles, annotations, tick labels, legends."""
+    from bert_fast.bench import plots
+
+    seen = []
+
+    def capture(plt, fig, ok, doc, path, dpi=110):
+        seen.extend(t.get_text() for t in fig.findobj(lambda o: hasattr(o, "get_text")))
+        plt.close(fig)
+        return ok
+
+    monkeypatch.setattr(plots, "_finish", capture)
+    assert plot_fn(doc, "unused.png")
+    return "\n".join(seen)
+
+
+def test_noisy_timer_flags_unstable_in_table_json_and_plot(tmp_path, monkeypatch, capsys):
+    import json
+
+    from bert_fast import cli
+    from bert_fast.bench import plots
+
+    monkeypatch.setattr(timing, "default_timer", lambda device, flush_l2=False: NoisyTimer())
+    out_json = tmp_path / "b.json"
+    rc = cli.main(["bench", "--model", "tiny", "--batch", "1", "--seq", "8", "--providers", "hf-eager,hf-sdpa",
+                   "--device", "cpu", "--warmup", "0", "--min-rounds", "6", "--max-rounds", "8", "--inputs", "1",
+                   "--no-progress", "--json", str(out_json)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("tiny infer")]
+    assert len(rows) == 2 and all(ln.rstrip().endswith("unstable") for ln in rows), out
+    doc = json.loads(out_json.read_text())
+    results = doc["runs"][0]["results"]
+    assert all(r["unstable"] and r["ci_rel"] > 0.10 for r in results)
+    assert all(r["threads"] == doc["threads"] >= 1 for r in results)
+    assert doc["timing"]["median_ci"].startswith("distribution-free")
+    assert "unstable" in _figure_texts(plots.plot_model, doc, monkeypatch)
+
+
+def test_figure_above_its_ceiling_is_flagged(tmp_path, monkeypatch, capsys):
+    """An op measured above 100% of its ceiling (here a ceiling made absurdly low) is never shown
+    bare: the table, the JSON and the plot say "ceiling unstable"."""
+    import json
+    import types
+
+    import torch
+
+    from bert_fast import cli
+    from bert_fast.bench import ceilings, ops_bench, plots
+    from bert_fast.bench.op_case import OpCase
+
+    def cases(device, dtype):
+        def factory():
+            x = torch.randn(256, device=device, dtype=dtype)
+            return lambda: x.clone()
+        return [OpCase(op="toy", label="N=256", direction="fwd", bound="memory", bytes=2048.0,
+                       providers={"torch": factory, "bert_fast": factory})]
+
+    fake = {"copy_bandwidth_gbs": 1e-6, "copy_bandwidth_ci_gbs": [1e-6, 1e-6], "copy_unstable": False,
+            "matmul_tflops": 1.0, "matmul_tflops_ci": [1.0, 1.0], "matmul_unstable": False, "threads": 1,
+            "rounds": 6, "matmul_dtype": "fp32", "matmul_shape": [1, 1, 1]}
+    monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(fake))
+    monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({"toy": types.SimpleNamespace(cases=cases)}, {}))
+    out_json = tmp_path / "ops.json"
+    assert cli.main(["bench-ops", "--device", "cpu", "--warmup", "0", "--max-rounds", "6", "--inputs", "1",
+                     "--no-progress", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("toy/fwd")]
+    assert len(rows) == 2 and all("ceiling unstable" in ln for ln in rows), out
+    doc = json.loads(out_json.read_text())
+    for r in doc["cases"][0]["results"]:
+        assert r["pct_of_ceiling"] > 100 and r["ceiling_unstable"] is True
+    assert "ceiling unstable" in _figure_texts(plots.plot_ops, doc, monkeypatch)
+
+
+def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
+    """benchmarks/bench_ops.py and bench_model.py (CUDA suites) time a case's providers together
+    through bert_fast.bench.timing; their measurement runs here on the CPU at toy size."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from bert_fast.bench.op_case import OpCase
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"_suite_{name}", root / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    def factory():
+        x = torch.randn(64)
+        return lambda: x.clone()
+
+    case = OpCase(op="toy", label="N=64", direction="fwd", bound="memory", bytes=512.0,
+                  providers={"bert_fast": factory, "torch": factory}, unavailable={"cublas": "needs a GPU"})
+    out = load("bench_ops").measure_case(case, torch.device("cpu"), budget_s=0.2, warmup=1)
+    assert set(out["providers"]) == {"bert_fast", "torch"} and out["skipped"] == {"cublas": "needs a GPU"}
+    assert out["speedups"]["torch"]["ci_low"] <= out["speedups"]["torch"]["value"] <= out["speedups"]["torch"]["ci_high"]
+
+    bm = load("bench_model")
+    case = bm.make_case("tiny", 1, 8, "full", "infer", "fp32")
+    out = bm.measure_case(case, torch.device("cpu"), torch.float32, providers=["hf-eager", "hf-sdpa"],
+                          budget_s=0.2, warmup=0)
+    assert [p["status"] for p in out["providers"].values()] == ["ok", "ok"] and out["timing"]["rounds"] >= 6

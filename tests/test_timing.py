@@ -286,3 +286,85 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
     out = bm.measure_case(case, torch.device("cpu"), torch.float32, providers=["hf-eager", "hf-sdpa"],
                           budget_s=0.2, warmup=0)
     assert [p["status"] for p in out["providers"].values()] == ["ok", "ok"] and out["timing"]["rounds"] >= 6
+
+
+# ----------------------------------------------------------------------------- bounded time (budget)
+FAKE_CEILINGS = {"copy_bandwidth_gbs": 10.0, "copy_bandwidth_ci_gbs": [9.9, 10.1], "copy_unstable": False,
+                 "matmul_tflops": 0.1, "matmul_tflops_ci": [0.099, 0.101], "matmul_unstable": False,
+                 "threads": 2, "rounds": 6, "matmul_dtype": "fp32", "matmul_shape": [1024] * 3}
+
+
+def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys):
+    """The README's old CPU example (bert-large, 16 x 512) ran over 20 minutes with no output. At
+    0.1 TFLOP/s it is estimated at about an hour and skipped, with what it would cost, before any
+    model is built; the small case beside it still runs."""
+    import json
+
+    from bert_fast import cli
+    from bert_fast.bench import ceilings, model_bench
+
+    monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(FAKE_CEILINGS))
+    built = []
+    real_build = model_bench.build_provider_model
+    monkeypatch.setattr(model_bench, "build_provider_model",
+                        lambda *a, **k: (built.append(a[1].hidden_size), real_build(*a, **k))[1])
+    out_json = tmp_path / "b.json"
+    rc = cli.main(["bench", "--model", "bert-large,tiny", "--batch", "16", "--seq", "512", "--lengths", "random:0.2",
+                   "--providers", "hf-sdpa", "--device", "cpu", "--max-minutes", "3", "--warmup", "0",
+                   "--max-rounds", "2", "--inputs", "1", "--no-progress", "--json", str(out_json)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "skipping bert-large infer B=16 S=512" in err and "over the budget of --max-minutes 3" in err
+    assert " min at least" in err and "GFLOP/s" in err
+    assert built == [128]                        # only the tiny model was ever built
+    big, tiny = json.loads(out_json.read_text())["runs"]
+    assert big["skipped"] and big["results"][0]["status"] == "skipped"
+    assert not tiny.get("skipped") and tiny["results"][0]["status"] == "ok"
+
+
+def test_estimate_and_eta():
+    import io
+
+    from bert_fast.bench.budget import Progress, estimate_case
+
+    est = estimate_case(["a", "b"], 1e12, 0.1, "cpu", warmup=1, min_rounds=6, max_rounds=100, max_seconds=30)
+    assert est.call_s == pytest.approx(20.0)                     # 1 TFLOP at 0.5 x 0.1 TFLOP/s
+    assert est.min_s == pytest.approx(2 * (1 + 1 + 6) * 20.0) and est.expected_s >= est.min_s
+    compiled = estimate_case(["hf-compile"], 1e12, 0.1, "cpu", warmup=1, min_rounds=6, max_rounds=100, max_seconds=30)
+    assert compiled.fixed_s > 0 and compiled.min_s > est.min_s / 2
+    assert estimate_case(["a"], 1e12, None, "cpu", warmup=1, min_rounds=6, max_rounds=9, max_seconds=1) is None
+
+    clock = FakeClock()
+    out = io.StringIO()
+    p = Progress([40.0, None, 40.0], stream=out, clock=clock, every_s=5)
+    p.start_case(0, "first")
+    clock.now = 3.0
+    p.on_round(1)                                   # throttled: nothing within 5 s
+    clock.now = 20.0
+    p.on_round(2)
+    p.end_case()                                    # took half its estimate...
+    p.start_case(2, "third")                        # ...so the rest is expected in half the time
+    text = out.getvalue().splitlines()
+    assert text[0] == "[1/3] first: estimated 40 s, ETA for the run 80 s"
+    assert text[1] == "    round 2, 20 s into this case, ETA for the run 60 s"
+    assert text[2] == "[3/3] third: estimated 20 s, ETA for the run 20 s"
+
+
+def test_cuda_graphs_on_the_cpu_are_not_labelled_graphs(tmp_path, capsys):
+    """--cuda-graphs on a CPU: nothing runs under graphs, so no case says "graphs" (it did), and
+    the last column says what it is ("speedup of bert_fast", not "bf speedup")."""
+    import json
+
+    from bert_fast import cli
+
+    out_json = tmp_path / "g.json"
+    assert cli.main(["bench", "--model", "tiny", "--batch", "1", "--seq", "8", "--cuda-graphs", "--providers",
+                     "hf-eager", "--device", "cpu", "--warmup", "0", "--max-rounds", "2", "--inputs", "1",
+                     "--no-progress", "--json", str(out_json)]) == 0
+    captured = capsys.readouterr()
+    rows = [ln for ln in captured.out.splitlines() if ln.startswith("tiny infer")]
+    assert rows and not any("graphs" in ln for ln in rows), rows
+    assert "speedup of bert_fast" in captured.out and "bf speedup" not in captured.out
+    run = json.loads(out_json.read_text())["runs"][0]
+    assert run["cuda_graphs"] is False and run["cuda_graphs_requested"] is True
+    assert run["results"][0]["cuda_graphs"] is False

@@ -112,8 +112,9 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                         continue
                 base = allocated_memory(device)
                 reset_peak_memory(device)
+                requested = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
                 model, runner, notes = build_provider_model(provider, config, state, device, dtype, mode,
-                                                            case["cuda_graphs"])
+                                                            requested)
                 built[provider] = (model, runner, None)
                 rec["notes"] = notes
                 optimizer = _make_optimizer(model, device) if mode == "train" else None
@@ -133,6 +134,12 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                     rec["peak_mem_bytes"] = max(0, peak - base)
                     rec["peak_mem_mb"] = rec["peak_mem_bytes"] / 2**20
                 fns[provider] = steps
+                # graphs ran for this provider: asked for, on CUDA, a provider with a graph path, built
+                # and through its first call (the capture)
+                rec["cuda_graphs"] = bool(requested and torch.device(device).type == "cuda"
+                                          and provider in ("bert_fast", "hf-compile"))
+                if rec["cuda_graphs"]:
+                    case["cuda_graphs"] = True
             except BenchError:
                 raise
             except ProviderUnavailable as exc:
@@ -222,6 +229,12 @@ def _flags(r: Dict[str, Any]) -> str:
     return ", ".join(out)
 
 
+def _case_label(case: Dict[str, Any]) -> str:
+    """"graphs" only where CUDA graphs ran (case["cuda_graphs"]), not where they were asked for."""
+    return (f"{case['model']} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}"
+            + (" graphs" if case.get("cuda_graphs") else ""))
+
+
 def format_table(doc: Dict[str, Any]) -> str:
     """One block per case. Times: median, its 95% interval and p20-p80; the last columns are the
     speedup of bert_fast over the row's provider with its 95% interval, and the flags."""
@@ -229,8 +242,10 @@ def format_table(doc: Dict[str, Any]) -> str:
     header = (f"{'case':<44} {'provider':<11} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
               f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'speedup of bert_fast':>22}  flags")
     for case in doc.get("runs", []):
-        label = (f"{case['model']} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}"
-                 + (" graphs" if case.get("cuda_graphs") else ""))
+        label = _case_label(case)
+        if case.get("skipped"):
+            lines += [f"{label}: SKIPPED: {case['skipped']}", ""]
+            continue
         lines.append(header)
         lines.append("-" * len(header))
         for r in case.get("results", []):
@@ -345,6 +360,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "still short of the target then carry their wider interval, 'unstable' beyond +-10%%")
     p.add_argument("--threads", type=_pos_int, default=None,
                    help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
+    p.add_argument("--max-minutes", type=float, default=5.0,
+                   help="skip a case whose estimated cost (from its FLOPs and the measured GEMM rate: first "
+                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: speedup by batch and sequence length")
@@ -394,6 +412,8 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         args.max_seconds = 10.0 if cuda else 60.0
     if not 0 < args.target < 1:
         raise BenchError(f"--target must be in (0, 1), got {args.target}")
+    if not args.max_minutes > 0:
+        raise BenchError(f"--max-minutes must be > 0, got {args.max_minutes}")
     if args.cuda_graphs and args.mode != "infer":
         raise BenchError("--cuda-graphs applies to --mode infer only")
     if not cuda:
@@ -401,7 +421,8 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         notes.append(CPU_NOTE.format(interp=" (TRITON_INTERPRET=1: the Triton kernels through the "
                                             "interpreter, far slower than the reference)" if interp else ""))
         if args.cuda_graphs:
-            notes.append("--cuda-graphs has no effect on the CPU")
+            notes.append("--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
+                         "case is labelled 'graphs'")
         if "hf-compile" in args.providers:
             notes.append("hf-compile on the CPU compiles C++ with the host compiler: the first call takes long")
     return device, notes
@@ -412,6 +433,7 @@ def run(args) -> int:
     import torch
 
     from bert_fast.bench import ceilings as ceil_mod
+    from bert_fast.bench.budget import Progress, estimate_case, fmt_duration
     from bert_fast.bench.results import new_document, write_json
     from bert_fast.bench.timing import fix_threads, method_description
 
@@ -435,7 +457,7 @@ def run(args) -> int:
                     "vocab_size", "max_position_embeddings", "type_vocab_size")},
                     "batch": b, "seq": s, "lengths": args.lengths, "length_values": lengths,
                     "real_tokens": int(sum(lengths)), "padded_tokens": b * s, "mode": args.mode,
-                    "dtype": args.dtype, "cuda_graphs": bool(args.cuda_graphs),
+                    "dtype": args.dtype, "cuda_graphs": False, "cuda_graphs_requested": bool(args.cuda_graphs),
                     "flops_per_step": step_flops(cfg, lengths, args.mode),
                     "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
                     "parity": None, "results": [], "_config": cfg, "_lengths": lengths})
@@ -456,6 +478,30 @@ def run(args) -> int:
     doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
                                        max_rounds=args.max_rounds, target=args.target, budget_s=args.max_seconds)
     doc["runs"] = cases
+    doc["max_minutes"] = args.max_minutes
+
+    # Bounded time: estimate each case before running anything, skip what exceeds the budget.
+    rate = ceilings.get("matmul_tflops")
+    estimates: List[Optional[float]] = []
+    for case in cases:
+        padded = step_flops(case["_config"], [case["seq"]] * case["batch"], case["mode"])
+        est = estimate_case(args.providers, padded, rate, device.type, warmup=args.warmup,
+                            min_rounds=args.min_rounds, max_rounds=args.max_rounds, max_seconds=args.max_seconds)
+        case["estimated_seconds"] = None if est is None else est.expected_s
+        if est is not None and est.min_s > args.max_minutes * 60:
+            why = (f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
+                   f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it")
+            case["skipped"] = why
+            case["results"] = [dict(_new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
+            print(f"skipping {_case_label(case)}: {why}", file=sys.stderr)
+            estimates.append(None)
+        else:
+            estimates.append(case["estimated_seconds"])
+    progress = Progress(estimates, enabled=not args.no_progress)
+    known = [e for e in estimates if e]
+    if known and not args.no_progress:
+        print(f"estimated total: {fmt_duration(sum(known))} for {len(known)} case(s) "
+              f"(--max-minutes {args.max_minutes:g} per case)", file=sys.stderr)
 
     def public() -> Dict[str, Any]:
         return {**doc, "runs": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cases]}
@@ -467,11 +513,15 @@ def run(args) -> int:
     interrupted = False
     t0 = time.perf_counter()
     try:
-        for case in cases:
+        for i, case in enumerate(cases):
+            if case.get("skipped"):
+                continue
+            progress.start_case(i, _case_label(case))
             run_case(case, args.providers, device, dtype, warmup=args.warmup, min_rounds=args.min_rounds,
                      max_rounds=args.max_rounds, target=args.target, n_inputs=args.n_inputs, seed=args.seed,
                      progress=not args.no_progress, ceilings=ceilings, max_seconds=args.max_seconds,
-                     on_result=save)
+                     on_result=save, on_round=lambda _m, n: progress.on_round(n))
+            progress.end_case()
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)

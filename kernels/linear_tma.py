@@ -41,8 +41,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import smem_per_block
-from .linear import (KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs,
-                     _tile_coords)
+from ._linear_common import (KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs,
+                             _tile_coords)
 from .tuned_configs import TunedConfigs
 
 _ENV = "BERT_FAST_GEMM_TMA"

@@ -1,14 +1,26 @@
-"""Shared plumbing of the bert_fast ops: which backend runs, input validation, dropout seeds.
+"""Shared plumbing of the bert_fast ops: which implementation runs, input validation, dropout seeds.
 
-Dispatch rule (one place, every op follows it):
-  * CUDA tensors                          -> our kernels (Triton, or the CUDA extension)
-  * CPU tensors with TRITON_INTERPRET=1    -> the same Triton kernels through the interpreter
-                                             (the C++ CPU twin for the embedding)
-  * CPU tensors otherwise                  -> the pure-torch reference (bert_fast.reference)
-``BERT_FAST_BACKEND=reference`` forces the reference everywhere (debugging, bisecting).
+Every op has three implementations, and :func:`implementation` picks one per call (one rule, every
+op follows it):
 
-The interpreter returns garbage for ``tl.dot`` on bf16 operands (triton 3.6 and 3.9, measured), so
-ops that use ``tl.dot`` take the reference for bf16 on the CPU; bf16 kernels are tested on the GPU.
+  * ``"kernel"``    our kernels: Triton (bert_fast.kernels), or the CUDA extension (embedding);
+  * ``"torch"``     the op built from torch's own fast operations (bert_fast.ops.torch_impl: oneDNN /
+                    MKL / cuBLAS GEMMs, aten GELU and LayerNorm with their backward ops, the SDPA
+                    flash kernel): the production CPU path, and on CUDA the fallback a user selects
+                    with ``BERT_FAST_BACKEND=torch``;
+  * ``"reference"`` the pure-torch oracle (bert_fast.reference): simple, float64-capable, slow; it
+                    runs only when forced (tests, bisecting).
+
+The rule, in order:
+  1. ``BERT_FAST_BACKEND=reference`` -> reference everywhere; ``BERT_FAST_BACKEND=torch`` -> torch
+     everywhere (CUDA too). Unset / ``auto``: the rules below. The variable is read at every call.
+  2. CUDA tensors -> kernel (float64 -> torch: no kernel is built for it).
+  3. CPU tensors with ``TRITON_INTERPRET=1`` -> the kernels through the Triton interpreter (tests),
+     except where the interpreter is known wrong: ``tl.dot`` on bf16 operands returns garbage
+     (triton 3.6 and 3.9, measured), so ops whose kernel uses ``tl.dot`` take torch for bf16.
+  4. CPU tensors otherwise (and any other device) -> torch.
+The embedding is the one op with a compiled CPU kernel: see bert_fast/ops/embedding.py for how it
+maps these three names.
 """
 from __future__ import annotations
 
@@ -28,22 +40,66 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+IMPLEMENTATIONS = ("kernel", "torch", "reference")
+_BACKEND_ENV = "BERT_FAST_BACKEND"
+
+
+def requested_backend() -> str:
+    """``BERT_FAST_BACKEND``: "auto" (unset), "torch" or "reference". ValueError names a bad value."""
+    req = os.environ.get(_BACKEND_ENV, "").strip().lower()
+    if req in ("", "auto"):
+        return "auto"
+    if req in ("torch", "reference"):
+        return req
+    raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'torch' or 'reference', got {req!r}")
+
+
 def reference_forced() -> bool:
-    return os.environ.get("BERT_FAST_BACKEND", "").strip().lower() == "reference"
+    return requested_backend() == "reference"
+
+
+def implementation_for(device, dtype: torch.dtype, uses_dot: bool = False) -> str:
+    """Which implementation of an op runs on tensors of ``dtype`` on ``device``: "kernel", "torch"
+    or "reference" (the rule of this module's docstring). Allocates nothing.
+
+    ``uses_dot``: the op's kernel uses ``tl.dot``, which the CPU interpreter gets wrong in bf16.
+    Ops whose kernel lacks a dtype (attention: no float64) map "kernel" to "torch" themselves.
+    """
+    req = requested_backend()
+    if req != "auto":
+        return req
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cuda":
+        return "torch" if dtype == torch.float64 else "kernel"
+    if kind == "cpu" and interpreter_enabled():
+        return "torch" if (uses_dot and dtype == torch.bfloat16) else "kernel"
+    return "torch"
+
+
+def implementation(t: torch.Tensor, uses_dot: bool = False) -> str:
+    """:func:`implementation_for` the device and dtype of tensor ``t``."""
+    return implementation_for(t.device, t.dtype, uses_dot)
 
 
 def use_triton(t: torch.Tensor, uses_dot: bool = False) -> bool:
-    """Whether the op on ``t`` runs our Triton kernel (else the pure-torch reference).
+    """Whether the op on ``t`` runs our kernel (``implementation(t, uses_dot) == "kernel"``)."""
+    return implementation(t, uses_dot) == "kernel"
 
-    ``uses_dot``: the kernel uses ``tl.dot``, which the CPU interpreter gets wrong in bf16.
-    """
-    if reference_forced():
-        return False
-    if t.is_cuda:
-        return True
-    if t.device.type == "cpu" and interpreter_enabled():
-        return not (uses_dot and t.dtype == torch.bfloat16)
-    return False
+
+def describe(impl: str, device, torch_label: str, kernel_label: str = "Triton") -> str:
+    """The ``bert-fast info`` label of implementation ``impl`` on ``device`` (op modules' backend())."""
+    kind = torch.device(device).type
+    if impl == "kernel":
+        return kernel_label if kind == "cuda" else f"{kernel_label} interpreter (TRITON_INTERPRET=1)"
+    if impl == "torch":
+        if requested_backend() == "torch":
+            why = " (BERT_FAST_BACKEND=torch)"
+        elif kind == "cpu" and interpreter_enabled():
+            why = " (the interpreter's bf16 tl.dot is wrong)"
+        else:
+            why = ""
+        return f"torch: {torch_label}{why}"
+    return "reference (pure PyTorch oracle" + (", BERT_FAST_BACKEND=reference)" if reference_forced() else ")")
 
 
 def deterministic() -> bool:

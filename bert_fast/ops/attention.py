@@ -8,16 +8,19 @@ Ops (namespace ``bert_fast``), each with a fake (meta) implementation:
 Autograd is registered on the forwards; the gradient w.r.t. qkv is one tensor of qkv's shape whose
 q/k/v slices the kernels write directly (nothing is written into saved inputs).
 
-Dispatch (``_dispatch.use_triton(qkv, uses_dot=True)``): Triton kernels (kernels/attention.py) on
-CUDA and in the CPU interpreter (fp32/fp16); otherwise, and for float64, the pure-torch reference
-(backward: the analytic formulas in plain torch ops, recomputing the probabilities). Deterministic mode
-(torch.use_deterministic_algorithms) selects the atomics-free dQ kernel.
+Dispatch (``_dispatch.implementation(qkv, uses_dot=True)``): Triton kernels (kernels/attention.py) on
+CUDA and in the CPU interpreter (fp32/fp16); otherwise, and for float64, the torch implementation
+(bert_fast.ops.torch_impl: the SDPA flash CPU kernel with the key-padding mask as a bias, varlen
+sequences grouped by length into batched calls; materialized softmax with dropout or off the CPU);
+the pure-torch reference (backward: the analytic formulas in plain torch ops, recomputing the
+probabilities) only when forced. Deterministic mode (torch.use_deterministic_algorithms) selects
+the atomics-free dQ kernel.
 
 Dropout: the public functions draw one int64 seed from torch's CPU generator
 (``_dispatch.draw_seed``), the op saves it, and backward regenerates the same keep-mask from it
 (torch.utils.checkpoint restores the RNG state, so recomputation redraws the same seed). The
 Triton path uses Philox with counter (key, query, b*heads + h, 0) (see kernels/attention.py); the
-reference path ``_dispatch.reference_dropout_mask`` of shape [B, heads, S, S]. With
+torch and reference paths ``_dispatch.reference_dropout_mask`` of shape [B, heads, S, S]. With
 ``return_dropout_mask=True`` the public functions also return the exact bool keep-mask used
 ([B, heads, S, S]; varlen: [B, heads, max_seqlen, max_seqlen], sequence b in its top-left corner),
 or None when dropout is off.
@@ -32,15 +35,21 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, torch_impl
 
 __all__ = ["attention", "varlen_attention"]
 
 _DTYPES = _dispatch.FLOAT_DTYPES + (torch.float64,)
 
 
+def _impl(qkv: Tensor) -> str:
+    """"kernel", "torch" or "reference" for qkv (the kernels have no float64: torch runs it)."""
+    impl = _dispatch.implementation(qkv, uses_dot=True)
+    return "torch" if (impl == "kernel" and qkv.dtype == torch.float64) else impl
+
+
 def _use_triton(qkv: Tensor) -> bool:
-    return qkv.dtype != torch.float64 and _dispatch.use_triton(qkv, uses_dot=True)
+    return _impl(qkv) == "kernel"
 
 
 def _kernels():
@@ -113,9 +122,12 @@ def attention_fwd(qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, sof
     b, s, _, h, d = qkv.shape
     if qkv.numel() == 0:
         return qkv.new_empty((b, s, h, d)), torch.empty((b, h, s), device=qkv.device, dtype=torch.float32)
-    if _use_triton(qkv):
+    impl = _impl(qkv)
+    if impl == "kernel":
         return _kernels().attention_fwd(qkv, key_mask, None, s, softmax_scale, dropout_p,
                                         _dispatch.seed_value(seed))
+    if impl == "torch":
+        return torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed)
     mask = _reference_dropout_mask(b, h, s, dropout_p, seed, qkv.device)
     out = reference.attention(qkv, key_mask, dropout_p, softmax_scale, mask).contiguous()
     return out, _reference_lse_padded(qkv, key_mask, softmax_scale)
@@ -133,9 +145,12 @@ def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Te
                   dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
     if qkv.numel() == 0:
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
-    if _use_triton(qkv):
+    impl = _impl(qkv)
+    if impl == "kernel":
         return _kernels().attention_bwd(dout, qkv, key_mask, None, qkv.shape[1], out, lse, softmax_scale,
                                         dropout_p, _dispatch.seed_value(seed), _dispatch.deterministic())
+    if impl == "torch":
+        return torch_impl.attention_bwd(dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed)
     b, s, _, h, _ = qkv.shape
     mask = _reference_dropout_mask(b, h, s, dropout_p, seed, qkv.device)
     return _reference_attention_bwd(qkv, key_mask, dout, dropout_p, softmax_scale, mask)
@@ -180,9 +195,12 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
     t, _, h, d = qkv.shape
     if qkv.numel() == 0:
         return qkv.new_empty((t, h, d)), torch.empty((h, t), device=qkv.device, dtype=torch.float32)
-    if _use_triton(qkv):
+    impl = _impl(qkv)
+    if impl == "kernel":
         return _kernels().attention_fwd(qkv, None, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
                                         _dispatch.seed_value(seed))
+    if impl == "torch":
+        return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
     out = _reference_varlen(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed).contiguous()
     lse = torch.empty((h, t), device=qkv.device, dtype=torch.float32)
     bounds = cu_seqlens.tolist()
@@ -204,9 +222,13 @@ def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seql
                          lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
     if qkv.numel() == 0:
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
-    if _use_triton(qkv):
+    impl = _impl(qkv)
+    if impl == "kernel":
         return _kernels().attention_bwd(dout, qkv, None, cu_seqlens, max_seqlen, out, lse, softmax_scale,
                                         dropout_p, _dispatch.seed_value(seed), _dispatch.deterministic())
+    if impl == "torch":
+        return torch_impl.varlen_attention_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p,
+                                               softmax_scale, seed)
     mask = _reference_dropout_mask(cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, dropout_p, seed, qkv.device)
     dqkv = torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     bounds = cu_seqlens.tolist()
@@ -324,6 +346,18 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, qkv: Tensor, validate: bool = True
 
 
 # ----------------------------------------------------------------------------- public API
+def backend(device, dtype) -> str:
+    """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
+    device = torch.device(device)
+    impl = _dispatch.implementation_for(device, dtype, uses_dot=True)
+    if impl == "kernel" and dtype == torch.float64:
+        impl = "torch"
+    label = ("SDPA flash CPU kernel (padded: key-padding bias; varlen: sequences batched by length); "
+             "materialized softmax with dropout" if device.type == "cpu"
+             else "materialized softmax(QK^T)V with cuBLAS batched GEMMs")
+    return _dispatch.describe(impl, device, label)
+
+
 def attention(qkv: Tensor, attention_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
               softmax_scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
               return_dropout_mask: bool = False):

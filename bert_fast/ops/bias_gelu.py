@@ -1,7 +1,9 @@
 """bias_gelu: gelu(x + bias) as the torch ops ``bert_fast::bias_gelu_fwd`` / ``bert_fast::bias_gelu_bwd``.
 
-Triton kernel (bert_fast.kernels.bias_gelu) on CUDA and under the interpreter, else the pure-torch
-reference (whose backward is recomputed with autograd). Outputs are always contiguous.
+Implementations (chosen by bert_fast/ops/_dispatch.py): the Triton kernel (bert_fast.kernels.bias_gelu)
+on CUDA and under the interpreter; the torch implementation (bert_fast.ops.torch_impl: aten GELU in
+place on x + b, backward aten.gelu_backward) on the CPU and as the CUDA fallback; the pure-torch
+reference when forced. Outputs are always contiguous.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, torch_impl
 
 __all__ = ["bias_gelu"]
 
@@ -25,9 +27,12 @@ def _as_2d(t: Tensor) -> Tensor:
 @torch.library.custom_op("bert_fast::bias_gelu_fwd", mutates_args=())
 @_dispatch.op_impl
 def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
-    if _dispatch.use_triton(x):
+    impl = _dispatch.implementation(x)
+    if impl == "kernel":
         from bert_fast.kernels.bias_gelu import bias_gelu_fwd as launch
         return launch(_as_2d(x), bias, approximate).view(x.shape)
+    if impl == "torch":
+        return torch_impl.bias_gelu_fwd(x, bias, approximate).contiguous()
     return reference.bias_gelu(x, bias, approximate).contiguous()
 
 
@@ -39,10 +44,13 @@ def _(x, bias, approximate):
 @torch.library.custom_op("bert_fast::bias_gelu_bwd", mutates_args=())
 @_dispatch.op_impl
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
-    if _dispatch.use_triton(x):
+    impl = _dispatch.implementation(x)
+    if impl == "kernel":
         from bert_fast.kernels.bias_gelu import bias_gelu_bwd as launch
         dx, dbias = launch(_as_2d(dy), _as_2d(x), bias, approximate)
         return dx.view(x.shape), dbias
+    if impl == "torch":
+        return torch_impl.bias_gelu_bwd(dy, x, bias, approximate)
     # Reference backward = autograd's own GELU derivative (aten.gelu_backward) on the recomputed x + bias.
     # (torch.autograd.grad records nothing here: a custom op's implementation runs below the Autograd
     # key; torch.func.vjp works but trips opcheck's schema check.)
@@ -72,6 +80,12 @@ def _backward(ctx, dy):
 
 
 bias_gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def backend(device, dtype) -> str:
+    """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
+    return _dispatch.describe(_dispatch.implementation_for(device, dtype), device,
+                              "aten GELU on x + b (in place), aten.gelu_backward")
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:

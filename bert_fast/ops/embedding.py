@@ -8,15 +8,20 @@ Public API: :func:`embedding_layer_norm`. Registered torch ops:
   x is recomputed from the tables and the dropout mask regenerated from the saved seed. A gradient
   that is not needed comes back as an empty tensor (None through autograd).
 
-Dispatch (see ops/_dispatch.py):
-  * CUDA tensors (fp32/fp16/bf16)     -> the CUDA kernels of csrc/embedding_cuda.cu
-  * CPU tensors (fp32/fp16/bf16/fp64) -> the C++ CPU twin of csrc/embedding_cpu.cpp, with or without
-    TRITON_INTERPRET. Decision: the twin is our kernel with the GPU's exact semantics (same Philox
-    dropout bits, fp32 statistics, fused unpadding) and is faster than the reference, so it is the
-    CPU path of the library for this op; it is the one op whose CPU path is not the reference.
-  * ``BERT_FAST_BACKEND=reference``, float64 on CUDA, or a build without the extension
-                                      -> bert_fast.reference.embedding_layer_norm (plain torch
-                                         autograd; dropout mask from _dispatch.reference_dropout_mask)
+Dispatch (the rule of ops/_dispatch.py; ``_backend`` maps it to this op's four implementations):
+  * CUDA tensors (fp32/fp16/bf16)      -> "cuda": the CUDA kernels of csrc/embedding_cuda.cu
+  * CPU tensors with TRITON_INTERPRET=1 -> "cpu": the C++ CPU twin of csrc/embedding_cpu.cpp, our
+    kernel with the GPU's exact semantics (same Philox dropout bits, fp32 statistics, fused
+    unpadding): the "kernel" on the CPU, which the op tests check
+  * CPU tensors otherwise, float64 on CUDA, BERT_FAST_BACKEND=torch, or a build without the
+    extension                          -> "torch": bert_fast.ops.torch_impl (index_select gathers,
+    in-place sum, aten native_layer_norm; backward native_layer_norm_backward + index_add_).
+    Measured 1.4-3x faster than the twin on the 2-core CPU (the twin is single-threaded and
+    scalar; benchmarks/NOTES.md, CPU path), so it is the production CPU path.
+  * ``BERT_FAST_BACKEND=reference``    -> "reference": bert_fast.reference.embedding_layer_norm
+    (plain torch autograd; dropout mask from _dispatch.reference_dropout_mask)
+The torch path draws its dropout mask with ``_dispatch.reference_dropout_mask`` (the reference's
+bits for one seed), the twin and CUDA with their shared Philox stream.
 Deterministic mode (torch.use_deterministic_algorithms(True)) makes the CUDA backward atomics-free:
 dx rows go to a workspace and each table row sums its tokens in stable-sorted order. The CPU twin is
 always deterministic.
@@ -29,7 +34,7 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, torch_impl
 
 __all__ = ["embedding_layer_norm"]
 
@@ -57,16 +62,29 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _backend(t: Tensor) -> str:
-    """"cuda", "cpu" (the C++ twin) or "reference" for tables ``t``."""
-    if _dispatch.reference_forced() or _ext is None:
-        return "reference"
-    if t.is_cuda:
-        if t.dtype == torch.float64 or not hasattr(_ext, "embedding_fwd_cuda"):
-            return "reference"
-        return "cuda"
-    if t.device.type == "cpu":
-        return "cpu"
-    return "reference"
+    """"cuda", "cpu" (the C++ twin), "torch" or "reference" for tables ``t`` (module docstring)."""
+    return _backend_for(t.device, t.dtype)
+
+
+def _backend_for(device, dtype) -> str:
+    impl = _dispatch.implementation_for(device, dtype)
+    if impl != "kernel" or _ext is None:
+        return impl if impl == "reference" else "torch"
+    if torch.device(device).type == "cuda":
+        return "cuda" if hasattr(_ext, "embedding_fwd_cuda") else "torch"
+    return "cpu"
+
+
+def backend(device, dtype) -> str:
+    """What runs for tables of ``dtype`` on ``device`` (``bert-fast info``)."""
+    b = _backend_for(device, dtype)
+    if b == "cuda":
+        return "CUDA kernel (bert_fast._C)"
+    if b == "cpu":
+        return "C++ CPU twin (bert_fast._C; TRITON_INTERPRET=1 runs the kernels)"
+    impl = "torch" if b == "torch" else "reference"
+    return _dispatch.describe(impl, device, "index_select gathers + aten native_layer_norm"
+                              + ("" if _ext is not None else " (bert_fast._C not built)"))
 
 
 def _out_rows(input_ids: Tensor, indices: Optional[Tensor]) -> int:
@@ -116,6 +134,10 @@ def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], 
     if validate and _dispatch.host_checks_allowed(input_ids):
         _validate_ranges(input_ids, position_ids, token_type_ids, indices, word.shape[0],
                          position_embeddings.shape[0], token_type_embeddings.shape[0])
+    if _backend(word) == "torch":
+        return torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word,
+                                        position_embeddings, token_type_embeddings, weight, bias, eps,
+                                        dropout_p, seed)
     rows = _out_rows(input_ids, indices)
     hidden = word.shape[1]
     out_shape = (rows, hidden) if indices is not None else tuple(input_ids.shape) + (hidden,)
@@ -175,6 +197,10 @@ def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: 
 
     if rows == 0 or not any(need):
         return tuple(final(i) for i in range(5))
+    if _backend(word) == "torch":
+        grads = torch_impl.embedding_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos,
+                                         typ, weight, mean, rstd, dropout_p, seed, padding_idx, need)
+        return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
     grad_out = grad_out.reshape(rows, hidden).contiguous()
     params = _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows,
                             dropout_p, seed)

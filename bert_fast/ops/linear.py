@@ -7,8 +7,12 @@ Backends (one is chosen per call, forward and backward separately):
   "cublas"     torch.mm / F.linear (cuBLAS) + our fused bias+GELU Triton kernel
                (bert_fast.kernels.bias_gelu); backward: bias_gelu_bwd + torch.mm. On the CPU
                interpreter: torch's CPU matmul + the bias_gelu kernel through the interpreter.
-  "reference"  pure torch (bert_fast.reference); the CPU path without the interpreter, the bf16 path
-               under the interpreter (its tl.dot is wrong in bf16), and float64 on CUDA.
+  "torch"      the torch implementation (bert_fast.ops.torch_impl: F.linear (MKL / oneDNN / cuBLAS)
+               + aten GELU, oneDNN's fused linear + GELU for bf16 inference on the CPU; backward
+               aten.gelu_backward + two mm): the CPU path without the interpreter, the bf16 path
+               under the interpreter (its tl.dot is wrong in bf16), float64 on CUDA, and every
+               path with BERT_FAST_BACKEND=torch
+  "reference"  pure torch (bert_fast.reference), only with BERT_FAST_BACKEND=reference
 
 Choosing between "triton" and "cublas" ("dispatch decided by measurement"):
   1. ``backend=`` argument of :func:`linear`, else ``BERT_FAST_LINEAR_BACKEND=triton|cublas|auto``;
@@ -55,14 +59,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, torch_impl
 
 __all__ = ["linear"]
 
 _DTYPES = _dispatch.FLOAT_DTYPES + (torch.float64,)
 _ACTIVATIONS = {None: "none", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 _APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
-BACKENDS = ("triton", "cublas", "reference")
+BACKENDS = ("triton", "cublas", "torch", "reference")
 _ENV = "BERT_FAST_LINEAR_BACKEND"
 DISPATCH_TABLE = Path(__file__).resolve().parent.parent / "data" / "linear_dispatch.json"
 
@@ -145,16 +149,15 @@ def _table_backend(x: Tensor, n: int, k: int, activation: str, direction: str) -
 
 def choose_backend(x: Tensor, n: int, k: int, activation: str, direction: str,
                    backend: Optional[str] = None, defer_auto: bool = False) -> str:
-    """The backend ("triton", "cublas" or "reference") of one forward or backward call.
+    """The backend ("triton", "cublas", "torch" or "reference") of one forward or backward call.
 
     ``defer_auto``: on CUDA with "auto" requested, return "auto" instead of reading the dispatch
     table (the ops resolve it at run time, see :func:`_table_backend`); what :func:`linear` uses,
     so that it traces under torch.compile(fullgraph=True) on CUDA too."""
     req = _requested_backend(backend)
-    if not _dispatch.use_triton(x, uses_dot=True):
-        return "reference"
-    if x.is_cuda and x.dtype == torch.float64:
-        return "reference"     # fp64 tl.dot on the GPU is untested; cuBLAS DGEMM it is
+    impl = _dispatch.implementation(x, uses_dot=True)   # float64 on CUDA: "torch" (cuBLAS DGEMM)
+    if impl != "kernel":
+        return impl
     if req != "auto":
         return req
     if not x.is_cuda:
@@ -194,7 +197,7 @@ def _bias_or_zeros(bias: Optional[Tensor], n: int, like: Tensor) -> Tensor:
 def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
                save_z: bool) -> Tuple[Tensor, Tensor]:
     """(y, z) for x [M, K] (any strides), weight [N, K]. z is what the backward needs when an
-    activation is set and ``save_z``: x @ W^T + b ("triton", "reference") or x @ W^T without the
+    activation is set and ``save_z``: x @ W^T + b ("triton", "torch", "reference") or x @ W^T without the
     bias ("cublas", whose bias+GELU kernel adds the bias itself); otherwise an empty tensor.
 
     ``backend``: "<forward backend>" or "<forward backend>:<backward backend>" (the backward part
@@ -213,6 +216,8 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: st
             from bert_fast.kernels.bias_gelu import bias_gelu_fwd
             z = torch.mm(x, weight.t())
             y = bias_gelu_fwd(z, _bias_or_zeros(bias, weight.shape[0], z), _APPROX[act])
+    elif backend == "torch":
+        y, z = torch_impl.linear_fwd(x, weight, bias, act, keep_z)
     else:   # reference
         z = F.linear(x, weight, bias)
         y = z if act is None else F.gelu(z, approximate=_APPROX[act])
@@ -248,6 +253,12 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z:
     if act is not None and z.numel() != dy.numel():
         raise RuntimeError("bert_fast::linear_bwd: the forward did not save the pre-activation "
                            "(call linear_fwd with save_z=True when gradients are needed)")
+    if fwd_backend == "torch" and bwd_backend == "torch":
+        dx, dw, db = torch_impl.linear_bwd(dy, x, weight, z if act is not None else None, act,
+                                           need_dx, need_dw, need_db)
+        empty = dy.new_empty((0,))
+        return (dx if need_dx else empty), (dw if need_dw else empty.clone()), \
+            (db if need_db else empty.clone())
     # 1. dZ = dY * act'(z) and db, fused
     db = None
     if act is not None and fwd_backend == "cublas":
@@ -257,7 +268,7 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z:
         from bert_fast.kernels.linear import linear_bwd_dz
         dz, db = linear_bwd_dz(dy, z if act is not None else None, act, need_dz=need_dz,
                                need_db=need_db)
-    else:   # reference (and plain cuBLAS: dz is dy)
+    else:   # torch / reference (and plain cuBLAS: dz is dy)
         dz = dy if act is None else torch.ops.aten.gelu_backward(dy, z, approximate=_APPROX[act])
         if need_db:
             db = dz.sum(0, dtype=torch.float64 if dz.dtype == torch.float64 else torch.float32)
@@ -323,6 +334,16 @@ def _autocast_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
     dtype = torch.get_autocast_dtype(dev)
     cast = lambda t: t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype)
     return cast(x), cast(weight), cast(bias)
+
+
+def backend(device, dtype) -> str:
+    """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
+    device = torch.device(device)
+    impl = _dispatch.implementation_for(device, dtype, uses_dot=True)
+    kernel = "Triton or cuBLAS (auto, per shape)" if device.type == "cuda" else "Triton"
+    fused = " (oneDNN linear + GELU fused for bf16 inference)" if (
+        device.type == "cpu" and dtype == torch.bfloat16 and torch_impl._onednn_bf16()) else ""
+    return _dispatch.describe(impl, device, f"F.linear (MKL/oneDNN/cuBLAS) + aten GELU{fused}", kernel)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,

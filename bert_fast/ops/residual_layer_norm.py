@@ -6,7 +6,12 @@ Dropout: the public function draws one int64 seed from torch's CPU generator
 it (the mask is never stored), and torch.utils.checkpoint, which restores the RNG state, redraws the
 same seed and so recomputes the same mask. The Triton path draws its mask with Philox
 (one Philox4x32-10 call per 4 columns of a row, int64 counters; see kernels/residual_layer_norm.py); the
-reference path uses ``_dispatch.reference_dropout_mask``. ``residual_layer_norm_dropout_mask``
+torch and reference paths use ``_dispatch.reference_dropout_mask`` (the same bits for one seed).
+
+Implementations (bert_fast/ops/_dispatch.py): the Triton kernel on CUDA and under the interpreter;
+the torch implementation (bert_fast.ops.torch_impl: dropout + add, aten.native_layer_norm with fp32
+statistics, backward aten.native_layer_norm_backward from the saved statistics) on the CPU and as
+the CUDA fallback; the reference when forced. ``residual_layer_norm_dropout_mask``
 returns the exact mask either path uses, for tests and debugging.
 """
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, torch_impl
 
 __all__ = ["residual_layer_norm", "residual_layer_norm_dropout_mask"]
 
@@ -40,7 +45,7 @@ def residual_layer_norm_dropout_mask(shape, dropout_p: float, seed: Optional[Ten
     device = torch.device(device)
     if seed is None or dropout_p == 0.0:
         return torch.ones(shape, dtype=torch.bool, device=device)
-    if _dispatch.use_triton(torch.empty(0, device=device)):
+    if _dispatch.implementation_for(device, torch.float32) == "kernel":
         from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
         return dropout_keep_mask(shape, dropout_p, _dispatch.seed_value(seed), device)
     return _dispatch.reference_dropout_mask(shape, dropout_p, seed, device)
@@ -56,11 +61,14 @@ def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
 @_dispatch.op_impl
 def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
                             dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    if _dispatch.use_triton(x):
+    impl = _dispatch.implementation(x)
+    if impl == "kernel":
         from bert_fast.kernels.residual_layer_norm import residual_layer_norm_fwd as launch
         y, mean, rstd = launch(_as_2d(x), _as_2d(residual), weight, bias, eps, dropout_p,
                                _dispatch.seed_value(seed))
         return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+    if impl == "torch":
+        return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed)
     y, mask = _reference_forward(x, residual, weight, bias, eps, dropout_p, seed)
     h = reference._apply_dropout(x, dropout_p, mask) + residual
     h = h.to(_stat_dtype(x.dtype))
@@ -80,11 +88,15 @@ def _(x, residual, weight, bias, eps, dropout_p, seed):
 def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor,
                             mean: Tensor, rstd: Tensor, eps: float, dropout_p: float,
                             seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    if _dispatch.use_triton(x):
+    impl = _dispatch.implementation(x)
+    if impl == "kernel":
         from bert_fast.kernels.residual_layer_norm import residual_layer_norm_bwd as launch
         dx, dres, dw, db = launch(_as_2d(dy), _as_2d(x), _as_2d(residual), weight, bias,
                                   mean.reshape(-1), rstd.reshape(-1), dropout_p, _dispatch.seed_value(seed))
         return dx.view(x.shape), dres.view(x.shape), dw, db
+    if impl == "torch":
+        grads = torch_impl.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd, dropout_p, seed)
+        return tuple(g.contiguous() for g in grads)
     # Reference backward = autograd's own LayerNorm backward (aten native_layer_norm_backward) on
     # h recomputed from x, residual and the seed's mask. (torch.autograd.grad records nothing here: a
     # custom op's implementation runs below the Autograd key; torch.func.vjp trips opcheck.)
@@ -122,6 +134,12 @@ def _backward(ctx, dy, _dmean, _drstd):
 
 
 residual_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def backend(device, dtype) -> str:
+    """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
+    return _dispatch.describe(_dispatch.implementation_for(device, dtype), device,
+                              "dropout + add, aten native_layer_norm (fp32 statistics) and its backward")
 
 
 def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12,

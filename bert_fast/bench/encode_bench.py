@@ -1,0 +1,131 @@
+"""``bert-fast bench --encode``: sentence-transformers' encode() with and without bert_fast.optimize().
+
+What a user of sentence embeddings runs: ``SentenceTransformer(folder).encode(sentences)`` on a
+list of real, mixed-length sentences (bert_fast/data/encode_sentences.txt: 200 lines of one to ten
+sentences from the shipped demo corpus; ``--encode-sentences FILE`` for your own, one per line).
+Two providers, each its own SentenceTransformer loaded from the same folder:
+
+  st+optimize            the model after ``bert_fast.optimize(model)`` (the subject of the speedup)
+  sentence-transformers  the model as loaded
+
+timed side by side in interleaved rounds (bert_fast.bench.timing.measure), one call = one
+encode() of the whole list at ``--encode-batch`` (default 32, sentence-transformers' own default).
+Parity: the largest |difference| and the smallest cosine between the two embeddings of each sentence.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from bert_fast.bench.model_workload import BenchError, flops_per_token
+
+SUBJECT = "st+optimize"
+BASELINE = "sentence-transformers"
+DEFAULT_SENTENCES = Path(__file__).resolve().parents[1] / "data" / "encode_sentences.txt"
+
+
+def read_sentences(path: Optional[str]) -> List[str]:
+    p = Path(path).expanduser() if path else DEFAULT_SENTENCES
+    if not p.is_file():
+        raise BenchError(f"--encode-sentences: no such file {p}")
+    sentences = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not sentences:
+        raise BenchError(f"--encode-sentences: {p} holds no sentences")
+    return sentences
+
+
+def _load(folder: str, device):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")          # a local folder: never reach a hub
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as exc:
+        raise BenchError(f"--encode needs sentence-transformers (pip install -e \".[test]\"): {exc}") from None
+    return SentenceTransformer(folder, device=str(device))
+
+
+def make_case(folder: str, sentences: List[str], batch_size: int, dtype_name: str, name: str,
+              sentences_file: Optional[str]) -> Dict[str, Any]:
+    return {"model": folder, "model_name": name, "mode": "encode", "batch": len(sentences), "seq": None,
+            "lengths": f"sentences:{Path(sentences_file).name if sentences_file else DEFAULT_SENTENCES.name}",
+            "encode_batch_size": batch_size, "dtype": dtype_name, "cuda_graphs": False, "subject": SUBJECT,
+            "parity": None, "results": [], "_sentences": sentences}
+
+
+def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: int, max_rounds: int,
+                    target: float, max_seconds: Optional[float], ceilings: Dict[str, Any], timer=None,
+                    on_round=None) -> Dict[str, Any]:
+    import torch
+
+    import bert_fast
+    from bert_fast.bench.model_bench import _fill_speedups, _new_record, _one_line
+    from bert_fast.bench.timing import measure
+
+    sentences = case["_sentences"]
+    bs = case["encode_batch_size"]
+    models, fns, recs = {}, {}, {}
+    for provider in (SUBJECT, BASELINE):
+        rec = recs[provider] = _new_record(provider)
+        case["results"].append(rec)
+        try:
+            st = _load(case["model"], device)
+            if provider == SUBJECT:
+                bert_fast.optimize(st)
+                rec["notes"] = ["bert_fast.optimize(SentenceTransformer)"]
+            models[provider] = st
+            fns[provider] = (lambda m=st: m.encode(sentences, batch_size=bs, convert_to_tensor=True,
+                                                   show_progress_bar=False))
+        except BenchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the other
+            rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+            print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+    # real tokens of one call (after the model's own truncation) and their FLOPs
+    st = next(iter(models.values()), None)
+    if st is not None:
+        # the model's own tokenizer and truncation, as encode() applies them
+        lens = [len(ids) for ids in st.tokenizer(sentences, truncation=True, max_length=st.max_seq_length)["input_ids"]]
+        cfg = st[0].auto_model.config
+        case.update(real_tokens=int(sum(lens)), seq=int(max(lens)), max_seq_length=st.max_seq_length,
+                    flops_per_step=float(sum(n * flops_per_token(cfg.hidden_size, cfg.num_hidden_layers,
+                                                                 cfg.intermediate_size, n) for n in lens)),
+                    config={k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers",
+                                                         "num_attention_heads", "intermediate_size")})
+    outs = {}
+    for provider, fn in list(fns.items()):
+        try:
+            with torch.no_grad():
+                outs[provider] = fn().float().cpu()        # first call: warm, and kept for parity
+        except Exception as exc:  # noqa: BLE001
+            recs[provider].update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+            print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+            fns.pop(provider)
+    if len(outs) == 2:
+        a, b = outs[BASELINE], outs[SUBJECT]
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        case["parity"] = {"reference": BASELINE, "max_abs_diff": float((a - b).abs().max()),
+                          "min_cosine": float(cos.min()), "ref_max_abs": float(a.abs().max())}
+    if fns:
+        m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
+                    budget_s=max_seconds, timer=timer, on_round=on_round)
+        case["timing"] = {"rounds": len(m.rounds), "stop_reason": m.stop_reason, "seconds": m.seconds,
+                          "threads": m.threads, "target_rel": target}
+        rate = ceilings.get("matmul_tflops")
+        for provider in fns:
+            rec = recs[provider]
+            if provider in m.errors or provider in m.skipped:
+                exc = m.errors.get(provider)
+                rec.update(status="error" if exc else "skipped",
+                           error=f"{type(exc).__name__}: {exc}"[:2000] if exc else m.skipped[provider])
+                continue
+            t = m.timings[provider]
+            rec.update(t.to_dict())
+            sec = t.median_ms * 1e-3
+            rec["tokens_per_s"] = case.get("real_tokens", 0) / sec
+            rec["padded_tokens_per_s"] = None
+            rec["tflops"] = case.get("flops_per_step", 0.0) / sec / 1e12
+            rec["mfu"] = rec["tflops"] / rate if rate else None
+        _fill_speedups(case, m, subject=SUBJECT)
+    models.clear()
+    return case

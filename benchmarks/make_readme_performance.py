@@ -80,7 +80,7 @@ def model_table(runs: List[Dict[str, Any]]) -> List[str]:
     for c in sorted(runs, key=lambda c: (order.get(c.get("mode"), 2), c.get("model", ""), c.get("seq", 0),
                                          c.get("batch", 0), bool(c.get("cuda_graphs")))):
         for r in c.get("results", []):
-            base = [c.get("model"), c.get("mode"), f"{c.get('batch')} × {c.get('seq')}", c.get("lengths"),
+            base = [c.get("model_name") or c.get("model"), c.get("mode"), f"{c.get('batch')} × {c.get('seq')}", c.get("lengths"),
                     "yes" if c.get("cuda_graphs") else "no", f"`{r.get('provider')}`"]
             if r.get("status") != "ok":
                 err = (r.get("error") or "").splitlines()[0][:60] if r.get("error") else ""

@@ -97,7 +97,7 @@ def _flags(r: Dict[str, Any]) -> str:
 
 
 def format_table(doc: Dict[str, Any]) -> str:
-    header = (f"{'case':<50} {'provider':<18} {'median ms':>10} {'95% CI ms':>19} {'p20-p80 ms':>19} {'GB/s':>9} "
+    header = (f"{'case':<50} {'provider':<24} {'median ms':>10} {'95% CI ms':>19} {'p20-p80 ms':>19} {'GB/s':>9} "
               f"{'TFLOP/s':>8} {'% ceiling':>10} {'speedup of bert_fast':>22}  flags")
     lines = [header, "-" * len(header)]
     for c in doc.get("cases", []):
@@ -105,7 +105,7 @@ def format_table(doc: Dict[str, Any]) -> str:
         for r in c.get("results", []):
             if r["status"] != "ok":
                 err = (r.get("error") or "").splitlines()[0][:100] if r.get("error") else ""
-                lines.append(f"{name:<50.50} {r['provider']:<18} {r['status'].upper():>10}  {err}")
+                lines.append(f"{name:<50.50} {r['provider']:<24} {r['status'].upper():>10}  {err}")
                 continue
             gbs = f"{r['gbs']:.1f}" if r.get("gbs") is not None else "-"
             tfl = f"{r['tflops']:.2f}" if r.get("tflops") is not None else "-"
@@ -113,7 +113,7 @@ def format_table(doc: Dict[str, Any]) -> str:
             tag = {"matmul_tflops": " mm", "copy_bandwidth_gbs": " bw"}.get(r.get("ceiling"), "")
             sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
             sp_text = "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
-            lines.append(f"{name:<50.50} {r['provider']:<18} {r['median_ms']:>10.4f} "
+            lines.append(f"{name:<50.50} {r['provider']:<24} {r['median_ms']:>10.4f} "
                          f"{r['ci_low_ms']:>9.4f}-{r['ci_high_ms']:<9.4f} "
                          f"{r['p20_ms']:>9.4f}-{r['p80_ms']:<9.4f} {gbs:>9} {tfl:>8} {pct + tag:>10} "
                          f"{sp_text:>22}  {_flags(r)}".rstrip())
@@ -292,9 +292,10 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     if modules is None:
         modules, import_errors = discover_modules(ops)
     if not cuda:
-        notes.append("No CUDA GPU: bert_fast's Triton and CUDA kernels need a CUDA GPU. On the CPU the "
-                     "bert_fast provider runs the pure-PyTorch reference (or the Triton interpreter with "
-                     f"TRITON_INTERPRET=1), so these figures measure CPU PyTorch, not the kernels; at most "
+        notes.append("This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
+                     "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch "
+                     "picks for CPU tensors (the Triton interpreter with TRITON_INTERPRET=1), "
+                     f"{args.threads} thread(s); at most "
                      f"{args.max_cases} case(s) per op (--max-cases); torch.compile providers are left out "
                      f"unless named in --providers (compiling C++ on the CPU takes minutes).")
     for op, err in import_errors.items():

@@ -19,6 +19,7 @@ kernel and matches transformers at every position, pads included.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttent
                                            BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
 
-from bert_fast import dropin, ops
+from bert_fast import direct_ops, dropin, ops
 from bert_fast.masks import key_padding_mask
 from bert_fast.padding import Unpadded, pad, unpad
 
@@ -126,9 +127,13 @@ class _Batch:
     # the attention mask in the form transformers' own attention modules take.
     unfused: Dict[int, FrozenSet[str]] = field(default_factory=dict)
     hf_mask: Optional[torch.Tensor] = None
+    # The ops the layers call: bert_fast.ops (custom ops: autograd, torch.compile), or
+    # bert_fast.direct_ops (the same torch implementation without the custom-op overhead, for
+    # inference; see direct_ops.usable).
+    ops: object = ops
 
 
-def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype):
+def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
     """The LoRA terms of Linear layers as extra GEMM columns: returns (x_aug, w_extra) such that
     [x | x_aug] @ [W | w_extra]^T = x W^T + sum_j scaling_j * B_j A_j dropout_j(x) for every
     output row block. ``terms``: per output block, (rows, [LoraTerm]); rows is the block's height.
@@ -145,9 +150,9 @@ def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype):
     us = []
     if shared:
         a = torch.cat([_cast(t.a, dtype) for _, t in shared]) if len(shared) > 1 else _cast(shared[0][1].a, dtype)
-        us.append(ops.linear(x, a))
+        us.append(o.linear(x, a))
     for _, t in own:
-        us.append(ops.linear(t.dropout(x), _cast(t.a, dtype)))
+        us.append(o.linear(t.dropout(x), _cast(t.a, dtype)))
     u = torch.cat(us, dim=-1) if len(us) > 1 else us[0]
     # Block matrix [sum rows, sum r]: adapter j's scaled B in its output block's rows, zeros elsewhere.
     ranks = [t.a.shape[0] for _, t in order]
@@ -159,23 +164,23 @@ def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype):
     return u, torch.cat(blocks, dim=0)
 
 
-def _linear(x: torch.Tensor, lin: dropin.LinearTerms, dtype: torch.dtype, activation=None) -> torch.Tensor:
+def _linear(x: torch.Tensor, lin: dropin.LinearTerms, dtype: torch.dtype, activation=None, o=ops) -> torch.Tensor:
     """act(x W^T + b [+ LoRA]) with the LoRA term inside the same GEMM (extra K columns)."""
     w, b = _cast(lin.weight, dtype), _cast(lin.bias, dtype)
-    u, w_extra = _lora_augment(x, [(w.shape[0], lin.lora)], dtype)
+    u, w_extra = _lora_augment(x, [(w.shape[0], lin.lora)], dtype, o)
     if u is not None:
         x, w = torch.cat([x, u], dim=-1), torch.cat([w, w_extra], dim=1)
-    return ops.linear(x, w, b, activation=activation)
+    return o.linear(x, w, b, activation=activation)
 
 
-def _qkv(self_attn, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _qkv(self_attn, h: torch.Tensor, dtype: torch.dtype, o=ops) -> torch.Tensor:
     """The fused QKV projection [.., 3H], LoRA terms of query/key/value included."""
     wqkv, bqkv = fused_qkv(self_attn, dtype)
     parts = [dropin.linear_terms(m) for m in (self_attn.query, self_attn.key, self_attn.value)]
-    u, w_extra = _lora_augment(h, [(p.weight.shape[0], p.lora) for p in parts], dtype)
+    u, w_extra = _lora_augment(h, [(p.weight.shape[0], p.lora) for p in parts], dtype, o)
     if u is None:
-        return ops.linear(h, wqkv, bqkv)
-    return ops.linear(torch.cat([h, u], dim=-1), torch.cat([wqkv, w_extra], dim=1), bqkv)
+        return o.linear(h, wqkv, bqkv)
+    return o.linear(torch.cat([h, u], dim=-1), torch.cat([wqkv, w_extra], dim=1), bqkv)
 
 
 def _first(out):
@@ -193,6 +198,7 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
     hidden = config.hidden_size
     unfused = batch.unfused.get(layer.bert_fast_index, frozenset())
     att = layer.attention
+    o = batch.ops
 
     if "attention" in unfused:
         h1 = _cast(_first(att(h, batch.hf_mask)), dtype)
@@ -201,34 +207,34 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
             ctx = _cast(_first(att.self(h, attention_mask=batch.hf_mask)), dtype)
         else:
             p_attn = att.self.dropout.p if training else 0.0
-            qkv = _qkv(att.self, h, dtype)
+            qkv = _qkv(att.self, h, dtype, o)
             if batch.padded:
-                ctx = ops.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
+                ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
                                     batch.mask, dropout_p=p_attn)
             else:
                 u = batch.unpadded
                 # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
-                ctx = ops.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
+                ctx = o.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
                                            u.max_seqlen, dropout_p=p_attn, validate=False)
             ctx = ctx.reshape(h.shape)
         if "attention.output" in unfused:
             h1 = _cast(att.output(ctx, h), dtype)
         else:
             so = att.output
-            a = _linear(ctx, dropin.linear_terms(so.dense), dtype)
-            h1 = ops.residual_layer_norm(a, h, _cast(so.LayerNorm.weight, dtype), _cast(so.LayerNorm.bias, dtype),
+            a = _linear(ctx, dropin.linear_terms(so.dense), dtype, o=o)
+            h1 = o.residual_layer_norm(a, h, _cast(so.LayerNorm.weight, dtype), _cast(so.LayerNorm.bias, dtype),
                                          so.LayerNorm.eps, so.dropout.p if training else 0.0)
 
     if "intermediate" in unfused:
         f = _cast(layer.intermediate(h1), dtype)
     else:
         f = _linear(h1, dropin.linear_terms(layer.intermediate.dense), dtype,
-                    activation=ACTIVATIONS[config.hidden_act])
+                    activation=ACTIVATIONS[config.hidden_act], o=o)
     if "output" in unfused:
         return _cast(layer.output(f, h1), dtype)
     out = layer.output
-    o = _linear(f, dropin.linear_terms(out.dense), dtype)
-    return ops.residual_layer_norm(o, h1, _cast(out.LayerNorm.weight, dtype), _cast(out.LayerNorm.bias, dtype),
+    y = _linear(f, dropin.linear_terms(out.dense), dtype, o=o)
+    return o.residual_layer_norm(y, h1, _cast(out.LayerNorm.weight, dtype), _cast(out.LayerNorm.bias, dtype),
                                    out.LayerNorm.eps, out.dropout.p if training else 0.0)
 
 
@@ -430,6 +436,8 @@ class BertModel(transformers.BertModel):
         h = _cast(h, dtype)
         if found:
             batch.hf_mask = self._hf_attention_mask(attention_mask, h)
+        if not found and direct_ops.usable(h, self.training):
+            batch.ops = direct_ops
 
         def to_bsh(x):
             return x if padded else pad(x, batch.unpadded)
@@ -439,7 +447,10 @@ class BertModel(transformers.BertModel):
                         and getattr(self.encoder, "gradient_checkpointing", False))
         collect = (lambda x: all_hidden.append(to_bsh(x))) if output_hidden_states else None
         if isinstance(self.encoder, BertEncoder):
-            h = self.encoder(h, batch, checkpointed=encoder_ckpt, collect=collect).last_hidden_state
+            # The direct ops compute in h's dtype, as the custom ops do (op_impl turns autocast off).
+            no_autocast = batch.ops is direct_ops and torch.is_autocast_enabled(h.device.type)
+            with torch.autocast(h.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
+                h = self.encoder(h, batch, checkpointed=encoder_ckpt, collect=collect).last_hidden_state
         else:   # a user's own encoder class (reported by unfused_pieces): called as transformers does
             h = _first(self.encoder(h, attention_mask=batch.hf_mask))
             h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h

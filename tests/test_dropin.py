@@ -393,3 +393,28 @@ def test_check_walks_every_module_once():
     fast.encoder.layer[1].output.dense = _scaled(fast.encoder.layer[1].output.dense)
     assert set(fast.unfused_pieces()) == {"encoder.layer.1.output.dense"}
     assert "ScaledLinear" in fast.unfused_pieces()["encoder.layer.1.output.dense"]
+
+
+# ----------------------------------------------------------------------------- inference fast path
+def test_direct_inference_path_equals_custom_ops(monkeypatch):
+    """No-grad inference on the torch implementation skips the custom-op plumbing
+    (bert_fast.direct_ops): the same functions, so the same numbers as through the ops."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from bert_fast import direct_ops
+
+    calls = []
+    real = direct_ops.linear
+    monkeypatch.setattr(direct_ops, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hf, fast = make_pair()
+    ids, mask = batch(hf.config)
+    with torch.no_grad():
+        direct = fast(ids, attention_mask=mask).last_hidden_state
+    assert calls, "no-grad inference did not take the direct path"
+    calls.clear()
+    via_ops = fast(ids, attention_mask=mask).last_hidden_state.detach()   # grad mode: the custom ops
+    assert not calls
+    assert torch.equal(direct, via_ops)
+    fast.train()
+    with torch.no_grad():
+        fast(ids, attention_mask=mask)
+    assert not calls, "training mode (dropout) must not take the inference-only path"

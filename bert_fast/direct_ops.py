@@ -1,0 +1,54 @@
+"""The encoder's ops without the custom-op plumbing, for inference on the torch implementation.
+
+A call through a registered custom op (``torch.ops.bert_fast.*`` with its autograd formula, schema
+checks and the public function's validation) costs ~20-45 us of Python and dispatch on the CPU,
+against ~5 us for an aten call: at batch 1 that is several percent of a MiniLM forward. When no
+gradient is taken, nothing is compiled and the op would run its torch implementation anyway
+(CPU tensors without the interpreter, or BERT_FAST_BACKEND=torch), the model calls the very same
+implementation functions (bert_fast.ops.torch_impl) directly: same code, same numbers (a test
+checks the two paths agree bit for bit), minus the overhead. Dropout is never on here (eval only).
+
+The object mirrors the subset of ``bert_fast.ops`` the model uses, so a layer runs unchanged on
+either (``modeling._layer_forward(..., o=ops or direct_ops)``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from bert_fast.ops import _dispatch, torch_impl
+
+_ACT = {None: None, "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+
+
+def usable(t: Tensor, training: bool) -> bool:
+    """Whether the model may run its layers on these direct calls for tensors like ``t``."""
+    return (not training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and _dispatch.implementation_for(t.device, t.dtype, uses_dot=True) == "torch")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
+    n, k = weight.shape
+    y, _ = torch_impl.linear_fwd(x.reshape(-1, k), weight, bias, _ACT[activation], False)
+    return y.view(*x.shape[:-1], n)
+
+
+def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
+                        dropout_p: float = 0.0) -> Tensor:
+    assert dropout_p == 0.0, "direct ops run inference only"
+    return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, 0.0, None)[0]
+
+
+def attention(qkv: Tensor, attention_mask: Optional[Tensor], dropout_p: float = 0.0) -> Tensor:
+    assert dropout_p == 0.0, "direct ops run inference only"
+    return torch_impl.attention_fwd(qkv, attention_mask, 0.0, 1.0 / math.sqrt(qkv.shape[-1]), None)[0]
+
+
+def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                     validate: bool = False) -> Tensor:
+    assert dropout_p == 0.0, "direct ops run inference only"
+    return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, 0.0,
+                                           1.0 / math.sqrt(qkv.shape[-1]), None)[0]

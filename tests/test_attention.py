@@ -22,6 +22,8 @@ from bert_fast.ops import attention, varlen_attention
 from bert_fast.testing import (assert_close_2x, dtypes_for, philox4x32_10, pick_test_device,
                                uint32_to_uniform_float)
 
+# every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
+pytestmark = pytest.mark.kernels("attention")
 DEVICE = pick_test_device()
 CUDA = DEVICE.type == "cuda"
 DTYPES = dtypes_for(DEVICE)
@@ -270,8 +272,7 @@ def test_dropout_varlen_rebuilds_reference(device):
 def test_dropout_varlen_mask_equals_padded_mask(device):
     """Same seed: varlen and padded draw the same bits for the same (sequence, head, query, key)."""
     qkv = torch.randn(2, 20, 3, 2, 16, device=device)
-    if not (_dispatch.use_triton(qkv, uses_dot=True)):
-        pytest.skip("the reference path draws its mask from its own shape")
+    assert _dispatch.use_triton(qkv, uses_dot=True), "the attention kernel must run here (tests/conftest.py)"
     torch.manual_seed(9)
     _, keep_p = attention(qkv, None, 0.4, return_dropout_mask=True)
     torch.manual_seed(9)
@@ -296,8 +297,6 @@ def test_dropout_mask_matches_numpy_philox(device):
     (key // 4, query, b * heads + h, 0), key = 64-bit seed, word key % 4 (a length that is not a
     multiple of 4 or of the debug kernel's 64-wide tiles, a seed above 2**32)."""
     from bert_fast.kernels.attention import dropout_mask
-    if not _dispatch.use_triton(torch.empty(0, device=device)):
-        pytest.skip("the Philox stream belongs to the Triton kernels")
     b, h, s, p = 2, 3, 70, 0.3
     for seed in (12345, 0x299F31D0A4093822):
         got = dropout_mask(b, h, s, p, seed, device).reshape(b * h, s, s).cpu().numpy()
@@ -401,6 +400,7 @@ def test_opcheck(device):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.no_kernels("float64 has no attention kernel: the torch implementation runs")
 def test_gradcheck_float64(device):
     """float64 runs the reference path: checks the op plumbing (autograd, masks) end to end."""
     g = _gen(42)
@@ -412,6 +412,7 @@ def test_gradcheck_float64(device):
     assert torch.autograd.gradcheck(lambda x: varlen_attention(x, cu, 4), (qv,), fast_mode=True)
 
 
+@pytest.mark.no_kernels("BERT_FAST_BACKEND=reference on purpose")
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_reference_backend(device, monkeypatch, dropout_p):
     """BERT_FAST_BACKEND=reference (the library's CPU path): the ops' analytic backward equals
@@ -453,6 +454,7 @@ def test_lse_matches_reference(device):
 
 
 # ----------------------------------------------------------------------------- edge cases
+@pytest.mark.no_kernels("empty batches return before any launch")
 @pytest.mark.parametrize("shape", [(0, 5, 3, 2, 16), (2, 0, 3, 2, 16)])
 def test_empty_padded(device, shape):
     qkv = torch.randn(shape, device=device, requires_grad=True)
@@ -462,6 +464,7 @@ def test_empty_padded(device, shape):
     assert qkv.grad.shape == qkv.shape
 
 
+@pytest.mark.no_kernels("empty batches return before any launch")
 def test_empty_varlen(device):
     qkv = torch.randn(0, 3, 2, 16, device=device, requires_grad=True)
     for cu in (torch.tensor([0], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32)):
@@ -482,6 +485,7 @@ def test_varlen_compiles_without_a_graph_break(device):
     torch.testing.assert_close(compiled(qkv, cu), eager)
 
 
+@pytest.mark.no_kernels("validation raises before any launch")
 def test_bad_inputs(device):
     qkv = torch.randn(2, 8, 3, 2, 16, device=device)
     with pytest.raises(ValueError, match="5 dimensions"):
@@ -605,6 +609,7 @@ def test_autotuned_launch_2x(device, autotuned_attention, dq_path, monkeypatch):
     _check_varlen(qv, _cu_seqlens(lengths, device), 70, dv, name=" (autotuned varlen)")
 
 
+@pytest.mark.no_kernels("a host-side helper")
 def test_autotune_key_buckets_sequence_length():
     """The autotune key buckets the (max) sequence length, so a varlen batch with a new max_seqlen
     reuses the tuned config of its bucket instead of benchmarking every candidate again."""
@@ -678,6 +683,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.no_kernels("offline sm_80/sm_86/sm_90 compile in a subprocess")
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,smem", [(90, 232448), (80, 166912), (86, 101376)])
 def test_configs_fit_shared_memory(arch, smem):
@@ -703,6 +709,7 @@ def _compile_offline(arch, smem, mode):
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.no_kernels("offline sm_80/sm_90 compile in a subprocess")
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,part_smem", [(90, 232448), (80, 166912)])
 def test_autotune_candidates_fit(arch, part_smem):

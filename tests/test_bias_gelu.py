@@ -6,6 +6,8 @@ from bert_fast import reference
 from bert_fast.ops import bias_gelu
 from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
 
+# every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
+pytestmark = pytest.mark.kernels("bias_gelu")
 DTYPES = dtypes_for(pick_test_device())
 
 
@@ -89,6 +91,7 @@ def test_bias_gelu_deterministic_dbias(device):
     assert torch.equal(dbs[0], dbs[1])
 
 
+@pytest.mark.no_kernels("empty inputs return before any launch")
 def test_bias_gelu_empty(device):
     x = torch.randn(0, 384, device=device, requires_grad=True)
     b = torch.randn(384, device=device, requires_grad=True)
@@ -115,6 +118,7 @@ def test_bias_gelu_opcheck(device):
     torch.library.opcheck(torch.ops.bert_fast.bias_gelu_bwd.default, (dy, x.detach(), b.detach(), "none"))
 
 
+@pytest.mark.no_kernels("validation raises before any launch")
 def test_bias_gelu_bad_inputs(device):
     x = torch.randn(4, 8, device=device)
     b = torch.randn(8, device=device)
@@ -174,6 +178,7 @@ def run_offline_compile(body: str):
     return rows
 
 
+@pytest.mark.no_kernels("offline sm_80/sm_90 compile in a subprocess")
 def test_bias_gelu_kernels_compile_for_sm90_sm80():
     rows = run_offline_compile(r'''
 from bert_fast.kernels import bias_gelu as K

@@ -12,6 +12,8 @@ from bert_fast.ops import embedding as emb
 from bert_fast.ops import embedding_layer_norm
 from bert_fast.testing import assert_close_2x, dtypes_for
 
+# every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
+pytestmark = pytest.mark.kernels("embedding")
 VOCAB, MAX_POS, TYPES = 97, 160, 2
 NAMES = ("word", "position", "token_type", "weight", "bias")
 
@@ -377,6 +379,7 @@ def _bad_cases():
     ]
 
 
+@pytest.mark.no_kernels("validation raises before any launch")
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
 def test_bad_input_raises(device, case):
     _, make, exc, text = case
@@ -387,6 +390,7 @@ def test_bad_input_raises(device, case):
 
 
 # ----------------------------------------------------------------------------- empty batches
+@pytest.mark.no_kernels("empty batches return before any launch")
 @pytest.mark.parametrize("shape,unpad", [((0, 5), False), ((2, 0), False), ((2, 5), True), ((0,), False)])
 def test_empty_batch(device, shape, unpad):
     hidden = 24
@@ -400,6 +404,7 @@ def test_empty_batch(device, shape, unpad):
         assert g.shape == p.shape and torch.count_nonzero(g) == 0
 
 
+@pytest.mark.no_kernels("BERT_FAST_BACKEND=reference on purpose")
 def test_reference_backend_env(device, monkeypatch):
     # BERT_FAST_BACKEND=reference routes to the pure-torch reference
     monkeypatch.setenv("BERT_FAST_BACKEND", "reference")

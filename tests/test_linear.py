@@ -18,9 +18,25 @@ from bert_fast.ops.linear import linear
 linear_mod = importlib.import_module("bert_fast.ops.linear")
 from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
 
+# every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
+pytestmark = pytest.mark.kernels("linear", "linear_tma")
 ACTS = [None, "gelu", "gelu_tanh"]
 BACKENDS = ["triton", "cublas"]
 DTYPES = dtypes_for(pick_test_device())
+
+
+@pytest.fixture(autouse=True)
+def _kernels_of_the_backend(request):
+    """Which of our kernels a test must launch (tests/conftest.py counts them): the Triton GEMM
+    (pointer or TMA) for backend "triton" and the default; for "cublas" the GEMM is torch's, and
+    ours is the fused bias+GELU kernel when there is an activation, none without one."""
+    params = getattr(request.node, "callspec", None)
+    params = params.params if params is not None else {}
+    if params.get("backend") == "cublas":
+        if "act" in params and params["act"] is None:
+            request.applymarker(pytest.mark.no_kernels("cublas without an activation: torch.mm / F.linear only"))
+        else:
+            request.applymarker(pytest.mark.kernels("bias_gelu"))
 
 
 def _inputs(device, dtype, m_shape, k, n, bias=True, seed=0):
@@ -126,6 +142,7 @@ def test_non_contiguous_weight(device):
         assert_close_2x(a, o, s, name=name)
 
 
+@pytest.mark.no_kernels("empty inputs return before any launch")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_m(device, backend):
     x = torch.randn(0, 3, 16, device=device, requires_grad=True)
@@ -176,6 +193,7 @@ def test_backend_env_and_argument(device, monkeypatch):
     assert y.shape == (4, 8)
 
 
+@pytest.mark.no_kernels("the dispatch table, host side")
 def test_dispatch_table_and_default():
     table = json.loads(linear_mod.DISPATCH_TABLE.read_text())
     assert isinstance(table["devices"], dict)
@@ -194,6 +212,7 @@ def test_dispatch_table_and_default():
     assert d((8, 0), "fwd", "gelu", torch.float16, 8, 3072, 768) == "cublas"
 
 
+@pytest.mark.no_kernels("the tuning tool's merge, host side")
 def test_tune_linear_dispatch_merges_a_partial_run():
     """benchmarks/tune_linear_dispatch.py (the GPU check runs it under a time limit) adds what it
     measured to the device's table and keeps the shapes it did not reach."""
@@ -270,6 +289,7 @@ def test_autocast_casts_like_nn_linear(device, act, backend):
 
 
 # ----------------------------------------------------------------------------- bad input
+@pytest.mark.no_kernels("validation raises before any launch")
 def test_bad_inputs(device):
     x = torch.randn(4, 16, device=device)
     w = torch.randn(8, 16, device=device)
@@ -295,8 +315,7 @@ def test_auto_backend_resolved_inside_the_ops(device):
     """linear() hands "auto" to the ops on CUDA (the table lookup reads a file: a graph break under
     torch.compile); the ops must resolve it themselves, forward and backward alike."""
     x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=15)
-    if not _dispatch.use_triton(x, uses_dot=True):
-        pytest.skip("no kernel backend here (reference path)")
+    assert _dispatch.use_triton(x, uses_dot=True), "the Triton GEMM must run here (tests/conftest.py)"
     xs, ws, bs = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
     y, z = torch.ops.bert_fast.linear_fwd(xs, ws, bs, "gelu", "auto:auto", True)
     ref = reference.linear(x.double(), w.double(), b.double(), "gelu")
@@ -320,6 +339,7 @@ def test_torch_compile_fullgraph_cuda_auto(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- GPU targets, offline
+@pytest.mark.no_kernels("offline sm_80/sm_90 compile in a subprocess")
 def test_gemm_kernels_compile_for_sm90_sm80():
     """The GEMM (BERT_FAST_AUTOTUNE=0 config and the largest autotune tiles) with the GELU epilogue,
     and the dZ/db kernels, compiled for sm_90 and sm_80 without a GPU or the interpreter; shared

@@ -19,6 +19,8 @@ from bert_fast.kernels import linear_tma
 from bert_fast.testing import dtypes_for, pick_test_device
 from test_linear import ACTS, _check, _inputs
 
+# every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
+pytestmark = pytest.mark.kernels("linear_tma")
 DEVICE = pick_test_device()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, EPILOGUE_SPLIT): both epilogue variants. In the
@@ -29,17 +31,14 @@ CONFIGS = ([(32, 32, 32, 4, 1, 1), (32, 32, 32, 4, 1, 2)] if DEVICE.type == "cpu
 SHAPE = (70, 40, 48) if DEVICE.type == "cpu" else (300, 200, 264)
 
 
-def _tma_hardware(device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
-    return INTERPRET
-
-
 @pytest.fixture
 def tma_kinds(monkeypatch, device):
-    """Forces the TMA kernel (BERT_FAST_GEMM_TMA=1) and records the GEMM kind of every launch."""
-    if not _tma_hardware(device):
-        pytest.skip("the TMA GEMM needs compute capability >= 9 (or the Triton interpreter)")
+    """Forces the TMA kernel (BERT_FAST_GEMM_TMA=1) and records the GEMM kind of every launch. Skips
+    only on a GPU without TMA (compute capability < 9); on the CPU the interpreter runs it, and a
+    run without the interpreter fails here instead of skipping."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("the TMA GEMM needs compute capability >= 9")
+    assert device.type == "cuda" or INTERPRET, "the CPU run must use the Triton interpreter (tests/conftest.py)"
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "1")
     kinds = []
     launch = linear_tma.launch
@@ -111,6 +110,7 @@ def test_tma_split_k_weight_gradient(device, tma_kinds, monkeypatch, split_k):
     assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
 
 
+@pytest.mark.no_kernels("the split-K rule, host side")
 def test_split_k_choice():
     """Slices only for dW grids that leave most SMs idle (132 SMs, 128x128 tiles), >= 2048 of K each."""
     dw, dx = K.KIND_DW, K.KIND_DX
@@ -130,6 +130,7 @@ def _two_configs(monkeypatch):
     return configs
 
 
+@pytest.mark.no_kernels("the winners' store, host side")
 def test_tuned_configs_persist_across_processes(tmp_path, monkeypatch):
     """Triton skips its disk cache for configs with pre-hooks, so TunedConfigs keeps the winners:
     a new store (the next process) finds them; another config list, a corrupt file or a config that
@@ -209,6 +210,7 @@ def test_tma_falls_back_where_tma_cannot_read(device, tma_kinds):
     assert tma_kinds == [K.KIND_DX]
 
 
+@pytest.mark.no_kernels("the TMA eligibility rules, host side")
 def test_usable_rules(monkeypatch):
     t = lambda *shape, dt=torch.float16: torch.empty(*shape, dtype=dt)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -271,6 +273,7 @@ def _loop_depth_of_dots(ttgir: str) -> list[int]:
     return depths
 
 
+@pytest.mark.no_kernels("offline sm_90 compile in a subprocess")
 def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90(tmp_path):
     """Every autotune config, in the three layouts (forward with bias + erf GELU + z, in bf16 and
     fp16; dX; dW, also split-K with its fp32 workspace),

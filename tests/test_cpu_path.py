@@ -129,6 +129,22 @@ def test_linear_inference_and_strides(torch_path, dtype, activation):
     assert torch_path["linear_fwd"] == 1
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_linear_bf16_inference_gelu_form(torch_path, activation):
+    """The fused bf16 inference path applies the GELU asked for: on z in [-3.5, -2.5] the erf and tanh
+    forms differ by ~4.5e-4, ~7 bf16 ulps of outputs that small (random data cannot see it)."""
+    g = _gen(7)
+    x = (torch.rand(32, 64, generator=g, dtype=torch.float64) * -1.0 - 2.5).to(torch.bfloat16).to(DEVICE)
+    w = torch.eye(64, dtype=torch.bfloat16, device=DEVICE)          # z = x exactly
+    with torch.no_grad():
+        out = linear(x, w, None, activation)
+        ref64 = reference.linear(x.double(), w.double(), None, activation)
+        reft = reference.linear(x, w, None, activation)
+    floor = torch.finfo(torch.bfloat16).eps * ref64.abs().max().item()
+    assert_close_2x(out, ref64, reft, name=f"fused {activation}", floor=floor, check_band=False)
+    assert torch_path["linear_fwd"] == 1
+
+
 def test_linear_autocast_bf16(torch_path):
     g = _gen(6)
     x, w, b = _rand((9, 32), g, torch.float32), _rand((16, 32), g, torch.float32, 0.1), _rand((16,), g, torch.float32)

@@ -30,12 +30,16 @@ def pick_test_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def dtypes_for(device: torch.device, include_fp32: bool = True) -> list[torch.dtype]:
-    """Float dtypes a kernel is tested in on ``device``: fp32/fp16 on the CPU interpreter,
-    plus bf16 on CUDA (the interpreter's tl.dot is wrong in bf16)."""
+def dtypes_for(device: torch.device, include_fp32: bool = True, uses_dot: bool = True) -> list[torch.dtype]:
+    """Float dtypes a kernel is tested in on ``device``: fp32 (unless ``include_fp32`` is False) and
+    fp16 everywhere, bf16 on CUDA, and bf16 on the CPU too for kernels without ``tl.dot``
+    (``uses_dot=False``: residual_layer_norm, bias_gelu, the embedding's C++ twin). The Triton
+    interpreter's bf16 problem is ``tl.dot`` alone (it returns garbage for bf16 operands, triton 3.6
+    and 3.9); its bf16 loads, stores and casts around fp32 math are right, and ops/_dispatch.py sends
+    those kernels bf16 tensors under the interpreter."""
     dts = [torch.float32] if include_fp32 else []
     dts.append(torch.float16)
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" or not uses_dot:
         dts.append(torch.bfloat16)
     return dts
 

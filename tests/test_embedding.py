@@ -1,7 +1,8 @@
 """bert_fast.ops.embedding_layer_norm: the fused embedding sum + LayerNorm + dropout op.
 
-Runs on the CPU (the C++ twin of the CUDA kernel) and on CUDA (the kernel), same file. Accuracy is
-the 2x rule of DESIGN.md against a float64 reference, forward and every gradient.
+Runs on the CPU (the C++ twin of the CUDA kernel) and on CUDA (the kernel), same file, in fp32, fp16 and
+bf16 on both (the twin has its own bf16 conversions, forward and backward). Accuracy is the 2x rule
+of DESIGN.md against a float64 reference, forward and every gradient.
 """
 import pytest
 import torch
@@ -71,17 +72,28 @@ def check_all(ours, oracle, same):
         assert_close_2x(ours[i], oracle[i], same[i], name=name)
 
 
+def assert_kernel_ran(launches, dtype):
+    """The forward and the backward ran our kernel (the C++ twin on the CPU, CUDA on the GPU) for
+    ``dtype`` since ``launches`` was last reset, not the torch implementation."""
+    names = launches.names("embedding")
+    for part in ("fwd", "bwd"):
+        assert any(n.startswith(f"embedding_{part}_") for n in names), \
+            f"{dtype}: the embedding {part} did not run the kernel (extension calls: {dict(names)})"
+
+
 # ----------------------------------------------------------------------------- accuracy
 @pytest.mark.parametrize("hidden", [312, 384, 1000, 768])
 @pytest.mark.parametrize("seq", [1, 7, 17, 129])
 @pytest.mark.parametrize("unpad", [False, True])
-def test_forward_backward_2x(device, hidden, seq, unpad):
+def test_forward_backward_2x(device, hidden, seq, unpad, kernel_launches):
     batch = 3
     ids, tt = make_ids(device, batch, seq, seed=seq)
     indices = ragged_indices(device, batch, seq) if unpad else None
-    for dtype in dtypes_for(device):
+    for dtype in dtypes_for(device, uses_dot=False):
+        kernel_launches.reset()
         params = make_params(device, dtype, hidden)
         check_all(*run_all(ids, None, tt, params, indices=indices))
+        assert_kernel_ran(kernel_launches, dtype)
 
 
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
@@ -93,7 +105,7 @@ def test_int32_int64_ids_explicit_positions(device, id_dtype, unpad):
     indices = ragged_indices(device, batch, seq) if unpad else None
     if unpad:
         indices = indices.to(id_dtype)  # int32 indices are accepted too
-    for dtype in dtypes_for(device):
+    for dtype in dtypes_for(device, uses_dot=False):
         params = make_params(device, dtype, hidden)
         check_all(*run_all(ids, pos, tt, params, indices=indices))
     # int32 and int64 ids give identical results
@@ -125,7 +137,7 @@ def test_padding_idx_gets_no_gradient(device):
     hidden = 384
     ids, tt = make_ids(device, 3, 17)
     ids[:, -4:] = 5
-    for dtype in dtypes_for(device):
+    for dtype in dtypes_for(device, uses_dot=False):
         params = make_params(device, dtype, hidden)
         ours, oracle, same = run_all(ids, None, tt, params, padding_idx=5)
         check_all(ours, oracle, same)
@@ -212,7 +224,7 @@ def test_dropout_keep_fraction(device, p):
 
 
 @pytest.mark.parametrize("unpad", [False, True])
-def test_dropout_mask_reused_in_backward(device, unpad):
+def test_dropout_mask_reused_in_backward(device, unpad, kernel_launches):
     hidden, p = 312, 0.2
     batch, seq = 3, 17
     ids, tt = make_ids(device, batch, seq)
@@ -221,12 +233,14 @@ def test_dropout_mask_reused_in_backward(device, unpad):
     rows = indices.numel() if unpad else batch * seq
     keep = emb._dropout_keep_mask(rows, hidden, p, seed, device)
     mask = keep if unpad else keep.reshape(batch, seq, hidden)
-    for dtype in dtypes_for(device):
+    for dtype in dtypes_for(device, uses_dot=False):
+        kernel_launches.reset()
         params = make_params(device, dtype, hidden)
         ours, oracle, same = run_all(ids, None, tt, params, indices=indices, dropout_mask=mask, dropout_p=p,
                                      seed=seed)
         check_all(ours, oracle, same)
         assert torch.equal(ours[0] != 0, mask)
+        assert_kernel_ran(kernel_launches, dtype)
 
 
 def test_dropout_public_function_backward(device):
@@ -454,7 +468,7 @@ def test_misaligned_tables_and_grad_out(device, hidden):
     # (a misaligned vector load is a CUDA "misaligned address" error, no CPU symptom).
     ids, tt = make_ids(device, 2, 17)
     indices = ragged_indices(device, 2, 17)
-    for dtype in dtypes_for(device):
+    for dtype in dtypes_for(device, uses_dot=False):
         base = make_params(device, dtype, hidden, requires_grad=False)
         for which in ([0], [1], [2], [3], [4], [0, 1, 2, 3, 4]):
             params = [(_misaligned_copy(p) if i in which else p.clone()).requires_grad_() for i, p in

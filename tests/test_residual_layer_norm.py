@@ -11,8 +11,8 @@ from torch.utils.checkpoint import checkpoint
 from bert_fast import reference
 from bert_fast.ops import _dispatch
 from bert_fast.ops import residual_layer_norm, residual_layer_norm_dropout_mask
-from bert_fast.testing import (assert_close_2x, dtypes_for, philox4x32_10, pick_test_device,
-                               uint32_to_uniform_float)
+from bert_fast.testing import (assert_close_2x, assert_reduction_close_2x, dtypes_for, philox4x32_10,
+                               pick_test_device, uint32_to_uniform_float)
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
 pytestmark = pytest.mark.kernels("residual_layer_norm")
@@ -47,12 +47,19 @@ def _check_2x(y, grads, tensors, dy, dropout_p=0.0, mask=None):
     y64, g64 = _fwd_bwd(_ref(dropout_p, mask), tensors, dy, torch.float64)
     yt, gt = _fwd_bwd(_ref(dropout_p, mask), tensors, dy)
     assert_close_2x(y, y64, yt, name="y")
-    m = max(1, tensors[0].numel() // tensors[0].shape[-1])
+    _check_grads_2x(grads, g64, gt, rows=tensors[0].numel() // max(1, tensors[0].shape[-1]))
+
+
+def _check_grads_2x(grads, g64, gt, rows, ulps=None):
+    """dx, dresidual: the 2x rule (floor: ``ulps`` ulps of the dtype, or the default); dweight,
+    dbias (sums over ``rows`` rows): the 2x rule with bert_fast.testing.reduction_floor, the
+    weight-gradient rule."""
     for name, a, o, t in zip(NAMES, grads, g64, gt):
-        floor = None
-        if name in ("dweight", "dbias"):   # sums over m rows: the rounding floor grows like sqrt(m)
-            floor = 4 * torch.finfo(a.dtype).eps * max(1.0, o.abs().max().item()) * max(1.0, math.sqrt(m))
-        assert_close_2x(a, o, t, name=name, floor=floor)
+        if name in ("dweight", "dbias"):
+            assert_reduction_close_2x(a, o, t, rows, name=name)
+        else:
+            floor = None if ulps is None else ulps * torch.finfo(a.dtype).eps * max(1.0, o.abs().max().item())
+            assert_close_2x(a, o, t, name=name, floor=floor)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,8 +93,7 @@ def test_residual_layer_norm_leading_dims(device, dtype):
     y64, g64 = _fwd_bwd(_ref(eps=1e-5), (x, r, w, b), dy, torch.float64)
     yt, gt = _fwd_bwd(_ref(eps=1e-5), (x, r, w, b), dy)
     assert_close_2x(y, y64, yt, name="y")
-    for name, a, o, t in zip(NAMES, grads, g64, gt):
-        assert_close_2x(a, o, t, name=name, floor=8 * torch.finfo(dtype).eps * max(1.0, o.abs().max().item()))
+    _check_grads_2x(grads, g64, gt, rows=10, ulps=8)
 
 
 # ----------------------------------------------------------------------------- dropout

@@ -52,3 +52,25 @@ def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     assert dropout_p == 0.0, "direct ops run inference only"
     return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, 0.0,
                                            1.0 / math.sqrt(qkv.shape[-1]), None)[0]
+
+
+def dense_self_attention(h: Tensor, wq: Tensor, bq: Tensor, wk: Tensor, bk: Tensor, wv: Tensor, bv: Tensor,
+                         batch: int, seqlen: int, heads: int) -> Tensor:
+    """Self-attention context [T, H] of ``batch`` packed sequences that all have ``seqlen`` tokens
+    (a dense batch: every row of the varlen layout is one [seqlen] block, in order).
+
+    Three GEMMs instead of one over cat(Wq, Wk, Wv): at batch 1 x 128 the per-call weight
+    concatenation (~3 H^2 elements copied per layer) costs more than the fused GEMM saves
+    (measured: benchmarks/NOTES.md, "CPU path: model level"), and with q, k, v apart the flash CPU
+    kernel reads them as strided [B, heads, S, d] views: no packed qkv, no copy."""
+    t, hidden = h.shape
+    d = hidden // heads
+
+    def heads_view(x: Tensor) -> Tensor:
+        return x.view(batch, seqlen, heads, d).transpose(1, 2)
+
+    q = heads_view(torch.nn.functional.linear(h, wq, bq))
+    k = heads_view(torch.nn.functional.linear(h, wk, bk))
+    v = heads_view(torch.nn.functional.linear(h, wv, bv))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(d))
+    return out.transpose(1, 2).reshape(t, hidden)

@@ -188,6 +188,30 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _self_attention(sa, h: torch.Tensor, batch: _Batch, dtype: torch.dtype, heads: int,
+                    training: bool) -> torch.Tensor:
+    """Context [.., H] of one BertSelfAttention run by our ops (fused QKV GEMM + flash attention)."""
+    o, u = batch.ops, batch.unpadded
+    hidden = h.shape[-1]
+    if (o is direct_ops and u is not None and h.shape[0] > 0 and u.max_seqlen * u.batch == h.shape[0]
+            and type(sa.query) is type(sa.key) is type(sa.value) is torch.nn.Linear):
+        # Inference on a dense batch (every sequence full length): no QKV weight concatenation.
+        return direct_ops.dense_self_attention(
+            h, _cast(sa.query.weight, dtype), _cast(sa.query.bias, dtype), _cast(sa.key.weight, dtype),
+            _cast(sa.key.bias, dtype), _cast(sa.value.weight, dtype), _cast(sa.value.bias, dtype),
+            u.batch, u.max_seqlen, heads)
+    p_attn = sa.dropout.p if training else 0.0
+    qkv = _qkv(sa, h, dtype, o)
+    if batch.padded:
+        ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
+                          batch.mask, dropout_p=p_attn)
+    else:
+        # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
+        ctx = o.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
+                                 u.max_seqlen, dropout_p=p_attn, validate=False)
+    return ctx.reshape(h.shape)
+
+
 def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool) -> torch.Tensor:
     """One transformers BertLayer, run by our kernels. h: [T, H] (varlen) or [B, S, H] (padded).
 
@@ -195,7 +219,6 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
     through its own module forward instead, on the same tensors transformers gives it."""
     dtype = h.dtype
     heads = config.num_attention_heads
-    hidden = config.hidden_size
     unfused = batch.unfused.get(layer.bert_fast_index, frozenset())
     att = layer.attention
     o = batch.ops
@@ -206,24 +229,14 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
         if "attention.self" in unfused:
             ctx = _cast(_first(att.self(h, attention_mask=batch.hf_mask)), dtype)
         else:
-            p_attn = att.self.dropout.p if training else 0.0
-            qkv = _qkv(att.self, h, dtype, o)
-            if batch.padded:
-                ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
-                                    batch.mask, dropout_p=p_attn)
-            else:
-                u = batch.unpadded
-                # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
-                ctx = o.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
-                                           u.max_seqlen, dropout_p=p_attn, validate=False)
-            ctx = ctx.reshape(h.shape)
+            ctx = _self_attention(att.self, h, batch, dtype, heads, training)
         if "attention.output" in unfused:
             h1 = _cast(att.output(ctx, h), dtype)
         else:
             so = att.output
             a = _linear(ctx, dropin.linear_terms(so.dense), dtype, o=o)
             h1 = o.residual_layer_norm(a, h, _cast(so.LayerNorm.weight, dtype), _cast(so.LayerNorm.bias, dtype),
-                                         so.LayerNorm.eps, so.dropout.p if training else 0.0)
+                                       so.LayerNorm.eps, so.dropout.p if training else 0.0)
 
     if "intermediate" in unfused:
         f = _cast(layer.intermediate(h1), dtype)

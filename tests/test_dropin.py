@@ -418,3 +418,23 @@ def test_direct_inference_path_equals_custom_ops(monkeypatch):
     with torch.no_grad():
         fast(ids, attention_mask=mask)
     assert not calls, "training mode (dropout) must not take the inference-only path"
+
+
+def test_direct_dense_batch_path(monkeypatch):
+    """A dense batch (every sequence full length) takes three QKV GEMMs and strided flash attention
+    (direct_ops.dense_self_attention): transformers' numbers, and the custom ops' within fp32 rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from bert_fast import direct_ops
+
+    calls = []
+    real = direct_ops.dense_self_attention
+    monkeypatch.setattr(direct_ops, "dense_self_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hf, fast = make_pair()
+    ids, _ = batch(hf.config, b=3, s=11, pad_last=0)
+    with torch.no_grad():
+        ref = hf(ids).last_hidden_state
+        out = fast(ids).last_hidden_state
+    assert len(calls) == hf.config.num_hidden_layers
+    assert (out - ref).abs().max().item() <= 1e-5
+    via_ops = fast(ids).last_hidden_state.detach()
+    assert (out - via_ops).abs().max().item() <= 1e-6

@@ -4,6 +4,7 @@ Runs on the CPU (the C++ twin of the CUDA kernel) and on CUDA (the kernel), same
 bf16 on both (the twin has its own bf16 conversions, forward and backward). Accuracy is the 2x rule
 of DESIGN.md against a float64 reference, forward and every gradient.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from bert_fast import reference
 from bert_fast.ops import _dispatch
 from bert_fast.ops import embedding as emb
 from bert_fast.ops import embedding_layer_norm
-from bert_fast.testing import assert_close_2x, dtypes_for
+from bert_fast.testing import assert_close_2x, dtypes_for, philox4x32_10
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
 pytestmark = pytest.mark.kernels("embedding")
@@ -184,7 +185,40 @@ def test_deterministic_mode_bitwise(device):
 
 
 # ----------------------------------------------------------------------------- dropout
+def numpy_keep_mask(rows, hidden, p, seed):
+    """The embedding's dropout stream, re-derived in numpy from its definition (csrc/embedding_common.h):
+    element j of output row t is kept iff word j % 4 of Philox4x32-10 at counter
+    (j // 4, 0, lo32(t), hi32(t)) under the 64-bit key ``seed`` is >= round(p * 2^32)."""
+    t = np.arange(rows, dtype=np.uint64)[:, None]
+    j = np.arange(hidden, dtype=np.uint64)[None, :]
+    c0, c2 = np.broadcast_arrays(j // np.uint64(4), t & np.uint64(0xFFFFFFFF))
+    c3 = np.broadcast_to(t >> np.uint64(32), c0.shape)
+    words = philox4x32_10(c0, np.zeros_like(c0), c2, c3, seed)
+    word = np.choose(np.broadcast_to((j % np.uint64(4)).astype(np.int64), c0.shape), words)
+    threshold = min(int(p * 4294967296.0 + 0.5), 1 << 32) if p > 0 else 0
+    return torch.from_numpy(word.astype(np.int64) >= threshold)
+
+
+def drawn_seed(generator=None) -> int:
+    """The seed the op draws from torch's generator (the contract of _dispatch.draw_seed)."""
+    return int(_dispatch.draw_seed(0.5, generator).reshape(-1)[0].item())
+
+
+@pytest.mark.parametrize("p", [0.25, 0.7])
+def test_dropout_mask_matches_numpy_philox(device, p):
+    """The kernel's debug mask is the numpy Philox stream bit for bit (a seed above 2^32, so the
+    high key word matters; a hidden size that is not a multiple of 4). test_dropout_seeds holds the
+    forward's applied mask to the same oracle."""
+    rows, hidden, seed = 37, 45, 0x299F31D0A4093822
+    want = numpy_keep_mask(rows, hidden, p, seed)
+    got = emb._dropout_keep_mask(rows, hidden, p, torch.tensor([seed], dtype=torch.int64), device)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_dropout_seeds(device):
+    """Same seed, same output (bitwise); and each output is its seed's: the seed torch's generator
+    (global or given) drew, its Philox mask (numpy oracle) applied to the reference (2x rule), the
+    dropped elements exactly zero."""
     hidden, p = 384, 0.25
     ids, tt = make_ids(device, 4, 17)
     params = make_params(device, torch.float32, hidden, requires_grad=False)
@@ -201,10 +235,17 @@ def test_dropout_seeds(device):
     torch.manual_seed(7)
     e = embedding_layer_norm(ids, None, tt, *params, dropout_p=p)
     assert torch.equal(d, e)
-    # the dropped elements are exactly the zeros; kept ones are y / (1 - p)
-    nodrop = embedding_layer_norm(ids, None, tt, *params)
-    keep = a != 0
-    torch.testing.assert_close(a[keep], nodrop[keep] / (1 - p), atol=1e-5, rtol=1e-5)
+    torch.manual_seed(7)
+    seeds = {"generator seeded 1": (a, drawn_seed(torch.Generator().manual_seed(1))),
+             "generator seeded 2": (c, drawn_seed(torch.Generator().manual_seed(2))),
+             "torch.manual_seed(7)": (d, drawn_seed())}
+    p64 = [t.double() for t in params]
+    for what, (got, seed) in seeds.items():
+        mask = numpy_keep_mask(4 * 17, hidden, p, seed).reshape(4, 17, hidden).to(device)
+        want = reference.embedding_layer_norm(ids, None, tt, *p64, dropout_p=p, dropout_mask=mask)
+        same = reference.embedding_layer_norm(ids, None, tt, *params, dropout_p=p, dropout_mask=mask)
+        assert torch.equal(got == 0, ~mask), f"{what}: the zeros are not the Philox mask of seed {seed}"
+        assert_close_2x(got, want, same, name=f"output ({what})")
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

@@ -127,17 +127,31 @@ def test_dropout_keep_fraction_binomial(device):
         assert mask.float().mean(1).min().item() > 1 - p - 6 * math.sqrt(p * (1 - p) / n)
 
 
-def test_dropout_mask_matches_output_seed_draw(device):
-    """The debug mask of a drawn seed equals what the op applied (same seed draw, same mask)."""
-    x, r, w, b, _ = _inputs(5, 312, torch.float32, device, seed=8)
+def _drawn_seed(generator=None) -> int:
+    """The seed the op draws from torch's generator for dropout (the contract of
+    _dispatch.draw_seed), read as a plain int here, independently of the op's own plumbing."""
+    return int(_dispatch.draw_seed(0.5, generator).reshape(-1)[0].item())
+
+
+def test_dropout_applied_mask_is_the_philox_mask_of_the_drawn_seed(device):
+    """The mask the op applied, read off its result (dx is zero exactly where x was dropped, and
+    the random dresidual is nonzero everywhere), is the numpy Philox mask (the oracle) of the seed
+    torch's generator gave, forward and backward; the debug mask of that seed is the same; and y and
+    every gradient follow the reference fed that mask (2x rule)."""
+    m, n, p = 5, 312, 0.3
+    x, r, w, b, dy = _inputs(m, n, torch.float32, device, seed=8)
     torch.manual_seed(5)
-    y1, mask1 = residual_layer_norm(x, r, w, b, dropout_p=0.3, return_dropout_mask=True)
+    ins = [t.detach().requires_grad_(True) for t in (x, r, w, b)]
+    y = residual_layer_norm(*ins, dropout_p=p)
+    grads = torch.autograd.grad(y, ins, dy)
     torch.manual_seed(5)
-    seed = _dispatch.draw_seed(0.3)
-    mask2 = residual_layer_norm_dropout_mask(x.shape, 0.3, seed, device)
-    assert torch.equal(mask1, mask2)
-    y_ref = reference.residual_layer_norm(x, r, w, b, 1e-12, 0.3, mask1)
-    torch.testing.assert_close(y1, y_ref, atol=1e-4, rtol=1e-4)
+    seed = _drawn_seed()
+    want = torch.from_numpy(_numpy_keep_mask(m, n, p, seed)).to(device)
+    assert torch.all(grads[1] != 0)
+    assert torch.equal(grads[0] != 0, want), "the backward's mask is not the Philox mask of the drawn seed"
+    seed_t = torch.tensor([seed], dtype=torch.int64)
+    assert torch.equal(residual_layer_norm_dropout_mask(x.shape, p, seed_t, device), want)
+    _check_2x(y, grads, (x, r, w, b), dy, dropout_p=p, mask=want)   # the forward's mask too
 
 
 @pytest.mark.no_kernels("seed drawing, host side")
@@ -163,11 +177,20 @@ def test_dropout_seed_reproducibility(device):
     y3 = residual_layer_norm(x, r, w, b, dropout_p=0.1)
     y4 = residual_layer_norm(x, r, w, b, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
     y5 = residual_layer_norm(x, r, w, b, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(y1, y2)
+    assert torch.equal(y1, y2) and torch.equal(y4, y5)     # bitwise: the kernels are deterministic
     assert not torch.equal(y1, y3)
-    assert torch.equal(y4, y5)
     y0 = residual_layer_norm(x, r, w, b, dropout_p=0.0)
     assert not torch.equal(y0, y1)
+    # ... and each output is the one of its seed: torch.manual_seed(0) / the generator seeded 0 drew
+    # the seed, its Philox mask (numpy oracle) is what the kernel applied (2x rule vs the reference)
+    torch.manual_seed(0)
+    by_global = _drawn_seed()
+    by_generator = _drawn_seed(torch.Generator().manual_seed(0))
+    for got, seed in ((y1, by_global), (y4, by_generator)):
+        mask = torch.from_numpy(_numpy_keep_mask(9, 384, 0.1, seed)).to(device)
+        want = reference.residual_layer_norm(x.double(), r.double(), w.double(), b.double(), 1e-12, 0.1, mask)
+        same = reference.residual_layer_norm(x, r, w, b, 1e-12, 0.1, mask)
+        assert_close_2x(got, want, same, name=f"y (seed {seed})")
 
 
 # The Philox tests below call the kernels' debug launcher directly: they run on the CPU (interpreter)

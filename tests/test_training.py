@@ -297,28 +297,50 @@ def _mlm_batch(config, seed, b=4, s=12):
     return ids, mask, labels
 
 
-def test_amp_bf16_step_matches_fp32_loosely(monkeypatch, device):
-    """One autocast-bf16 step of bert_fast (fp32 master weights) next to the fp32 step."""
-    if device.type == "cpu":
-        monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
+def test_amp_bf16_step_within_3x_transformers(device, kernel_launches):
+    """One autocast-bf16 step of bert_fast (fp32 master weights) next to transformers' own
+    autocast-bf16 step from the same weights, both against transformers in float64 (the oracle):
+    bert_fast's error is at most 3 times transformers' (the bf16 factor of test_model's
+    low-precision test) in the logits and in every parameter's gradient (norms of the error over
+    the tensor), and its loss is within 1e-3 of the oracle's (relative). bert_fast keeps LayerNorm
+    outputs and the residual stream in bf16 where transformers keeps fp32, so its error is larger,
+    1.2-2.4x by these norms (measured on 8 seeds; this is seed 0). Real kernels where they run in
+    bf16 (on the CPU: residual_layer_norm through the interpreter, the embedding's C++ twin)."""
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    m32 = bert_fast.BertForMaskedLM(cfg).to(device)
-    m16 = copy.deepcopy(m32)
+    hf = transformers.BertForMaskedLM(cfg).to(device)
+    fast = bert_fast.BertForMaskedLM(cfg).to(device)
+    fast.load_state_dict(hf.state_dict())
+    oracle = copy.deepcopy(hf).double()
     ids, mask, labels = (t.to(device) for t in _mlm_batch(cfg, 1))
-    l32 = m32(input_ids=ids, attention_mask=mask, labels=labels).loss
-    l32.backward()
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        out = m16(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    assert all(p.dtype == torch.float32 for p in m16.parameters())
-    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in m16.parameters())
-    assert abs(out.loss.item() - l32.item()) < 0.05 * abs(l32.item())
-    g32 = m32.bert.encoder.layer[0].intermediate.dense.weight.grad
-    g16 = m16.bert.encoder.layer[0].intermediate.dense.weight.grad
-    assert torch.nn.functional.cosine_similarity(g32.flatten(), g16.flatten(), dim=0) > 0.98
+
+    def step(model, amp):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out.logits[mask.bool()].double(), out.loss.item(), \
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    logits64, loss64, grads64 = step(oracle, False)
+    logits_hf, loss_hf, grads_hf = step(hf, True)
+    kernel_launches.reset()
+    logits, loss, grads = step(fast, True)
+    assert all(p.dtype == torch.float32 for p in fast.parameters())
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    assert kernel_launches.count("residual_layer_norm") > 0, dict(kernel_launches.names())
+
+    def err(a, b):
+        return (a.double() - b.double()).norm().item()
+
+    assert err(logits, logits64) <= 3 * err(logits_hf, logits64), "logits"
+    assert abs(loss - loss64) <= 1e-3 * abs(loss64), (loss, loss64)
+    assert grads.keys() == grads64.keys()
+    for name, g64 in grads64.items():
+        floor = 1e-6 * max(1.0, g64.norm().item())      # key biases: a zero gradient, both ~1e-13
+        assert err(grads[name], g64) <= 3 * err(grads_hf[name], g64) + floor, \
+            f"{name}: error {err(grads[name], g64):.2e} > 3 x transformers' {err(grads_hf[name], g64):.2e}"
 
 
 @pytest.mark.skipif(not CUDA, reason="fp16 autocast + GradScaler training runs on CUDA")

@@ -26,7 +26,9 @@ _ACT = {None: None, "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 
 def usable(t: Tensor, training: bool) -> bool:
     """Whether the model may run its layers on these direct calls for tensors like ``t``."""
+    # Not under autocast: there the custom ops' public functions cast as nn.Linear does.
     return (not training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(t.device.type)
             and _dispatch.implementation_for(t.device, t.dtype, uses_dot=True) == "torch")
 
 

@@ -19,7 +19,6 @@ kernel and matches transformers at every position, pads included.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,15 +60,6 @@ def check_config(config) -> None:
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} (hidden_size / num_attention_heads) is outside "
                          f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], which the attention kernel supports")
-
-
-def compute_dtype(param: torch.Tensor) -> torch.dtype:
-    """The dtype the kernels run in: autocast's when it is on (weights are cast, as autocast would
-    for nn.Linear), else the parameters' own."""
-    dev = param.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return param.dtype
 
 
 def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -234,7 +224,7 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
             h1 = _cast(att.output(ctx, h), dtype)
         else:
             so = att.output
-            a = _linear(ctx, dropin.linear_terms(so.dense), dtype, o=o)
+            a = _cast(_linear(ctx, dropin.linear_terms(so.dense), dtype, o=o), dtype)
             h1 = o.residual_layer_norm(a, h, _cast(so.LayerNorm.weight, dtype), _cast(so.LayerNorm.bias, dtype),
                                        so.LayerNorm.eps, so.dropout.p if training else 0.0)
 
@@ -246,7 +236,7 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
     if "output" in unfused:
         return _cast(layer.output(f, h1), dtype)
     out = layer.output
-    y = _linear(f, dropin.linear_terms(out.dense), dtype, o=o)
+    y = _cast(_linear(f, dropin.linear_terms(out.dense), dtype, o=o), dtype)
     return o.residual_layer_norm(y, h1, _cast(out.LayerNorm.weight, dtype), _cast(out.LayerNorm.bias, dtype),
                                    out.LayerNorm.eps, out.dropout.p if training else 0.0)
 
@@ -445,8 +435,10 @@ class BertModel(transformers.BertModel):
             h = self._embed(input_ids, inputs_embeds, position_ids, token_type_ids, batch)
             if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
                 h.requires_grad_(True)    # what transformers' enable_input_require_grads hook does
-        dtype = compute_dtype(emb.word_embeddings.weight)
-        h = _cast(h, dtype)
+        # The residual stream stays in the parameters' dtype, as on transformers: under autocast
+        # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
+        # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
+        h = _cast(h, emb.word_embeddings.weight.dtype)
         if found:
             batch.hf_mask = self._hf_attention_mask(attention_mask, h)
         if not found and direct_ops.usable(h, self.training):
@@ -460,10 +452,7 @@ class BertModel(transformers.BertModel):
                         and getattr(self.encoder, "gradient_checkpointing", False))
         collect = (lambda x: all_hidden.append(to_bsh(x))) if output_hidden_states else None
         if isinstance(self.encoder, BertEncoder):
-            # The direct ops compute in h's dtype, as the custom ops do (op_impl turns autocast off).
-            no_autocast = batch.ops is direct_ops and torch.is_autocast_enabled(h.device.type)
-            with torch.autocast(h.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
-                h = self.encoder(h, batch, checkpointed=encoder_ckpt, collect=collect).last_hidden_state
+            h = self.encoder(h, batch, checkpointed=encoder_ckpt, collect=collect).last_hidden_state
         else:   # a user's own encoder class (reported by unfused_pieces): called as transformers does
             h = _first(self.encoder(h, attention_mask=batch.hf_mask))
             h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h

@@ -14,7 +14,10 @@ CUDA and in the CPU interpreter (fp32/fp16); otherwise, and for float64, the tor
 sequences grouped by length into batched calls; materialized softmax with dropout or off the CPU);
 the pure-torch reference (backward: the analytic formulas in plain torch ops, recomputing the
 probabilities) only when forced. Deterministic mode (torch.use_deterministic_algorithms) selects
-the atomics-free dQ kernel.
+the atomics-free dQ kernel. The kernels are checked against the torch implementation the first time
+each specialization runs (bert_fast/ops/_verify.py; with dropout, on the kernel's own mask); a
+forward that failed its check draws the torch implementation's mask, which ``return_dropout_mask``
+then returns.
 
 Dropout: the public functions draw one int64 seed from torch's CPU generator
 (``_dispatch.draw_seed``), the op saves it, and backward regenerates the same keep-mask from it
@@ -29,13 +32,14 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch, torch_impl
+from bert_fast.ops import _dispatch, _verify, torch_impl
 
 __all__ = ["attention", "varlen_attention"]
 
@@ -105,13 +109,111 @@ def _reference_dropout_mask(batch, nheads, seqlen, dropout_p, seed, device):
 
 
 def _dropout_mask(qkv: Tensor, batch: int, nheads: int, seqlen: int, dropout_p: float,
-                  seed: Optional[Tensor]) -> Optional[Tensor]:
-    """The exact keep-mask of the path that runs on ``qkv`` (None when dropout is off)."""
+                  seed: Optional[Tensor], spec: Optional[tuple] = None) -> Optional[Tensor]:
+    """The exact keep-mask of the path that runs on ``qkv`` (None when dropout is off); ``spec``:
+    the forward's specialization, whose failed check means the torch implementation ran."""
     if seed is None or dropout_p == 0.0:
         return None
-    if _use_triton(qkv):
+    if _use_triton(qkv) and (spec is None or _verify.kernel_selected("attention", "fwd", spec, qkv.device)):
         return _kernels().dropout_mask(batch, nheads, seqlen, dropout_p, _dispatch.seed_value(seed), qkv.device)
     return _reference_dropout_mask(batch, nheads, seqlen, dropout_p, seed, qkv.device)
+
+
+# ----------------------------------------------------------------------------- first-use check
+KERNEL = "bert_fast.kernels.attention (Triton)"
+
+
+def _spec(qkv: Tensor, layout: str, has_mask: bool, seqlen: int, dropout_p: float) -> tuple:
+    """What the kernels are specialized and tuned on: layout, dtype, key mask, dropout, heads, head
+    dim, the sequence-length bucket (their autotune key), alignment. The backward adds its dQ path."""
+    return (layout, qkv.dtype, has_mask, dropout_p > 0.0, qkv.shape[-2], qkv.shape[-1],
+            _verify.bucket(seqlen), _verify.aligned(qkv))
+
+
+def _bwd_spec(fwd_spec: tuple, dout: Tensor) -> tuple:
+    separate = _dispatch.deterministic() or os.environ.get("BERT_FAST_ATTN_DQ", "") == "separate"
+    return fwd_spec + (separate, _verify.aligned(dout))
+
+
+def _kernel_mask(qkv: Tensor, batch: int, seqlen: int, dropout_p: float, seed: Optional[Tensor]):
+    if seed is None or dropout_p == 0.0:
+        return None
+    return lambda: _kernels().dropout_mask(batch, qkv.shape[-2], seqlen, dropout_p, _dispatch.seed_value(seed),
+                                           qkv.device)
+
+
+class _Seqs:
+    """Per-token views of one layout for the bounds: q, k, v [..., h, d] (padded [B, S, h, d],
+    varlen [T, h, d]) as |.| in fp32, and ``seqmax(t)``: the max of t [..., h(, d)] over the keys of
+    each token's sequence, broadcast back to the tokens."""
+
+    def __init__(self, qkv: Tensor, cu_seqlens: Optional[Tensor]):
+        a = _verify.absf(qkv)
+        self.q, self.k, self.v = a.unbind(-3)
+        self.cu = cu_seqlens
+        if cu_seqlens is not None:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=qkv.device), lengths)
+
+    def seqmax(self, t: Tensor) -> Tensor:
+        if self.cu is None:
+            return t.amax(dim=1, keepdim=True)
+        index = self.seq.view(-1, *([1] * (t.dim() - 1))).expand_as(t)
+        per_seq = torch.zeros((self.cu.numel() - 1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        per_seq.scatter_reduce_(0, index, t, "amax")
+        return per_seq[self.seq]
+
+
+def _fwd_checks(qkv, cu_seqlens, key_mask, seqlen, dropout_p, scale, k, t):
+    """out = sum_j p_j v_j: the torch implementation's scores, rounded in the dtype, are off by at most
+    u sigma (sigma = scale |q| max|k| >= |s|, Cauchy-Schwarz), which moves p_j by 2 u sigma p_j, and
+    sum_j p_j |v_j| <= max_j |v_j|; the probabilities are rounded once more, the sums run over S keys
+    (and d for the scores). lse = log sum exp(s) moves by the scores' error. Rows without keys: the
+    kernel saves lse = +inf there, the torch implementation a finite stand-in: not compared."""
+    sq = _Seqs(qkv, cu_seqlens)
+    d = qkv.shape[-1]
+    sd = 1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0
+    sigma = scale * sq.q.norm(dim=-1) * sq.seqmax(sq.k.norm(dim=-1))          # [..., h]
+    vbar = sq.seqmax(sq.v)                                                    # [..., h, d]
+    out_mag = sd * vbar * (3.0 + 2.0 * sigma)[..., None]
+    out_acc = sd * vbar * (seqlen + (2 * d + 4) * sigma + 4.0)[..., None]
+    lse_sigma = sigma.t() if cu_seqlens is not None else sigma.transpose(1, 2)   # lse's layout
+    where = None
+    if key_mask is not None:
+        where = key_mask.to(torch.bool).any(dim=-1)[:, None, None]
+    return [_verify.Check("out", k[0], t[0], mag=out_mag, acc=out_acc),
+            _verify.Check("lse", k[1], t[1], mag=2.0 * lse_sigma, acc=(d + 4) * lse_sigma + seqlen + 4.0,
+                          where=where)]
+
+
+def _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t):
+    """With P the softmax, dS = P (dP - delta), |dP_ij| <= s_d |dO_i| |v_j| =: D_i and |delta_i| <= D_i:
+    |dV| <= s_d P^T |dO|, |dK| <= scale P^T (2 D |q|), |dQ_i| <= 2 scale D_i max_j |k_j|, each
+    widened by (1 + 2 sigma) for the torch implementation's rounded scores. P^T x is the dV of the
+    torch implementation's backward (fp32, dropout off) for dO = x."""
+    sq = _Seqs(qkv, cu_seqlens)
+    d = qkv.shape[-1]
+    sd = 1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0
+    sigma = scale * sq.q.norm(dim=-1) * sq.seqmax(sq.k.norm(dim=-1))
+    ado = _verify.absf(dout)
+    big = (sd * ado.norm(dim=-1) * sq.seqmax(sq.v.norm(dim=-1)) * (1.0 + 2.0 * sigma))[..., None]
+    q32 = qkv.detach().to(ado.dtype)
+    if cu_seqlens is None:
+        o, lse = torch_impl.attention_fwd(q32, key_mask, 0.0, scale, None)
+        pt = lambda x: torch_impl.attention_bwd(x, q32, key_mask, o, lse, 0.0, scale, None)[:, :, 2]
+    else:
+        o, lse = torch_impl.varlen_attention_fwd(q32, cu_seqlens, max_seqlen, 0.0, scale, None)
+        pt = lambda x: torch_impl.varlen_attention_bwd(x, q32, cu_seqlens, max_seqlen, o, lse, 0.0, scale,
+                                                       None)[:, 2]
+    mags = {"dq": 2.0 * scale * big * sq.seqmax(sq.k),
+            "dk": pt(2.0 * scale * big * sq.q),
+            "dv": pt(sd * ado * (1.0 + 2.0 * sigma)[..., None])}
+    checks = []
+    for i, name in enumerate(("dq", "dk", "dv")):
+        part = (lambda g: g[:, :, i]) if cu_seqlens is None else (lambda g: g[:, i])
+        checks.append(_verify.Check(name, part(k), part(t), mag=mags[name],
+                                    acc=(seqlen + d + 8) * mags[name]))
+    return checks
 
 
 # ----------------------------------------------------------------------------- padded ops
@@ -124,8 +226,14 @@ def attention_fwd(qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, sof
         return qkv.new_empty((b, s, h, d)), torch.empty((b, h, s), device=qkv.device, dtype=torch.float32)
     impl = _impl(qkv)
     if impl == "kernel":
-        return _kernels().attention_fwd(qkv, key_mask, None, s, softmax_scale, dropout_p,
-                                        _dispatch.seed_value(seed))
+        return _verify.run(
+            "attention", "fwd", _spec(qkv, "padded", key_mask is not None, s, dropout_p), qkv.device,
+            label=KERNEL, dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_fwd(qkv, key_mask, None, s, softmax_scale, dropout_p,
+                                                    _dispatch.seed_value(seed)),
+            kernel_mask=_kernel_mask(qkv, b, s, dropout_p, seed),
+            fallback=lambda keep: torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed, keep=keep),
+            checks=lambda k, t, _keep: _fwd_checks(qkv, None, key_mask, s, dropout_p, softmax_scale, k, t))
     if impl == "torch":
         return torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed)
     mask = _reference_dropout_mask(b, h, s, dropout_p, seed, qkv.device)
@@ -147,8 +255,18 @@ def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Te
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     impl = _impl(qkv)
     if impl == "kernel":
-        return _kernels().attention_bwd(dout, qkv, key_mask, None, qkv.shape[1], out, lse, softmax_scale,
-                                        dropout_p, _dispatch.seed_value(seed), _dispatch.deterministic())
+        b, s = qkv.shape[0], qkv.shape[1]
+        spec = _spec(qkv, "padded", key_mask is not None, s, dropout_p)
+        return _verify.run(
+            "attention", "bwd", _bwd_spec(spec, dout), qkv.device, label=KERNEL, dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_bwd(dout, qkv, key_mask, None, s, out, lse, softmax_scale,
+                                                    dropout_p, _dispatch.seed_value(seed), _dispatch.deterministic()),
+            kernel_mask=_kernel_mask(qkv, b, s, dropout_p, seed),
+            fallback=lambda keep: torch_impl.attention_bwd(dout, qkv, key_mask, out, lse, dropout_p, softmax_scale,
+                                                           seed, keep=keep),
+            checks=lambda k, t, _keep: _bwd_checks(dout, qkv, None, None, key_mask, s, dropout_p, softmax_scale,
+                                                   k, t),
+            follows=("fwd", spec))
     if impl == "torch":
         return torch_impl.attention_bwd(dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed)
     b, s, _, h, _ = qkv.shape
@@ -197,8 +315,17 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
         return qkv.new_empty((t, h, d)), torch.empty((h, t), device=qkv.device, dtype=torch.float32)
     impl = _impl(qkv)
     if impl == "kernel":
-        return _kernels().attention_fwd(qkv, None, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
-                                        _dispatch.seed_value(seed))
+        batch = cu_seqlens.numel() - 1
+        return _verify.run(
+            "attention", "fwd", _spec(qkv, "varlen", False, max_seqlen, dropout_p), qkv.device,
+            label=KERNEL, dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_fwd(qkv, None, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
+                                                    _dispatch.seed_value(seed)),
+            kernel_mask=_kernel_mask(qkv, batch, max_seqlen, dropout_p, seed),
+            fallback=lambda keep: torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, dropout_p,
+                                                                  softmax_scale, seed, keep=keep),
+            checks=lambda k, t, _keep: _fwd_checks(qkv, cu_seqlens, None, max_seqlen, dropout_p, softmax_scale,
+                                                   k, t))
     if impl == "torch":
         return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
     out = _reference_varlen(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed).contiguous()
@@ -224,8 +351,18 @@ def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seql
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     impl = _impl(qkv)
     if impl == "kernel":
-        return _kernels().attention_bwd(dout, qkv, None, cu_seqlens, max_seqlen, out, lse, softmax_scale,
-                                        dropout_p, _dispatch.seed_value(seed), _dispatch.deterministic())
+        spec = _spec(qkv, "varlen", False, max_seqlen, dropout_p)
+        return _verify.run(
+            "attention", "bwd", _bwd_spec(spec, dout), qkv.device, label=KERNEL, dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_bwd(dout, qkv, None, cu_seqlens, max_seqlen, out, lse,
+                                                    softmax_scale, dropout_p, _dispatch.seed_value(seed),
+                                                    _dispatch.deterministic()),
+            kernel_mask=_kernel_mask(qkv, cu_seqlens.numel() - 1, max_seqlen, dropout_p, seed),
+            fallback=lambda keep: torch_impl.varlen_attention_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse,
+                                                                  dropout_p, softmax_scale, seed, keep=keep),
+            checks=lambda k, t, _keep: _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, None, max_seqlen, dropout_p,
+                                                   softmax_scale, k, t),
+            follows=("fwd", spec))
     if impl == "torch":
         return torch_impl.varlen_attention_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p,
                                                softmax_scale, seed)
@@ -379,7 +516,7 @@ def attention(qkv: Tensor, attention_mask: Optional[Tensor] = None, dropout_p: f
     out, _ = torch.ops.bert_fast.attention_fwd(qkv, key_mask, p, scale, seed)
     if return_dropout_mask:
         b, s, _, h, _ = qkv.shape
-        return out, _dropout_mask(qkv, b, h, s, p, seed)
+        return out, _dropout_mask(qkv, b, h, s, p, seed, _spec(qkv, "padded", key_mask is not None, s, p))
     return out
 
 
@@ -404,5 +541,6 @@ def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     seed = _dispatch.draw_seed(p, generator)
     out, _ = torch.ops.bert_fast.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, p, scale, seed)
     if return_dropout_mask:
-        return out, _dropout_mask(qkv, cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, p, seed)
+        return out, _dropout_mask(qkv, cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, p, seed,
+                                  _spec(qkv, "varlen", False, max_seqlen, p))
     return out

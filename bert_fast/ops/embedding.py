@@ -22,6 +22,8 @@ Dispatch (the rule of ops/_dispatch.py; ``_backend`` maps it to this op's four i
     (plain torch autograd; dropout mask from _dispatch.reference_dropout_mask)
 The torch path draws its dropout mask with ``_dispatch.reference_dropout_mask`` (the reference's
 bits for one seed), the twin and CUDA with their shared Philox stream.
+The kernel (CUDA or the twin) is checked against the torch implementation the first time each
+specialization runs (bert_fast/ops/_verify.py; with dropout, on the kernel's own mask).
 Deterministic mode (torch.use_deterministic_algorithms(True)) makes the CUDA backward atomics-free:
 dx rows go to a workspace and each table row sums its tokens in stable-sorted order. The CPU twin is
 always deterministic.
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch, torch_impl
+from bert_fast.ops import _dispatch, _verify, torch_impl
 
 __all__ = ["embedding_layer_norm"]
 
@@ -116,6 +118,76 @@ def _num_partials(rows: int, device: torch.device) -> int:
     return max(1, min(-(-rows // _WARPS_PER_BLOCK), 4 * sms))
 
 
+# ----------------------------------------------------------------------------- first-use check
+def _kernel_label(word: Tensor) -> str:
+    return "bert_fast._C embedding (" + ("CUDA)" if word.is_cuda else "C++ CPU twin)")
+
+
+def _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows) -> tuple:
+    """What the kernels are instantiated for: dtype, hidden size (vectors per lane), the index
+    dtypes and which of positions / types / indices are given, dropout, the row bucket. The backward
+    adds deterministic mode and which gradients it computes."""
+    dt = lambda t: None if t is None else str(t.dtype).replace("torch.", "")
+    return (word.dtype, word.shape[1], dt(input_ids), dt(position_ids), dt(token_type_ids), indices is not None,
+            dropout_p > 0.0, _verify.bucket(rows))
+
+
+def _kernel_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor], device):
+    if seed is None or dropout_p == 0.0:
+        return None
+    return lambda: _dropout_keep_mask(rows, hidden, dropout_p, seed, device)
+
+
+def _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table):
+    """(x, |x| terms, ids, position ids, type ids): the embedding sum recomputed in fp32 (float64 for
+    float64) and the sum of its terms' magnitudes, [rows, H]."""
+    ids, pos, tt = torch_impl._embedding_rows(input_ids, position_ids, token_type_ids, indices)
+    rows = ids.numel()
+    if pos is None:                 # rows in order: position = row % S
+        pos = torch.arange(rows, device=ids.device) % max(1, input_ids.shape[-1])
+    if tt is None:
+        tt = torch.zeros_like(ids)
+    work = torch.float64 if word.dtype == torch.float64 else torch.float32
+    parts = [table.detach().index_select(0, i.long()).to(work) for table, i in
+             ((word, ids), (pos_table, pos), (type_table, tt))]
+    return sum(parts), sum(p.abs() for p in parts), ids.long(), pos.long(), tt.long()
+
+
+def _fwd_checks(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table, weight, bias,
+                dropout_p, keep, k, t):
+    # the torch implementation rounds the sum of three rows twice in the dtype (see layer_norm_checks)
+    x, xmag, _, _, _ = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table)
+    scale = 1.0 / (1.0 - dropout_p) if (keep is not None and dropout_p > 0.0) else 1.0
+    hidden = word.shape[1]
+    flat = lambda outs: (outs[0].reshape(-1, hidden), outs[1], outs[2])
+    return _verify.with_rel(_verify.layer_norm_checks(x, xmag, weight, bias, flat(k), flat(t), scale=scale),
+                            _verify.dropout_rel(word.dtype, dropout_p))
+
+
+def _bwd_checks(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table,
+                weight, mean, rstd, dropout_p, padding_idx, need, keep, k, t):
+    """LayerNorm's backward magnitudes (layer_norm_bwd_magnitudes), then summed into each table row
+    the way the gradient is (a table row's gradient adds the rows that gathered it)."""
+    x, xmag, ids, pos, tt = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table,
+                                      type_table)
+    rows, hidden = x.shape
+    dy = _verify.absf(grad_out).reshape(rows, hidden)
+    if keep is not None and dropout_p > 0.0:
+        dy = dy * keep.reshape(rows, hidden).to(dy.dtype) * (1.0 / (1.0 - dropout_p))
+    dh, dw_terms, ady = _verify.layer_norm_bwd_magnitudes(x, xmag, dy, weight, mean, rstd)
+    checks = []
+    for i, (name, table, index) in enumerate((("dword", word, ids), ("dposition", pos_table, pos),
+                                              ("dtoken_type", type_table, tt))):
+        if need[i]:
+            m = torch.zeros(table.shape, dtype=dh.dtype, device=dh.device).index_add_(0, index, dh)
+            checks.append(_verify.Check(name, k[i], t[i], mag=2.0 * m, acc=(rows + hidden + 2) * m))
+    for i, (name, terms) in ((3, ("dweight", dw_terms)), (4, ("dbias", ady))):
+        if need[i]:
+            m = terms.sum(dim=0)
+            checks.append(_verify.Check(name, k[i], t[i], mag=m, acc=(rows + 2) * m))
+    return _verify.with_rel(checks, _verify.dropout_rel(word.dtype, dropout_p))
+
+
 # ----------------------------------------------------------------------------- forward op
 @torch.library.custom_op("bert_fast::embedding_layer_norm_fwd", mutates_args=())
 @_dispatch.op_impl
@@ -138,6 +210,28 @@ def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], 
         return torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word,
                                         position_embeddings, token_type_embeddings, weight, bias, eps,
                                         dropout_p, seed)
+    rows = _out_rows(input_ids, indices)
+    hidden = word.shape[1]
+    if rows == 0:
+        return _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
+                           token_type_embeddings, weight, bias, eps, dropout_p, seed)
+    spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
+    return _verify.run(
+        "embedding", "fwd", spec, word.device, label=_kernel_label(word), dtype=word.dtype,
+        kernel=lambda: _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
+                                   token_type_embeddings, weight, bias, eps, dropout_p, seed),
+        kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, word.device),
+        fallback=lambda keep: torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word,
+                                                       position_embeddings, token_type_embeddings, weight, bias,
+                                                       eps, dropout_p, seed, keep=keep),
+        checks=lambda k, t, keep: _fwd_checks(input_ids, position_ids, token_type_ids, indices, word,
+                                              position_embeddings, token_type_embeddings, weight, bias,
+                                              dropout_p, keep, k, t))
+
+
+def _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
+                token_type_embeddings, weight, bias, eps, dropout_p, seed):
+    """The kernel's (out, mean, rstd): CUDA, or the C++ CPU twin on CPU tensors."""
     rows = _out_rows(input_ids, indices)
     hidden = word.shape[1]
     out_shape = (rows, hidden) if indices is not None else tuple(input_ids.shape) + (hidden,)
@@ -187,7 +281,6 @@ def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: 
     word, pos, typ = word_embeddings, position_embeddings, token_type_embeddings
     need = [bool(m) for m in output_mask]
     dtype, device = word.dtype, word.device
-    acc = _acc_dtype(dtype)
     hidden = word.shape[1]
     rows = _out_rows(input_ids, indices)
     shapes = [word.shape, pos.shape, typ.shape, weight.shape, weight.shape]
@@ -201,6 +294,33 @@ def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: 
         grads = torch_impl.embedding_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos,
                                          typ, weight, mean, rstd, dropout_p, seed, padding_idx, need)
         return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
+    spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
+
+    def fallback(keep):
+        grads = torch_impl.embedding_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos,
+                                         typ, weight, mean, rstd, dropout_p, seed, padding_idx, need, keep=keep)
+        return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
+
+    return _verify.run(
+        "embedding", "bwd", spec + (bool(deterministic), tuple(need), _verify.aligned(grad_out)), device,
+        label=_kernel_label(word), dtype=dtype,
+        kernel=lambda: _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos, typ,
+                                   weight, mean, rstd, dropout_p, seed, padding_idx, need, deterministic),
+        kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, device), fallback=fallback,
+        checks=lambda k, t, keep: _bwd_checks(grad_out, input_ids, position_ids, token_type_ids, indices, word,
+                                              pos, typ, weight, mean, rstd, dropout_p, padding_idx, need, keep,
+                                              k, t),
+        follows=("fwd", spec))
+
+
+def _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, mean, rstd,
+                dropout_p, seed, padding_idx, need, deterministic):
+    """The kernel's five gradients (empty where not needed): CUDA, or the C++ CPU twin."""
+    dtype, device = word.dtype, word.device
+    acc = _acc_dtype(dtype)
+    hidden = word.shape[1]
+    rows = _out_rows(input_ids, indices)
+    shapes = [word.shape, pos.shape, typ.shape, weight.shape, weight.shape]
     grad_out = grad_out.reshape(rows, hidden).contiguous()
     params = _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows,
                             dropout_p, seed)

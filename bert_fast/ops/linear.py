@@ -13,6 +13,9 @@ Backends (one is chosen per call, forward and backward separately):
                under the interpreter (its tl.dot is wrong in bf16), float64 on CUDA, and every
                path with BERT_FAST_BACKEND=torch
   "reference"  pure torch (bert_fast.reference), only with BERT_FAST_BACKEND=reference
+Wherever a kernel of ours runs ("triton", or "cublas" with its GELU kernel) the call is checked
+against the torch implementation the first time its specialization runs, forward and backward
+(bert_fast/ops/_verify.py; the cuBLAS path's GELU as the bias_gelu op).
 
 Choosing between "triton" and "cublas" ("dispatch decided by measurement"):
   1. ``backend=`` argument of :func:`linear`, else ``BERT_FAST_LINEAR_BACKEND=triton|cublas|auto``;
@@ -59,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_fast.ops import _dispatch, torch_impl
+from bert_fast.ops import _dispatch, _verify, torch_impl
 
 __all__ = ["linear"]
 
@@ -192,6 +195,66 @@ def _bias_or_zeros(bias: Optional[Tensor], n: int, like: Tensor) -> Tensor:
     return bias if bias is not None else like.new_zeros((n,))
 
 
+# ----------------------------------------------------------------------------- first-use check
+def _kernel_label(x: Tensor, backends: str) -> str:
+    """The kernels a call runs: the GEMM (the TMA one where linear_tma takes fp16/bf16 on Hopper)
+    and/or the bias+GELU kernel of the cuBLAS path."""
+    if "triton" not in backends:
+        return "bert_fast.kernels.bias_gelu (Triton, the cuBLAS path's GELU)"
+    tma = False
+    try:
+        from bert_fast.kernels import linear_tma
+        tma = linear_tma.enabled_for(x.device, x.dtype)
+    except Exception:  # noqa: BLE001
+        pass
+    return "bert_fast.kernels.linear_tma (Triton TMA GEMM)" if tma else "bert_fast.kernels.linear (Triton GEMM)"
+
+
+def _gemm_magnitude(a: Tensor, b: Tensor) -> Tensor:
+    """|a| @ |b| in fp32 (float64 for float64): sum |a_ik b_kj| of every dot product."""
+    work = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return torch.mm(a.detach().abs().to(work), b.detach().abs().to(work))
+
+
+def _fwd_checks(x, weight, bias, act, k, t):
+    """z = x W^T + b: sum |x||w| + |b| (dot), accumulated over K; y = gelu(z): |gelu'| <= 1.13 times
+    that, plus the torch implementation's rounding of z in the dtype (mag)."""
+    dot = _gemm_magnitude(x, weight.t())
+    if bias is not None:
+        dot = dot + _verify.absf(bias, dot.dtype)
+    kk = x.shape[1] + 2
+    checks = []
+    if k[1] is not None or t[1] is not None:
+        checks.append(_verify.Check("z", k[1], t[1], dot=dot, acc=kk * dot))
+    if act is None:
+        checks.append(_verify.Check("y", k[0], t[0], dot=dot, acc=kk * dot))
+    else:
+        g = _verify.GELU_SLOPE * dot
+        checks.append(_verify.Check("y", k[0], t[0], mag=g, dot=g, acc=kk * g))
+    return checks
+
+
+def _bwd_checks(dy, x, weight, z_full, act, need, k, t):
+    """dz = dy gelu'(z) is at most |dy| (1.13 + |z|) (|gelu''| <= 0.8 times the rounding of z);
+    dx = dz W, dw = dz^T x, db = sum dz: the GEMMs of those magnitudes, rounded once more in the
+    dtype (dz) and accumulated over N, M, M."""
+    g = _verify.absf(dy)
+    if act is not None:
+        g = g * (_verify.GELU_SLOPE + _verify.absf(z_full, g.dtype))
+    m, n = g.shape
+    checks = []
+    if need[0]:
+        dot = _gemm_magnitude(g, weight)
+        checks.append(_verify.Check("dx", k[0], t[0], mag=dot, dot=dot, acc=(n + 2) * dot))
+    if need[1]:
+        dot = _gemm_magnitude(g.t(), x)
+        checks.append(_verify.Check("dweight", k[1], t[1], mag=dot, dot=dot, acc=(m + 2) * dot))
+    if need[2]:
+        s = g.sum(dim=0)
+        checks.append(_verify.Check("dbias", k[2], t[2], mag=s, acc=(m + 2) * s))
+    return checks
+
+
 @torch.library.custom_op("bert_fast::linear_fwd", mutates_args=())
 @_dispatch.op_impl
 def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
@@ -207,15 +270,23 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: st
     backend = _resolve(_split_backend(backend)[0], x, weight, activation, "fwd")
     keep_z = save_z and act is not None
     if backend == "triton":
-        from bert_fast.kernels.linear import linear_fwd as launch
-        y, z = launch(x, weight, bias, act, save_z=keep_z)
+        def kernel():
+            from bert_fast.kernels.linear import linear_fwd as launch
+            return launch(x, weight, bias, act, save_z=keep_z)
+
+        n, k = weight.shape
+        spec = ("triton", x.dtype, activation, bias is not None, keep_z, _verify.bucket(x.shape[0]), n, k,
+                _verify.aligned(x, weight, bias))
+        y, z = _verify.run("linear", "fwd", spec, x.device, label=lambda: _kernel_label(x, "triton"), dtype=x.dtype,
+                           kernel=kernel, fallback=lambda _keep: torch_impl.linear_fwd(x, weight, bias, act, keep_z),
+                           checks=lambda kout, tout, _keep: _fwd_checks(x, weight, bias, act, kout, tout))
     elif backend == "cublas":
         if act is None:
             y, z = F.linear(x, weight, bias).contiguous(), None
-        else:
-            from bert_fast.kernels.bias_gelu import bias_gelu_fwd
+        else:   # cuBLAS GEMM, then our bias+GELU kernel (checked as the bias_gelu op)
+            from bert_fast.ops.bias_gelu import verified_fwd
             z = torch.mm(x, weight.t())
-            y = bias_gelu_fwd(z, _bias_or_zeros(bias, weight.shape[0], z), _APPROX[act])
+            y = verified_fwd(z, _bias_or_zeros(bias, weight.shape[0], z), _APPROX[act])
     elif backend == "torch":
         y, z = torch_impl.linear_fwd(x, weight, bias, act, keep_z)
     else:   # reference
@@ -248,17 +319,41 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z:
     # used, so fwd_backend still says what z holds
     fwd_backend = _resolve(fwd_backend, x, weight, activation, "fwd")
     bwd_backend = _resolve(bwd_backend, x, weight, activation, "bwd")
-    need_dz = need_dx or need_dw
     n = weight.shape[0]
     if act is not None and z.numel() != dy.numel():
         raise RuntimeError("bert_fast::linear_bwd: the forward did not save the pre-activation "
                            "(call linear_fwd with save_z=True when gradients are needed)")
     if fwd_backend == "torch" and bwd_backend == "torch":
-        dx, dw, db = torch_impl.linear_bwd(dy, x, weight, z if act is not None else None, act,
-                                           need_dx, need_dw, need_db)
-        empty = dy.new_empty((0,))
-        return (dx if need_dx else empty), (dw if need_dw else empty.clone()), \
-            (db if need_db else empty.clone())
+        return _torch_bwd(dy, x, weight, z if act is not None else None, act, need_dx, need_dw, need_db)
+    uses_kernel = (act is not None and fwd_backend == "cublas") or "triton" in (fwd_backend, bwd_backend)
+    if not uses_kernel:
+        return _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, need_dw, need_db)
+    # z as the torch implementation reads it: the cuBLAS path saved it without the bias
+    z_full = None
+    if act is not None:
+        z_full = z + bias if (fwd_backend == "cublas" and bias is not None) else z
+    need = (need_dx, need_dw, need_db)
+    spec = (fwd_backend, bwd_backend, dy.dtype, activation, need, _verify.bucket(x.shape[0]), n, x.shape[1],
+            _verify.aligned(dy, x, weight, z if act is not None else None))
+    return _verify.run(
+        "linear", "bwd", spec, x.device, label=lambda: _kernel_label(x, fwd_backend + ":" + bwd_backend), dtype=dy.dtype,
+        kernel=lambda: _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, need_dw,
+                                   need_db),
+        fallback=lambda _keep: _torch_bwd(dy, x, weight, z_full, act, need_dx, need_dw, need_db),
+        checks=lambda kout, tout, _keep: _bwd_checks(dy, x, weight, z_full, act, need, kout, tout))
+
+
+def _torch_bwd(dy, x, weight, z, act, need_dx, need_dw, need_db):
+    """linear_bwd's outputs from the torch implementation (z: the pre-activation with the bias)."""
+    dx, dw, db = torch_impl.linear_bwd(dy, x, weight, z, act, need_dx, need_dw, need_db)
+    empty = dy.new_empty((0,))
+    return (dx if need_dx else empty), (dw if need_dw else empty.clone()), (db if need_db else empty.clone())
+
+
+def _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, need_dw, need_db):
+    """linear_bwd's outputs from our kernels (and cuBLAS where the backends say so)."""
+    need_dz = need_dx or need_dw
+    n = weight.shape[0]
     # 1. dZ = dY * act'(z) and db, fused
     db = None
     if act is not None and fwd_backend == "cublas":

@@ -12,7 +12,10 @@ Implementations (bert_fast/ops/_dispatch.py): the Triton kernel on CUDA and unde
 the torch implementation (bert_fast.ops.torch_impl: dropout + add, aten.native_layer_norm with fp32
 statistics, backward aten.native_layer_norm_backward from the saved statistics) on the CPU and as
 the CUDA fallback; the reference when forced. ``residual_layer_norm_dropout_mask``
-returns the exact mask either path uses, for tests and debugging.
+returns the exact mask either path uses, for tests and debugging. The kernel is checked against the
+torch implementation the first time each specialization runs (bert_fast/ops/_verify.py; with
+dropout, on the kernel's own mask); a forward that failed its check draws the torch implementation's
+mask, which ``return_dropout_mask=True`` then returns.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch, torch_impl
+from bert_fast.ops import _dispatch, _verify, torch_impl
 
 __all__ = ["residual_layer_norm", "residual_layer_norm_dropout_mask"]
 
@@ -51,6 +54,74 @@ def residual_layer_norm_dropout_mask(shape, dropout_p: float, seed: Optional[Ten
     return _dispatch.reference_dropout_mask(shape, dropout_p, seed, device)
 
 
+# ----------------------------------------------------------------------------- first-use check
+KERNEL = "bert_fast.kernels.residual_layer_norm (Triton)"
+
+
+def _spec(x: Tensor, residual: Tensor, dropout_p: float) -> tuple:
+    """What the kernel is specialized on: dtype, dropout on/off, row bucket, hidden size, alignment.
+    The backward has the same spec: it follows the forward's verdict (bert_fast/ops/_verify.py)."""
+    n = x.shape[-1]
+    return (x.dtype, dropout_p > 0.0, _verify.bucket(x.numel() // max(n, 1)), n,
+            _verify.aligned(x, residual))
+
+
+def _kernel_mask(x: Tensor, dropout_p: float, seed: Optional[Tensor]):
+    """The kernel's exact keep-mask (None when dropout is off), for the check and the stand-in backward."""
+    if seed is None or dropout_p == 0.0:
+        return None
+
+    def mask():
+        from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+        return dropout_keep_mask(x.shape, dropout_p, _dispatch.seed_value(seed), x.device)
+    return mask
+
+
+def _h(x: Tensor, residual: Tensor, dropout_p: float, keep: Optional[Tensor]):
+    """(h, |h| terms) of LayerNorm's input, fp32 (float64 for float64), [rows, N]."""
+    ax, ar = _verify.absf(x), _verify.absf(residual)
+    xs, rs = x.detach().to(ax.dtype), residual.detach().to(ax.dtype)
+    if keep is not None and dropout_p > 0.0:
+        k = keep.to(ax.dtype) * (1.0 / (1.0 - dropout_p))
+        xs, ax = xs * k, ax * k
+    n = x.shape[-1]
+    return (xs + rs).reshape(-1, n), (ax + ar).reshape(-1, n)
+
+
+def _fwd_checks(x, residual, weight, bias, dropout_p, keep, k, t):
+    h, hmag = _h(x, residual, dropout_p, keep)
+    n = x.shape[-1]
+    flat = lambda outs: (outs[0].reshape(-1, n), outs[1].reshape(-1), outs[2].reshape(-1))
+    return _verify.with_rel(_verify.layer_norm_checks(h, hmag, weight, bias, flat(k), flat(t)),
+                            _verify.dropout_rel(x.dtype, dropout_p))
+
+
+def _bwd_checks(dy, x, residual, weight, mean, rstd, dropout_p, keep, k, t):
+    h, hmag = _h(x, residual, dropout_p, keep)
+    dh, dw_terms, ady = _verify.layer_norm_bwd_magnitudes(h, hmag, dy, weight, mean, rstd)
+    rows, n = h.shape
+    scale = 1.0 / (1.0 - dropout_p) if (keep is not None and dropout_p > 0.0) else 1.0
+    shape = x.shape
+    dres_t = _verify.absf(t[1]).reshape(rows, n)
+    dw_sum, db_sum = dw_terms.sum(dim=0), ady.sum(dim=0)
+    return _verify.with_rel([
+        _verify.Check("dres", k[1], t[1], mag=(2.0 * dh).reshape(shape), acc=(n * dh).reshape(shape)),
+        _verify.Check("dx", k[0], t[0], mag=(scale * (2.0 * dh + dres_t)).reshape(shape),
+                      acc=(scale * n * dh).reshape(shape)),
+        _verify.Check("dweight", k[2], t[2], mag=dw_sum, acc=(rows + 2) * dw_sum),
+        _verify.Check("dbias", k[3], t[3], mag=db_sum, acc=(rows + 2) * db_sum),
+    ], _verify.dropout_rel(x.dtype, dropout_p))
+
+
+def _applied_mask(x: Tensor, residual: Tensor, dropout_p: float, seed: Optional[Tensor]) -> Tensor:
+    """The mask residual_layer_norm applied to x: the kernel's, unless its forward specialization
+    failed its check and the torch implementation ran (with its own stream)."""
+    if seed is not None and dropout_p > 0.0 and _dispatch.implementation(x) == "kernel" \
+            and not _verify.kernel_selected("residual_layer_norm", "fwd", _spec(x, residual, dropout_p), x.device):
+        return _dispatch.reference_dropout_mask(x.shape, dropout_p, seed, x.device)
+    return residual_layer_norm_dropout_mask(x.shape, dropout_p, seed, x.device)
+
+
 def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
     mask = _dispatch.reference_dropout_mask(x.shape, dropout_p, seed, x.device)
     y = reference.residual_layer_norm(x, residual, weight, bias, eps, dropout_p, mask)
@@ -63,10 +134,18 @@ def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: T
                             dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     impl = _dispatch.implementation(x)
     if impl == "kernel":
-        from bert_fast.kernels.residual_layer_norm import residual_layer_norm_fwd as launch
-        y, mean, rstd = launch(_as_2d(x), _as_2d(residual), weight, bias, eps, dropout_p,
-                               _dispatch.seed_value(seed))
-        return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+        def kernel():
+            from bert_fast.kernels.residual_layer_norm import residual_layer_norm_fwd as launch
+            y, mean, rstd = launch(_as_2d(x), _as_2d(residual), weight, bias, eps, dropout_p,
+                                   _dispatch.seed_value(seed))
+            return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+
+        return _verify.run(
+            "residual_layer_norm", "fwd", _spec(x, residual, dropout_p), x.device, label=KERNEL,
+            dtype=x.dtype, kernel=kernel, kernel_mask=_kernel_mask(x, dropout_p, seed),
+            fallback=lambda keep: torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p,
+                                                                     seed, keep=keep),
+            checks=lambda k, t, keep: _fwd_checks(x, residual, weight, bias, dropout_p, keep, k, t))
     if impl == "torch":
         return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed)
     y, mask = _reference_forward(x, residual, weight, bias, eps, dropout_p, seed)
@@ -90,10 +169,23 @@ def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Ten
                             seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = _dispatch.implementation(x)
     if impl == "kernel":
-        from bert_fast.kernels.residual_layer_norm import residual_layer_norm_bwd as launch
-        dx, dres, dw, db = launch(_as_2d(dy), _as_2d(x), _as_2d(residual), weight, bias,
-                                  mean.reshape(-1), rstd.reshape(-1), dropout_p, _dispatch.seed_value(seed))
-        return dx.view(x.shape), dres.view(x.shape), dw, db
+        def kernel():
+            from bert_fast.kernels.residual_layer_norm import residual_layer_norm_bwd as launch
+            dx, dres, dw, db = launch(_as_2d(dy), _as_2d(x), _as_2d(residual), weight, bias,
+                                      mean.reshape(-1), rstd.reshape(-1), dropout_p, _dispatch.seed_value(seed))
+            return dx.view(x.shape), dres.view(x.shape), dw, db
+
+        def fallback(keep):
+            grads = torch_impl.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd, dropout_p,
+                                                       seed, keep=keep)
+            return tuple(g.contiguous() for g in grads)
+
+        spec = _spec(x, residual, dropout_p)
+        return _verify.run(
+            "residual_layer_norm", "bwd", spec + (_verify.aligned(dy),), x.device, label=KERNEL,
+            dtype=x.dtype, kernel=kernel, kernel_mask=_kernel_mask(x, dropout_p, seed), fallback=fallback,
+            checks=lambda k, t, keep: _bwd_checks(dy, x, residual, weight, mean, rstd, dropout_p, keep, k, t),
+            follows=("fwd", spec))
     if impl == "torch":
         grads = torch_impl.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd, dropout_p, seed)
         return tuple(g.contiguous() for g in grads)
@@ -171,5 +263,5 @@ def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tenso
     seed = _dispatch.draw_seed(p, generator)
     y, _, _ = torch.ops.bert_fast.residual_layer_norm_fwd(x, residual, weight, bias, float(eps), p, seed)
     if return_dropout_mask:
-        return y, residual_layer_norm_dropout_mask(x.shape, p, seed, x.device)
+        return y, _applied_mask(x, residual, p, seed)
     return y

@@ -14,7 +14,9 @@ ops (gelu_backward, native_layer_norm_backward, the flash attention backward), n
 Dropout: the keep-mask is ``_dispatch.reference_dropout_mask(shape, p, seed, device)``, a function
 of (seed, shape) alone, regenerated in the backward (and under activation checkpointing) and the
 same bits as the reference path, so the two agree exactly with the same seed. Kept values are
-scaled by 1/(1-p).
+scaled by 1/(1-p). Every function with dropout also takes ``keep=``, a mask to apply instead: the
+kernel's own Philox mask, when this implementation checks a kernel or stands in for one whose
+forward already ran (bert_fast/ops/_verify.py).
 
 What each op does (and why; figures in NOTES.md):
   * linear: F.linear (MKL sgemm in fp32, oneDNN in bf16) + GELU. Inference in bf16 on the CPU runs
@@ -63,7 +65,15 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _dropout_mask(shape, dropout_p: float, seed: Optional[Tensor], device) -> Optional[Tensor]:
+def _dropout_mask(shape, dropout_p: float, seed: Optional[Tensor], device,
+                  keep: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The keep-mask of an op: ``keep`` when given (a kernel's own Philox mask, when this
+    implementation stands in for the kernel or checks it: bert_fast/ops/_verify.py), else the
+    seed's reference mask."""
+    if dropout_p == 0.0 or (seed is None and keep is None):
+        return None
+    if keep is not None:
+        return keep.to(device=device, dtype=torch.bool)
     return _dispatch.reference_dropout_mask(shape, dropout_p, seed, device)
 
 
@@ -144,11 +154,27 @@ def _layer_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, mean: Tensor, rstd: T
     """(dh, dweight, dbias) of _layer_norm from its saved statistics (not needed -> None).
     mean/rstd are fp32 (float64 for float64), as every path of native_layer_norm_backward wants
     them here: the CPU's mixed-type path (see _ln_affine) and CUDA's accumulate-type statistics.
-    (The bias enters no gradient; ``weight`` stands in for it, as the kernel wants a defined one.)"""
+    (The bias enters no gradient; ``weight`` stands in for it, as the kernel wants a defined one.)
+
+    On the CPU in bf16/fp16, dweight and dbias are summed here in fp32: aten's CPU kernel sums them
+    with errors of the input dtype's rounding (bf16, 100 rows: 0.27e-3 off a dbias of 0.02, where an
+    fp32 sum is exact to 1e-9; the error grows with the rows), which the first-use check of the
+    kernels (bert_fast/ops/_verify.py) would have to take as this implementation's precision. CUDA's
+    kernel accumulates them in fp32 itself."""
     w, _ = _ln_affine(weight, weight, h)
     stat = _acc(h.dtype)
-    dh, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy, h, [h.shape[-1]], mean.reshape(-1).to(stat), rstd.reshape(-1).to(stat), w, w, list(need))
+    mean, rstd = mean.reshape(-1).to(stat), rstd.reshape(-1).to(stat)
+    own = h.device.type == "cpu" and h.dtype in (torch.bfloat16, torch.float16) and (need[1] or need[2])
+    aten_need = [need[0], need[1] and not own, need[2] and not own]
+    dh, dw, db = torch.ops.aten.native_layer_norm_backward(dy, h, [h.shape[-1]], mean, rstd, w, w, aten_need)
+    if own:
+        n = h.shape[-1]
+        dyf = dy.reshape(-1, n).float()
+        if need[1]:
+            xhat = (h.reshape(-1, n).float() - mean[:, None]) * rstd[:, None]
+            dw = (dyf * xhat).sum(dim=0)
+        if need[2]:
+            db = dyf.sum(dim=0)
     dw = dw.to(weight.dtype) if dw is not None else None
     db = db.to(weight.dtype) if db is not None else None
     return dh, dw, db
@@ -162,18 +188,20 @@ def _dropout_add(x: Tensor, residual: Tensor, keep: Optional[Tensor], dropout_p:
 
 
 def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                            dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, rstd): y = LayerNorm(dropout(x) + residual); mean/rstd fp32 of shape x.shape[:-1]."""
-    keep = _dropout_mask(x.shape, dropout_p, seed, x.device)
+                            dropout_p: float, seed: Optional[Tensor], keep: Optional[Tensor] = None
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd): y = LayerNorm(dropout(x) + residual); mean/rstd fp32 of shape x.shape[:-1].
+    ``keep``: the keep-mask to apply instead of the seed's (every function here takes one)."""
+    keep = _dropout_mask(x.shape, dropout_p, seed, x.device, keep)
     return _layer_norm(_dropout_add(x, residual, keep, dropout_p), weight, bias, eps)
 
 
 def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor,
-                            mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor]
-                            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                            mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor],
+                            keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dresidual, dweight, dbias); h = dropout(x) + residual is recomputed (one add), the
     statistics are the forward's, the keep-mask is regenerated from the seed."""
-    keep = _dropout_mask(x.shape, dropout_p, seed, x.device)
+    keep = _dropout_mask(x.shape, dropout_p, seed, x.device, keep)
     h = _dropout_add(x, residual, keep, dropout_p)
     dres, dw, db = _layer_norm_bwd(dy, h, weight, mean, rstd)
     if keep is None:
@@ -266,16 +294,17 @@ def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor
 
 # ----------------------------------------------------------------------------- padded attention
 def attention_fwd(qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, softmax_scale: float,
-                  seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                  seed: Optional[Tensor], keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     b, s, _, h, _ = qkv.shape
-    keep = _dropout_mask((b, h, s, s), dropout_p, seed, qkv.device)
+    keep = _dropout_mask((b, h, s, s), dropout_p, seed, qkv.device, keep)
     return _attn_fwd(qkv, key_mask, softmax_scale, keep, dropout_p)
 
 
 def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-                  dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
+                  dropout_p: float, softmax_scale: float, seed: Optional[Tensor],
+                  keep: Optional[Tensor] = None) -> Tensor:
     b, s, _, h, _ = qkv.shape
-    keep = _dropout_mask((b, h, s, s), dropout_p, seed, qkv.device)
+    keep = _dropout_mask((b, h, s, s), dropout_p, seed, qkv.device, keep)
     return _attn_bwd(dout, qkv, key_mask, out, lse, softmax_scale, keep, dropout_p)
 
 
@@ -384,11 +413,12 @@ def _single_view(qkv: Tensor, plan: List[_Group]) -> bool:
 
 
 def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
-                         softmax_scale: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                         softmax_scale: float, seed: Optional[Tensor], keep: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor]:
     """(out [T, h, d], lse fp32 [h, T]) of packed sequences, one batched call per length group."""
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
-    keep = _dropout_mask((cu_seqlens.numel() - 1, h, max_seqlen, max_seqlen), dropout_p, seed, qkv.device)
+    keep = _dropout_mask((cu_seqlens.numel() - 1, h, max_seqlen, max_seqlen), dropout_p, seed, qkv.device, keep)
     if _single_view(qkv, plan):       # every sequence of one length: no copy at all
         g = plan[0]
         out, lse = _attn_fwd(qkv.view(g.n, g.length, 3, h, d), None, softmax_scale, _group_keep(keep, g),
@@ -404,10 +434,11 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
 
 
 def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
-                         lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
+                         lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor],
+                         keep: Optional[Tensor] = None) -> Tensor:
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
-    keep = _dropout_mask((cu_seqlens.numel() - 1, h, max_seqlen, max_seqlen), dropout_p, seed, qkv.device)
+    keep = _dropout_mask((cu_seqlens.numel() - 1, h, max_seqlen, max_seqlen), dropout_p, seed, qkv.device, keep)
     if _single_view(qkv, plan):
         g = plan[0]
         shape = (g.n, g.length)
@@ -458,8 +489,8 @@ def _embedding_sum(ids, pos, tt, word, pos_table, type_table, seqlen: int) -> Te
 
 def embedding_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
                   indices: Optional[Tensor], word: Tensor, pos_table: Tensor, type_table: Tensor,
-                  weight: Tensor, bias: Tensor, eps: float, dropout_p: float, seed: Optional[Tensor]
-                  ) -> Tuple[Tensor, Tensor, Tensor]:
+                  weight: Tensor, bias: Tensor, eps: float, dropout_p: float, seed: Optional[Tensor],
+                  keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(out, mean, rstd): out [T, H] with indices, else input_ids.shape + (H,)."""
     rows = indices.shape[0] if indices is not None else input_ids.numel()
     hidden = word.shape[1]
@@ -470,7 +501,7 @@ def embedding_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_
     ids, pos, tt = _embedding_rows(input_ids, position_ids, token_type_ids, indices)
     x = _embedding_sum(ids, pos, tt, word, pos_table, type_table, max(1, input_ids.shape[-1]))
     y, mean, rstd = _layer_norm(x, weight, bias, eps)
-    keep = _dropout_mask((rows, hidden), dropout_p, seed, word.device)
+    keep = _dropout_mask((rows, hidden), dropout_p, seed, word.device, keep)
     if keep is not None:
         y = y * keep.to(y.dtype) * (1.0 / (1.0 - dropout_p))
     return y.view(out_shape), mean, rstd
@@ -479,7 +510,8 @@ def embedding_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_
 def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Tensor],
                   token_type_ids: Optional[Tensor], indices: Optional[Tensor], word: Tensor, pos_table: Tensor,
                   type_table: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, dropout_p: float,
-                  seed: Optional[Tensor], padding_idx: int, need: Sequence[bool]) -> List[Optional[Tensor]]:
+                  seed: Optional[Tensor], padding_idx: int, need: Sequence[bool],
+                  keep: Optional[Tensor] = None) -> List[Optional[Tensor]]:
     """Gradients of (word, position, type tables, weight, bias), None where ``need`` is False.
     x is recomputed from the tables; table gradients accumulate in fp32 (float64 for float64)."""
     hidden = word.shape[1]
@@ -493,7 +525,7 @@ def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Te
     ids, pos, tt = _embedding_rows(input_ids, position_ids, token_type_ids, indices)
     x = _embedding_sum(ids, pos, tt, word, pos_table, type_table, seqlen)
     dy = grad_out.reshape(rows, hidden)
-    keep = _dropout_mask((rows, hidden), dropout_p, seed, word.device)
+    keep = _dropout_mask((rows, hidden), dropout_p, seed, word.device, keep)
     if keep is not None:
         dy = dy * keep.to(dy.dtype) * (1.0 / (1.0 - dropout_p))
     need_dx = need[0] or need[1] or need[2]

@@ -266,9 +266,11 @@ def test_attention_fully_masked_batch_no_nan(torch_path, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("padded", [True, False])
-def test_attention_dropout_mask_regenerated(torch_path, dtype, padded):
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1])       # the whole batch at once, one sequence a chunk
+def test_attention_dropout_mask_regenerated(torch_path, monkeypatch, dtype, padded, chunk_bytes):
     """With dropout (the materialized path): out and d(qkv) equal the reference's with the mask the
     op returns, which is the reference path's mask for the seed; a fully padded row stays zero."""
+    monkeypatch.setattr(torch_impl, "MATH_CHUNK_BYTES", chunk_bytes)
     g = _gen(13)
     b, s, h, d, p = 3, 17, 2, 26, 0.2
     qkv = _rand((b, s, 3, h, d), g, dtype)

@@ -239,6 +239,12 @@ def _split_heads(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
 
 
+def _math_qkv(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k, v [B, h, S, d] for the materialized path: one copy of qkv into [3, B, h, S, d], so that
+    every batched GEMM reads contiguous operands (a strided view would be copied by each matmul)."""
+    return qkv.permute(2, 0, 3, 1, 4).contiguous().unbind(0)
+
+
 def _math_probs(q: Tensor, k: Tensor, key_mask: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
     """(probs, scores) of the materialized path: masked keys at finfo.min (finite: a row without
     keys stays uniform instead of NaN, and is zeroed), in the inputs' dtype."""
@@ -252,44 +258,98 @@ def _math_probs(q: Tensor, k: Tensor, key_mask: Optional[Tensor], scale: float) 
     return probs, scores
 
 
+def _dropout_scale(keep: Tensor, dropout_p: float, dtype: torch.dtype) -> Tensor:
+    """keep / (1 - p) as a ``dtype`` tensor (one pass over the mask)."""
+    return torch.where(keep, torch.tensor(1.0 / (1.0 - dropout_p), dtype=dtype, device=keep.device),
+                       torch.tensor(0.0, dtype=dtype, device=keep.device))
+
+
+# The materialized path streams the batch in chunks whose [chunk, h, S, S] score tensor fits in a
+# core's L2 (2 MB on the measured CPU): its half-dozen elementwise passes over the scores then run
+# from cache. One batched call over the whole batch (6 MB of scores at MiniLM b8 s128) was 1.3x
+# slower than the reference's loop over single sequences (benchmarks/NOTES.md, CPU path).
+MATH_CHUNK_BYTES = 1 << 20
+
+
+def _math_chunks(qkv: Tensor):
+    """Batch slices for the materialized path (the whole batch off the CPU: GPUs want big launches)."""
+    b, s, _, h, _ = qkv.shape
+    if qkv.device.type != "cpu":
+        return [slice(0, b)]
+    per_seq = max(1, h * s * s * qkv.element_size())
+    step = max(1, MATH_CHUNK_BYTES // per_seq)
+    return [slice(i, min(b, i + step)) for i in range(0, b, step)]
+
+
+def _sel(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+    return None if t is None else t[sl]
+
+
+def _math_fwd(qkv, key_mask, scale, keep, dropout_p):
+    q, k, v = _math_qkv(qkv)
+    probs, scores = _math_probs(q, k, key_mask, scale)
+    lse = torch.logsumexp(scores.to(_acc(scores.dtype)), dim=-1).float()
+    del scores
+    if keep is not None:
+        probs.mul_(_dropout_scale(keep, dropout_p, probs.dtype))
+    return torch.matmul(probs, v).transpose(1, 2), lse
+
+
+def _math_bwd(dout, qkv, key_mask, scale, keep, dropout_p):
+    # P the masked softmax (zero rows without keys), Z the dropout scale mask, O = (P*Z) V:
+    # dV = (P*Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - rowsum(dP * P)), dQ = scale dS K, dK = scale dS^T Q
+    q, k, v = _math_qkv(qkv)
+    do = dout.transpose(1, 2)
+    probs, _ = _math_probs(q, k, key_mask, scale)
+    dp = torch.matmul(do, v.transpose(-1, -2))
+    if keep is not None:
+        z = _dropout_scale(keep, dropout_p, probs.dtype)
+        dv = torch.matmul((probs * z).transpose(-1, -2), do)
+        dp.mul_(z)
+        del z
+    else:
+        dv = torch.matmul(probs.transpose(-1, -2), do)
+    ds = dp.sub_((dp * probs).sum(dim=-1, keepdim=True)).mul_(probs)     # in place: dp is ours
+    dq = torch.matmul(ds, k).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
+    return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
+
+
 def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor],
               dropout_p: float) -> Tuple[Tensor, Tensor]:
     """qkv [B, S, 3, h, d], key_mask bool/uint8 [B, S] or None, keep [B, h, S, S] or None ->
     (out [B, S, h, d] contiguous, lse fp32 [B, h, S])."""
-    q, k, v = _split_heads(qkv)
     if _use_flash(qkv, keep):
+        q, k, v = _split_heads(qkv)
         out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
         return out.transpose(1, 2).contiguous(), lse.to(torch.float32).contiguous()
-    probs, scores = _math_probs(q, k, key_mask, scale)
-    lse = torch.logsumexp(scores.to(_acc(scores.dtype)), dim=-1).float()
-    if keep is not None:
-        probs = probs * keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p))
-    return torch.matmul(probs, v).transpose(1, 2).contiguous(), lse
+    chunks = _math_chunks(qkv)
+    if len(chunks) == 1:
+        out, lse = _math_fwd(qkv, key_mask, scale, keep, dropout_p)
+        return out.contiguous(), lse
+    b, s, _, h, d = qkv.shape
+    out = qkv.new_empty((b, s, h, d))
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=qkv.device)
+    for sl in chunks:
+        out[sl], lse[sl] = _math_fwd(qkv[sl], _sel(key_mask, sl), scale, _sel(keep, sl), dropout_p)
+    return out, lse
 
 
 def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
               scale: float, keep: Optional[Tensor], dropout_p: float) -> Tensor:
     """d(qkv) [B, S, 3, h, d] of _attn_fwd."""
-    q, k, v = _split_heads(qkv)
     if _use_flash(qkv, keep):
+        q, k, v = _split_heads(qkv)
         dq, dk, dv = _FLASH_CPU_BWD(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, False,
                                     attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
-    else:
-        # P the masked softmax (zero rows without keys), Z the dropout scale mask, O = (P*Z) V:
-        # dV = (P*Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - rowsum(dP * P)), dQ = scale dS K, dK = scale dS^T Q
-        do = dout.transpose(1, 2)
-        probs, _ = _math_probs(q, k, key_mask, scale)
-        dp = torch.matmul(do, v.transpose(-1, -2))
-        if keep is not None:
-            z = keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p))
-            dv = torch.matmul((probs * z).transpose(-1, -2), do)
-            dp.mul_(z)
-        else:
-            dv = torch.matmul(probs.transpose(-1, -2), do)
-        ds = probs * (dp - (dp * probs).sum(dim=-1, keepdim=True))
-        dq = torch.matmul(ds, k).mul_(scale)
-        dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
-    return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
+        return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
+    chunks = _math_chunks(qkv)
+    if len(chunks) == 1:
+        return _math_bwd(dout, qkv, key_mask, scale, keep, dropout_p)
+    dqkv = qkv.new_empty(qkv.shape)
+    for sl in chunks:
+        dqkv[sl] = _math_bwd(dout[sl], qkv[sl], _sel(key_mask, sl), scale, _sel(keep, sl), dropout_p)
+    return dqkv
 
 
 # ----------------------------------------------------------------------------- padded attention
@@ -404,8 +464,11 @@ def _group_keep(keep: Optional[Tensor], g: _Group) -> Optional[Tensor]:
     """The keep-mask of g's sequences: each uses the top-left L x L block of its [max, max] mask."""
     if keep is None:
         return None
+    if g.seqs == list(range(g.n)):
+        return keep[:g.n, :, :g.length, :g.length]
     idx = torch.tensor(g.seqs, device=keep.device)
-    return keep.index_select(0, idx)[:, :, :g.length, :g.length]
+    # index_select on uint8 (bool takes a slow generic path); the mask is not copied past L x L
+    return keep[:, :, :g.length, :g.length].view(torch.uint8).index_select(0, idx).view(torch.bool)
 
 
 def _single_view(qkv: Tensor, plan: List[_Group]) -> bool:

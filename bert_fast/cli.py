@@ -3,6 +3,7 @@
     bert-fast info [--device D] [--json PATH|-]      build, device, driver, versions, kernel per op
     bert-fast bench [options]                        model benchmark (see bert-fast bench --help)
     bert-fast bench-ops [options]                    per-op benchmark against measured ceilings
+    bert-fast doctor [--json PATH]                   every kernel checked on this machine (run it first)
     bert-fast train ...                              training (bert_fast.training.cli, when present)
 
 The parser is modular: each subcommand is one ``_add_<name>(subparsers)`` function in SUBCOMMANDS,
@@ -269,6 +270,27 @@ def _run_bench_ops(args) -> int:
         raise CLIError(str(exc)) from None
 
 
+# ----------------------------------------------------------------------------- doctor
+def _add_doctor(sub) -> None:
+    from bert_fast import doctor
+
+    p = sub.add_parser("doctor", help="check every kernel on this machine against the float64 oracle and "
+                                      "plain torch; --json writes the report to send back",
+                       description=(doctor.__doc__ or "").strip(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_arguments(p)
+    p.set_defaults(handler=_run_doctor)
+
+
+def _run_doctor(args) -> int:
+    from bert_fast import doctor
+
+    try:
+        return doctor.run(args)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
 # ----------------------------------------------------------------------------- train (hook)
 def _load_train_module():
     try:
@@ -300,7 +322,7 @@ def _run_train(argv: List[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- main
-SUBCOMMANDS: List[Callable] = [_add_info, _add_bench, _add_bench_ops, _add_train]
+SUBCOMMANDS: List[Callable] = [_add_info, _add_bench, _add_bench_ops, _add_doctor, _add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,7 +352,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
-        print(f"\n{PROG}: error: a command is required (info, bench, bench-ops, train)", file=sys.stderr)
+        print(f"\n{PROG}: error: a command is required (info, bench, bench-ops, doctor, train)", file=sys.stderr)
         return 2
     try:
         return int(args.handler(args) or 0)

@@ -361,8 +361,12 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+    """"Type: message" on one line: the first line and, when the message has more (a Triton compile
+    error starts with the source location), its last."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    text = text if len(text) <= 400 else text[:397] + "..."
+    return f"{type(exc).__name__}: {text}".strip()
 
 
 # ----------------------------------------------------------------------------- the check

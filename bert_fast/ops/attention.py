@@ -186,6 +186,12 @@ def _fwd_checks(qkv, cu_seqlens, key_mask, seqlen, dropout_p, scale, k, t):
                           where=where)]
 
 
+# The torch implementation as the backward's bounds use it, for P^T x (magnitudes, not a fallback
+# call: bound at import, so whatever wraps torch_impl's functions later sees only fallback calls).
+_PT_FWD, _PT_BWD = torch_impl.attention_fwd, torch_impl.attention_bwd
+_PT_VARLEN_FWD, _PT_VARLEN_BWD = torch_impl.varlen_attention_fwd, torch_impl.varlen_attention_bwd
+
+
 def _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t):
     """With P the softmax, dS = P (dP - delta), |dP_ij| <= s_d |dO_i| |v_j| =: D_i and |delta_i| <= D_i:
     |dV| <= s_d P^T |dO|, |dK| <= scale P^T (2 D |q|), |dQ_i| <= 2 scale D_i max_j |k_j|, each
@@ -199,12 +205,11 @@ def _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, 
     big = (sd * ado.norm(dim=-1) * sq.seqmax(sq.v.norm(dim=-1)) * (1.0 + 2.0 * sigma))[..., None]
     q32 = qkv.detach().to(ado.dtype)
     if cu_seqlens is None:
-        o, lse = torch_impl.attention_fwd(q32, key_mask, 0.0, scale, None)
-        pt = lambda x: torch_impl.attention_bwd(x, q32, key_mask, o, lse, 0.0, scale, None)[:, :, 2]
+        o, lse = _PT_FWD(q32, key_mask, 0.0, scale, None)
+        pt = lambda x: _PT_BWD(x, q32, key_mask, o, lse, 0.0, scale, None)[:, :, 2]
     else:
-        o, lse = torch_impl.varlen_attention_fwd(q32, cu_seqlens, max_seqlen, 0.0, scale, None)
-        pt = lambda x: torch_impl.varlen_attention_bwd(x, q32, cu_seqlens, max_seqlen, o, lse, 0.0, scale,
-                                                       None)[:, 2]
+        o, lse = _PT_VARLEN_FWD(q32, cu_seqlens, max_seqlen, 0.0, scale, None)
+        pt = lambda x: _PT_VARLEN_BWD(x, q32, cu_seqlens, max_seqlen, o, lse, 0.0, scale, None)[:, 2]
     mags = {"dq": 2.0 * scale * big * sq.seqmax(sq.k),
             "dk": pt(2.0 * scale * big * sq.q),
             "dv": pt(sd * ado * (1.0 + 2.0 * sigma)[..., None])}

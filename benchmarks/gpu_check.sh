@@ -8,6 +8,9 @@
 #   1. install     pip install --no-build-isolation --no-deps -e .   (builds the CUDA extension)
 #   2. info        bert-fast info --json                              (build, device, driver, kernel per op)
 #   2b. cuda-build  fails (and is recorded) if the extension was built without its CUDA kernel
+#   2c. doctor     bert-fast doctor --json                            (every kernel x dtype x shape against
+#                  the float64 oracle, each op in its own process: a kernel that faults is named in
+#                  the table, doctor.log, and in doctor.json, both in the run folder and merged)
 #   3. tests       python -m pytest tests -q -rs                      (the whole suite, on CUDA)
 #   4. tune-dispatch  benchmarks/tune_linear_dispatch.py at the shapes of the model benchmarks
 #                  (bert-base/large, bf16, 128 to 16384 tokens): writes bert_fast/data/linear_dispatch.json (our GEMM or
@@ -184,6 +187,13 @@ run_stage info 90 "$RUN_DIR/info.log" "${BF[@]}" info --json "$RUN_DIR/info.json
 run_stage cuda-build 30 "$RUN_DIR/cuda-build.log" "$PY" -c "import sys, bert_fast; b = bert_fast.build_info(); \
 print(b); sys.exit(0 if b.get('cuda_compiled') else 'the CUDA kernel was not compiled (nvcc not found?)')"
 
+# 2c. the doctor first: the kernels against the oracle on this GPU, a faulting one named instead of
+#     ending the run (the first-use check is off inside it). BERT_FAST_AUTOTUNE=0: each of its ~360
+#     checks would otherwise pay an autotune sweep per new key; the benchmarks below autotune, and
+#     the first-use check (BERT_FAST_VERIFY=first) checks whatever they run.
+run_stage doctor 300 "$RUN_DIR/doctor.log" env BERT_FAST_AUTOTUNE=0 "${BF[@]}" doctor --timeout 120 \
+    --json "$RUN_DIR/doctor.json"
+
 # 3. the whole test suite on CUDA
 # BERT_FAST_AUTOTUNE=0: the suite visits hundreds of GEMM shapes once each; autotuning every one
 # would cost more than the tests (the benchmark stages below autotune as usual).
@@ -242,7 +252,7 @@ for f in "$RUN_DIR"/model-*.json; do [ -e "$f" ] && MODEL_JSONS+=("$f"); done
 "$PY" "$ROOT/bert_fast/bench/results.py" merge --out "$RESULTS/$NAME.json" --run-dir "$RUN_DIR" \
     --stages "$STAGES" --info "$RUN_DIR/info.json" --ops "$RUN_DIR/ops.json" --model ${MODEL_JSONS[@]+"${MODEL_JSONS[@]}"} \
     --pytest-log "$RUN_DIR/pytest.log" --pytest-xml "$RUN_DIR/pytest.xml" \
-    --pytest-bench "$RUN_DIR/pytest-benchmark.json" --plot "$RUN_DIR/summary.png" \
+    --pytest-bench "$RUN_DIR/pytest-benchmark.json" --plot "$RUN_DIR/summary.png" --doctor "$RUN_DIR/doctor.json" \
     || { echo "merge FAILED"; FAILED=1; }
 "$PY" "$ROOT/benchmarks/make_readme_performance.py" --results-dir "$RESULTS" --readme "$ROOT/README.md" \
     || echo "README Performance section not regenerated"

@@ -221,8 +221,11 @@ def parse_junit_counts(xml_path) -> Optional[Dict[str, int]]:
 
 # ----------------------------------------------------------------------------- merge (gpu_check)
 def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None, model_jsons=(),
-          pytest_log=None, pytest_xml=None, pytest_bench_json=None, plot=None) -> Dict[str, Any]:
-    """Combine the files of one GPU-check run into one document (schema bert_fast.gpu_check/1)."""
+          pytest_log=None, pytest_xml=None, pytest_bench_json=None, plot=None,
+          doctor_json=None) -> Dict[str, Any]:
+    """Combine the files of one GPU-check run into one document (schema bert_fast.gpu_check/1).
+    ``doctor_json``: the report of ``bert-fast doctor --json``; its summary and every check that
+    did not pass go into the document (the whole report stays in its own file beside it)."""
     run_dir = Path(run_dir)
     doc: Dict[str, Any] = {"schema": GPU_CHECK_SCHEMA, "created": now_iso(), "run_dir": str(run_dir)}
     stages = []
@@ -253,6 +256,17 @@ def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None,
             if not tests.get("summary_found"):
                 tests.update({k: junit[k] for k in ("passed", "failed", "errors", "skipped")})
     doc["tests"] = tests
+    if doctor_json and Path(doctor_json).exists():
+        try:
+            rep = read_json(doctor_json)
+            doc["doctor"] = {"file": os.path.relpath(doctor_json, Path(out_path).parent),
+                             "gpu_verdict": rep.get("gpu_verdict"), "summary": rep.get("summary"),
+                             "exit_status": rep.get("exit_status"),
+                             "problems": [c for c in rep.get("checks", [])
+                                          if c.get("verdict") in ("fail", "error", "fault")]}
+            env = env or rep.get("environment")
+        except (OSError, ValueError) as exc:
+            doc["doctor_error"] = str(exc)
     if ops_json and Path(ops_json).exists():
         try:
             doc["ops"] = read_json(ops_json)
@@ -324,6 +338,7 @@ def _main(argv=None) -> int:
     m.add_argument("--pytest-xml")
     m.add_argument("--pytest-bench")
     m.add_argument("--plot")
+    m.add_argument("--doctor", help="bert-fast doctor --json report")
     c = sub.add_parser("counts", help="print pytest counts parsed from a log")
     c.add_argument("log")
     args = p.parse_args(argv)
@@ -332,8 +347,11 @@ def _main(argv=None) -> int:
         return 0
     doc = merge(args.out, run_dir=args.run_dir, stages_file=args.stages, info_json=args.info,
                 ops_json=args.ops, model_jsons=args.model, pytest_log=args.pytest_log,
-                pytest_xml=args.pytest_xml, pytest_bench_json=args.pytest_bench, plot=args.plot)
+                pytest_xml=args.pytest_xml, pytest_bench_json=args.pytest_bench, plot=args.plot,
+                doctor_json=args.doctor)
     t = doc.get("tests", {})
+    if doc.get("doctor"):
+        print(f"doctor: {doc['doctor'].get('summary')}")
     print(f"wrote {args.out}: tests passed={t.get('passed')} failed={t.get('failed')} "
           f"skipped={t.get('skipped')} errors={t.get('errors')}; {len(doc['model']['runs'])} model runs; "
           f"{len((doc.get('ops') or {}).get('cases', []))} op cases")

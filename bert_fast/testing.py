@@ -123,6 +123,47 @@ def assert_reduction_close_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_
                     floor=reduction_floor(oracle, actual.dtype, rows))
 
 
+# ----------------------------------------------------------------------------- autotune spaces
+def gpu_config_space(config_fn) -> list:
+    """The configs ``config_fn()`` gives on a GPU, whatever this process runs on: its autotune list
+    (TRITON_INTERPRET and BERT_FAST_AUTOTUNE unset), then its BERT_FAST_AUTOTUNE=0 choice. For the
+    config functions of kernels/linear.py and kernels/linear_tma.py, which read both variables when
+    called (under the interpreter they return one small config)."""
+    names = ("TRITON_INTERPRET", "BERT_FAST_AUTOTUNE")
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        for k in names:
+            os.environ.pop(k, None)
+        configs = list(config_fn())
+        os.environ["BERT_FAST_AUTOTUNE"] = "0"
+        configs += list(config_fn())
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return configs
+
+
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "EPILOGUE_SPLIT")
+
+
+def tile_of(kwargs) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE_SPLIT) of a config's or a launch's constexprs (None where absent)."""
+    return tuple(kwargs.get(k) for k in TILE_KEYS)
+
+
+def distinct_tiles(configs) -> list:
+    """The first config of each distinct tile (:func:`tile_of`). The Triton interpreter runs a
+    program's tile as one block, so configs that differ only in warps or pipeline stages compute the
+    same thing there (those differences are compile-checked for sm_80/sm_90 offline)."""
+    out = {}
+    for c in configs:
+        out.setdefault(tile_of(c.kwargs), c)
+    return list(out.values())
+
+
 # ----------------------------------------------------------------------------- Philox, in numpy
 # A re-implementation of Triton's stream (triton/language/random.py: philox -> philox_impl, and
 # uint_to_uniform_float), independent of the kernels: the dropout tests compare the masks the

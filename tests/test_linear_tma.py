@@ -16,7 +16,8 @@ import torch
 
 from bert_fast.kernels import linear as K
 from bert_fast.kernels import linear_tma
-from bert_fast.testing import assert_close_2x, dtypes_for, pick_test_device
+from bert_fast.testing import (assert_close_2x, distinct_tiles, dtypes_for, gpu_config_space, pick_test_device,
+                               tile_of)
 from test_linear import ACTS, _check, _inputs
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
@@ -108,6 +109,38 @@ def test_tma_split_k_weight_gradient(device, tma_kinds, monkeypatch, split_k):
     _check(x, w, b, "gelu", dy, "triton")
     assert K.KIND_DW in asked and K.KIND_FWD not in asked   # the forward has an epilogue: never split
     assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
+
+
+def _tile_id(cfg):
+    bm, bn, bk, split = tile_of(cfg.kwargs)
+    return f"{bm}x{bn}x{bk}-split{split}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE.type == "cpu"
+                         else [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cfg", distinct_tiles(gpu_config_space(linear_tma._configs)), ids=_tile_id)
+def test_every_autotune_tile_of_the_tma_gemm(device, cfg, dtype, tma_kinds, monkeypatch, kernel_launches):
+    """Each tile the TMA GEMM's autotuner may pick on Hopper (kernels/linear_tma.py's list and its
+    BERT_FAST_AUTOTUNE=0 choice), pinned as the only config: y (bias + GELU + z), dX and dW at
+    M = N = max(BLOCK_M, BLOCK_N) + 8, K = BLOCK_K + 8 (16-byte row pitches): three programs for
+    the forward's four or more tiles (the persistent loop), partial last tiles, a K tail; 2x rule vs
+    the oracle, and the launch record shows all three GEMMs ran that tile."""
+    from bert_fast.kernels.tuned_configs import TunedConfigs
+
+    # judged here against the oracle, tile by tile: the ops' first-use check keys its verdicts on the
+    # specialization, not the tile, so a verdict must not carry over from one tile's test to the next
+    monkeypatch.setenv("BERT_FAST_VERIFY", "off")
+    if device.type == "cpu":     # warps and stages mean nothing to the interpreter
+        cfg = linear_tma._cfg(*tile_of(cfg.kwargs)[:3], 4, 1, split=cfg.kwargs["EPILOGUE_SPLIT"])
+    monkeypatch.setattr(linear_tma._linear_tma_kernel, "configs", [cfg])
+    monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(linear_tma._linear_tma_kernel, "t", persist=False))
+    bm, bn, bk, split = tile_of(cfg.kwargs)
+    s = max(bm, bn) + 8
+    x, w, b, dy = _inputs(device, dtype, (s,), bk + 8, s, seed=bm + 3 * bn + 7 * bk)
+    _check(x, w, b, "gelu", dy, "triton")
+    assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
+    ran = [tile_of(t) for t in kernel_launches.tiles("_linear_tma_kernel")]
+    assert ran == [(bm, bn, bk, split)] * 3, ran
 
 
 @pytest.mark.no_kernels("the split-K rule, host side")

@@ -456,11 +456,12 @@ def test_dropout_forward_fallback_draws_its_own_stream(case, kind, store, monkey
         assert torch.equal(mask, _dispatch.reference_dropout_mask(mask.shape, 0.25, seed_t, mask.device))
 
 
+@pytest.mark.parametrize("kind", ["launch", "nan"])
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=repr)
-def test_dropout_backward_fallback_keeps_the_kernels_mask(case, store, monkeypatch, device):
-    """A backward that fails after a kernel forward stands in with the kernel's mask (the forward
-    dropped those elements), not the torch implementation's stream."""
-    inject(monkeypatch, case, "bwd", "nan", {})
+def test_dropout_backward_fallback_keeps_the_kernels_mask(case, kind, store, monkeypatch, device):
+    """A backward that fails (raising, or on the check) after a kernel forward stands in with the
+    kernel's mask (the forward dropped those elements), not the torch implementation's stream."""
+    inject(monkeypatch, case, "bwd", kind, {})
     spy = Spy(monkeypatch, case)
     inp = case.inputs(device)
     with warnings.catch_warnings():

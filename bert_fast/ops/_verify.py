@@ -435,7 +435,7 @@ def _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, 
         if device.type == "cuda":      # an asynchronous launch fault surfaces here, named as the kernel's
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any compile or launch failure of the kernel
-        return failed(f"it raised {_first_line(exc)}", exc, lambda: fallback(None))
+        return failed(f"it raised {_first_line(exc)}", exc, lambda: _stand_in(direction, fallback, kernel_mask))
     try:
         tout = fallback(keep)
     except Exception as exc:  # noqa: BLE001 - nothing to compare with: keep the kernel, unchecked

@@ -273,9 +273,10 @@ def test_grad_checkpointing_same_losses(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
 def test_bf16_training_runs_on_cpu(precision, monkeypatch, kernel_launches):
-    """bf16 training on the kernels that run in bf16 here, not the reference: on the CPU the
-    interpreter runs residual_layer_norm in bf16 (no tl.dot) and the C++ twin the embedding; the
-    GEMM and attention kernels' bf16 tl.dot is wrong in the interpreter, so those take torch."""
+    """bf16 training on our kernels where they run, not the reference: on the CPU the interpreter
+    runs residual_layer_norm (fp32 under autocast, where LayerNorms keep the parameters' dtype; bf16
+    in bf16-pure: no tl.dot) and the C++ twin the embedding; the GEMM and attention kernels' bf16
+    tl.dot is wrong in the interpreter, so those take torch."""
     monkeypatch.delenv("BERT_FAST_BACKEND", raising=False)
     s = loop.train(cli.parse_args(BASE + ["--precision", precision, "--max-steps", "3"]))
     assert s["steps"] == 3 and all(np.isfinite(s["losses"]))
@@ -297,15 +298,15 @@ def _mlm_batch(config, seed, b=4, s=12):
     return ids, mask, labels
 
 
-def test_amp_bf16_step_within_3x_transformers(device, kernel_launches):
+def test_amp_bf16_step_within_2x_transformers(device, kernel_launches):
     """One autocast-bf16 step of bert_fast (fp32 master weights) next to transformers' own
     autocast-bf16 step from the same weights, both against transformers in float64 (the oracle):
-    bert_fast's error is at most 3 times transformers' (the bf16 factor of test_model's
-    low-precision test) in the logits and in every parameter's gradient (norms of the error over
-    the tensor), and its loss is within 1e-3 of the oracle's (relative). bert_fast keeps LayerNorm
-    outputs and the residual stream in bf16 where transformers keeps fp32, so its error is larger,
-    1.2-2.4x by these norms (measured on 8 seeds; this is seed 0). Real kernels where they run in
-    bf16 (on the CPU: residual_layer_norm through the interpreter, the embedding's C++ twin)."""
+    bert_fast's error is at most 2 times transformers' (the 2x rule, on the norm of the error over
+    each tensor) in the logits and in every parameter's gradient, and its loss is within 1e-3 of
+    the oracle's (relative). Both keep the residual stream and LayerNorms in fp32 and run GEMMs and
+    attention in bf16 (on the CPU bert_fast's are then torch's, the interpreter's bf16 tl.dot being
+    wrong: ratios 1.00-1.02 over 8 seeds); our kernels run where they can (residual_layer_norm, the
+    embedding twin)."""
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
@@ -334,13 +335,13 @@ def test_amp_bf16_step_within_3x_transformers(device, kernel_launches):
     def err(a, b):
         return (a.double() - b.double()).norm().item()
 
-    assert err(logits, logits64) <= 3 * err(logits_hf, logits64), "logits"
+    assert err(logits, logits64) <= 2 * err(logits_hf, logits64), "logits"
     assert abs(loss - loss64) <= 1e-3 * abs(loss64), (loss, loss64)
     assert grads.keys() == grads64.keys()
     for name, g64 in grads64.items():
         floor = 1e-6 * max(1.0, g64.norm().item())      # key biases: a zero gradient, both ~1e-13
-        assert err(grads[name], g64) <= 3 * err(grads_hf[name], g64) + floor, \
-            f"{name}: error {err(grads[name], g64):.2e} > 3 x transformers' {err(grads_hf[name], g64):.2e}"
+        assert err(grads[name], g64) <= 2 * err(grads_hf[name], g64) + floor, \
+            f"{name}: error {err(grads[name], g64):.2e} > 2 x transformers' {err(grads_hf[name], g64):.2e}"
 
 
 @pytest.mark.skipif(not CUDA, reason="fp16 autocast + GradScaler training runs on CUDA")

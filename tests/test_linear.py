@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from bert_fast import reference
 from bert_fast.ops import _dispatch
@@ -279,7 +280,10 @@ def test_every_autotune_tile_of_the_gemm(device, cfg, dtype, monkeypatch, kernel
     bm, bn, bk, _ = tile_of(cfg.kwargs)
     s = max(bm, bn) + 9
     x, w, b, dy = _inputs(device, dtype, (s,), bk + 9, s, seed=bm + 3 * bn + 7 * bk)
-    _check(x, w, b, "gelu", dy, "triton")
+    try:
+        _check(x, w, b, "gelu", dy, "triton")
+    except OutOfResources as err:     # the Hopper tiles on a smaller part: the autotuner skips them too
+        pytest.skip(f"{_tile_id(cfg)} does not fit this GPU: {err}")
     ran = [tile_of(t)[:3] for t in kernel_launches.tiles("_linear_fwd_kernel")]
     assert ran == [(bm, bn, bk)] * 3, ran
 

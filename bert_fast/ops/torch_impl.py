@@ -23,21 +23,25 @@ What each op does (and why; figures in NOTES.md):
     oneDNN's linear with the GELU fused (mkldnn._linear_pointwise: 1.2-1.3x over linear + gelu).
     Backward: aten.gelu_backward, then two mm; db summed in fp32.
   * bias_gelu: GELU(x + b) with the GELU in place on the sum; backward aten.gelu_backward.
+    (Sums of bf16/fp16 accumulate in fp32 inside torch's reductions: db is a plain .sum.)
   * residual_layer_norm: dropout + add, then aten.native_layer_norm (one fused pass, fp32
     statistics: on the CPU with fp32 weight/bias, whose "mixed type" path returns fp32 mean/rstd
     for bf16/fp16 inputs, where pure bf16 would round them to bf16); backward
     aten.native_layer_norm_backward from the saved statistics (no recomputed forward).
-  * attention: the SDPA flash CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu and its
-    backward: out and log-sum-exp, no S x S matrix) with the key-padding mask as an additive
-    [B, 1, 1, S] bias. Varlen: sequences grouped by length (one batched call per group, equal
+  * attention: the SDPA flash CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu: out and
+    log-sum-exp, no S x S matrix) with the key-padding mask as an additive [B, 1, 1, S] bias; its
+    backward op in fp32. Varlen: sequences grouped by length (one batched call per group, equal
     lengths without a copy, near-equal lengths padded into one group with a key mask), not a
     Python loop per sequence; reading the lengths is this path's one host access.
-    Materialized softmax(QK^T)V instead (same formulas as the reference, in the input dtype) where
-    the flash kernel cannot serve: dropout (the kernel draws its own mask and cannot take the
-    seed's, and its backward could not regenerate it) and non-CPU devices (the CPU flash kernel
-    is CPU-only; CUDA's fused SDPA kernels are left for a session with a GPU to verify).
+    Materialized softmax(QK^T)V (the reference's formulas, in the input dtype, the batch streamed
+    in L2-sized chunks) where the flash kernel cannot serve or loses: dropout (the kernel draws its
+    own mask and cannot take the seed's, nor could its backward regenerate it), the bf16/fp16
+    backward (the flash backward measured ~5x slower in bf16 than in fp32), float64, and non-CPU
+    devices (the CPU flash kernel is CPU-only; CUDA's fused SDPA kernels are left for a session
+    with a GPU to verify).
   * embedding: index_select gathers + in-place sum + aten.native_layer_norm; backward
-    native_layer_norm_backward + index_add_ into fp32 accumulators.
+    native_layer_norm_backward + index_add_ into fp32 accumulators (for bf16 tables over the
+    unique rows only, then one scatter into the bf16 gradient).
 """
 from __future__ import annotations
 
@@ -116,7 +120,7 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, z: Optional[Tensor], activ
     dz = dy if activation is None else torch.ops.aten.gelu_backward(dy, z, approximate=_APPROX[activation])
     dx = torch.mm(dz, weight) if need_dx else None
     dw = torch.mm(dz.t(), x) if need_dw else None
-    db = dz.sum(0, dtype=_acc(dz.dtype)).to(dz.dtype) if need_db else None
+    db = dz.sum(0) if need_db else None        # bf16/fp16 sums accumulate in fp32 (opmath)
     return dx, dw, db
 
 
@@ -127,7 +131,7 @@ def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
 
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     dx = torch.ops.aten.gelu_backward(dy, x + bias, approximate=approximate)
-    db = dx.reshape(-1, x.shape[-1]).sum(0, dtype=_acc(dx.dtype)).to(dx.dtype)
+    db = dx.reshape(-1, x.shape[-1]).sum(0)    # accumulates in fp32 (opmath) for bf16/fp16
     return dx.contiguous(), db
 
 
@@ -221,6 +225,12 @@ def _use_flash(qkv: Tensor, keep: Optional[Tensor]) -> bool:
     not fit the ops' fp32 lse; float64 is for gradcheck, where the materialized path is exact)."""
     return (keep is None and qkv.device.type == "cpu" and qkv.dtype != torch.float64
             and _FLASH_CPU is not None)
+
+
+def _use_flash_bwd(qkv: Tensor, keep: Optional[Tensor]) -> bool:
+    """The flash CPU backward serves fp32 only: in bf16 it measured ~5x slower than in fp32 and
+    slower than the materialized backward (which needs neither out nor lse), so bf16/fp16 take that."""
+    return _use_flash(qkv, keep) and qkv.dtype == torch.float32
 
 
 def _key_bias(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -338,7 +348,7 @@ def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optio
 def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
               scale: float, keep: Optional[Tensor], dropout_p: float) -> Tensor:
     """d(qkv) [B, S, 3, h, d] of _attn_fwd."""
-    if _use_flash(qkv, keep):
+    if _use_flash_bwd(qkv, keep):
         q, k, v = _split_heads(qkv)
         dq, dk, dv = _FLASH_CPU_BWD(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, False,
                                     attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
@@ -570,6 +580,26 @@ def embedding_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_
     return y.view(out_shape), mean, rstd
 
 
+def _table_grad(table: Tensor, rows: Tensor, dx: Tensor, acc: torch.dtype, padding_idx: int) -> Tensor:
+    """d(table) [V, H]: the rows of dx summed per table row in ``acc`` (fp32), padding_idx zero.
+
+    A table of another dtype than ``acc`` (bf16) sums into a [unique rows, H] accumulator and
+    scatters it once: an fp32 [V, H] accumulator (47 MB for a 30522 x 384 vocabulary) is fresh
+    memory at every step (glibc maps blocks over 32 MB anew: ~10 ms of page faults on the measured
+    CPU), then a conversion pass, where the bf16 gradient itself reuses freed memory."""
+    if table.dtype == acc:
+        g = torch.zeros(table.shape, dtype=acc, device=table.device).index_add_(0, rows, dx)
+    else:
+        uniq, inverse = torch.unique(rows, return_inverse=True)
+        part = torch.zeros((uniq.shape[0], table.shape[1]), dtype=acc, device=table.device)
+        part.index_add_(0, inverse, dx)
+        g = torch.zeros(table.shape, dtype=table.dtype, device=table.device)
+        g.index_copy_(0, uniq, part.to(table.dtype))
+    if padding_idx >= 0:
+        g[padding_idx] = 0
+    return g
+
+
 def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Tensor],
                   token_type_ids: Optional[Tensor], indices: Optional[Tensor], word: Tensor, pos_table: Tensor,
                   type_table: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, dropout_p: float,
@@ -597,24 +627,21 @@ def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Te
     if need_dx:
         dx = dx.to(acc)
         if need[0]:
-            g = torch.zeros(word.shape, dtype=acc, device=word.device).index_add_(0, ids, dx)
-            if padding_idx >= 0:
-                g[padding_idx] = 0
-            grads[0] = g.to(word.dtype)
+            grads[0] = _table_grad(word, ids, dx, acc, padding_idx)
         if need[1]:
             if pos is None:
                 g = torch.zeros(pos_table.shape, dtype=acc, device=word.device)
                 g[:seqlen] = dx.view(-1, seqlen, hidden).sum(0)
+                grads[1] = g.to(pos_table.dtype)
             else:
-                g = torch.zeros(pos_table.shape, dtype=acc, device=word.device).index_add_(0, pos, dx)
-            grads[1] = g.to(pos_table.dtype)
+                grads[1] = _table_grad(pos_table, pos, dx, acc, -1)
         if need[2]:
-            g = torch.zeros(type_table.shape, dtype=acc, device=word.device)
             if tt is None:
+                g = torch.zeros(type_table.shape, dtype=acc, device=word.device)
                 g[0] = dx.sum(0)
+                grads[2] = g.to(type_table.dtype)
             else:
-                g.index_add_(0, tt, dx)
-            grads[2] = g.to(type_table.dtype)
+                grads[2] = _table_grad(type_table, tt, dx, acc, -1)
     if need[3]:
         grads[3] = dw
     if need[4]:

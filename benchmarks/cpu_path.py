@@ -134,19 +134,25 @@ def ceilings(args) -> None:
 MODELS = {"minilm": dict(hidden=384, heads=12, ffn=1536), "base": dict(hidden=768, heads=12, ffn=3072)}
 
 
-def _with_backend(name: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """fn run with BERT_FAST_BACKEND=name ("" = the default rule); the dispatch reads it per call."""
+def _with_env(fn: Callable[[], object], **env: str) -> Callable[[], object]:
+    """fn run with these environment variables set (the dispatch reads them at every call)."""
     def run():
-        old = os.environ.get("BERT_FAST_BACKEND")
-        os.environ["BERT_FAST_BACKEND"] = name
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return fn()
         finally:
-            if old is None:
-                del os.environ["BERT_FAST_BACKEND"]
-            else:
-                os.environ["BERT_FAST_BACKEND"] = old
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
     return run
+
+
+def _with_backend(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with BERT_FAST_BACKEND=name; the dispatch reads it per call."""
+    return _with_env(fn, BERT_FAST_BACKEND=name)
 
 
 def _ragged_lengths(b: int, s: int, seed: int = 0) -> List[int]:
@@ -254,6 +260,8 @@ def ops(args) -> None:
                 with ctx():
                     fns = {"reference": _with_backend("reference", make(grad)),
                            "torch": _with_backend("torch", make(grad))}
+                    if name.startswith("embedding"):   # the C++ twin: the embedding's "kernel" on the CPU
+                        fns["C++ twin"] = _with_env(make(grad), BERT_FAST_BACKEND="auto", TRITON_INTERPRET="1")
                     res = interleaved(fns, rounds=args.rounds, budget_s=args.budget)
                 tag = "fwd+bwd" if grad else "fwd"
                 print(f"{model} b{b} s{s}{' ragged' if ragged else ''} {name:28s} {tag:7s} "

@@ -6,8 +6,9 @@
    forward + backward + AdamW on the adapters and the classifier), fp32:
      hf-lora         transformers BertForSequenceClassification (SDPA) + the same LoRA
      bert_fast-lora  bert_fast's head + the same LoRA (the low-rank terms inside our fused GEMMs)
-     bert_fast       bert_fast's head, no adapters, the same parameters trainable as LoRA trains
-                     (the classifier only): what LoRA costs on top of our own forward/backward
+     bert_fast       bert_fast's head, no adapters, frozen encoder, input gradients on (so the
+                     backward runs through every layer as LoRA's does, without weight gradients):
+                     what the adapters cost on top of our own forward/backward
 2. The per-forward drop-in check on the plain model (MiniLM, batch 1 x 128, inference):
      checked         the model as shipped (walks the module tree at every forward)
      unchecked       the same model with the walk replaced by "nothing found"
@@ -70,6 +71,9 @@ def lora_step_providers(batch: int, seq: int):
     plain = bert_fast.BertForSequenceClassification.from_pretrained(folder, num_labels=2)
     for n, p in plain.named_parameters():
         p.requires_grad_(n.startswith("classifier"))
+    # The same backward as a LoRA step minus the adapters: input gradients through every layer
+    # (transformers' enable_input_require_grads, as PEFT uses), no weight gradients.
+    plain.enable_input_require_grads()
     return {"hf-lora": step_fn(hf), "bert_fast-lora": step_fn(fast), "bert_fast": step_fn(plain)}
 
 

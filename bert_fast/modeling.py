@@ -123,14 +123,16 @@ class _Batch:
     ops: object = ops
 
 
-def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
-    """The LoRA terms of Linear layers as extra GEMM columns: returns (x_aug, w_extra) such that
-    [x | x_aug] @ [W | w_extra]^T = x W^T + sum_j scaling_j * B_j A_j dropout_j(x) for every
-    output row block. ``terms``: per output block, (rows, [LoraTerm]); rows is the block's height.
+def _lora_delta(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
+    """The LoRA terms of Linear layers as one skinny GEMM pair: returns (u, w_extra) such that
+    u @ w_extra^T = sum_j scaling_j * B_j A_j dropout_j(x) for every output row block. ``terms``:
+    per output block (the query, key and value rows of the fused QKV weight, or a single Linear),
+    (rows, [LoraTerm]).
 
-    One skinny GEMM for the A projections of the adapters whose dropout is off (their A's are
-    concatenated), one per adapter with an active dropout (each draws its own mask, as in peft).
-    Returns (None, None) when no term is active."""
+    u = [A_1 x | A_2 x | ...] is one GEMM for the adapters whose dropout is off (their A's
+    concatenated) plus one per adapter with an active dropout (each draws its own mask, as in
+    peft); w_extra [sum rows, sum r] holds each adapter's scaled B in its block's rows, zeros
+    elsewhere. Returns (None, None) when no term is active."""
     flat = [(i, t) for i, (_, ts) in enumerate(terms) for t in ts]
     if not flat:
         return None, None
@@ -144,33 +146,43 @@ def _lora_augment(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
     for _, t in own:
         us.append(o.linear(t.dropout(x), _cast(t.a, dtype)))
     u = torch.cat(us, dim=-1) if len(us) > 1 else us[0]
-    # Block matrix [sum rows, sum r]: adapter j's scaled B in its output block's rows, zeros elsewhere.
     ranks = [t.a.shape[0] for _, t in order]
     blocks = []
     for i, (rows, _) in enumerate(terms):
-        row = [(_cast(t.b, dtype) * t.scaling) if owner == i else x.new_zeros((rows, r))
+        row = [(_cast(t.b, dtype) * t.scaling) if owner == i else u.new_zeros((rows, r))
                for (owner, t), r in zip(order, ranks)]
         blocks.append(torch.cat(row, dim=1))
     return u, torch.cat(blocks, dim=0)
 
 
+_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+def _plus_lora(y: torch.Tensor, u: torch.Tensor, w_extra: torch.Tensor, activation) -> torch.Tensor:
+    """act(y + u @ w_extra^T): the skinny GEMM accumulates into the base GEMM's output (addmm,
+    beta = 1), so a frozen base weight never gets a weight gradient (folding the LoRA columns into
+    the base GEMM's K would make the whole concatenated weight require one)."""
+    n = y.shape[-1]
+    z = torch.addmm(y.reshape(-1, n), u.reshape(-1, u.shape[-1]).to(y.dtype), w_extra.t().to(y.dtype)).view(y.shape)
+    return z if activation is None else F.gelu(z, approximate=_APPROX[activation])
+
+
 def _linear(x: torch.Tensor, lin: dropin.LinearTerms, dtype: torch.dtype, activation=None, o=ops) -> torch.Tensor:
-    """act(x W^T + b [+ LoRA]) with the LoRA term inside the same GEMM (extra K columns)."""
+    """act(x W^T + b [+ LoRA]); with LoRA the activation follows the low-rank term."""
     w, b = _cast(lin.weight, dtype), _cast(lin.bias, dtype)
-    u, w_extra = _lora_augment(x, [(w.shape[0], lin.lora)], dtype, o)
-    if u is not None:
-        x, w = torch.cat([x, u], dim=-1), torch.cat([w, w_extra], dim=1)
-    return o.linear(x, w, b, activation=activation)
+    u, w_extra = _lora_delta(x, [(w.shape[0], lin.lora)], dtype, o)
+    if u is None:
+        return o.linear(x, w, b, activation=activation)
+    return _plus_lora(o.linear(x, w, b), u, w_extra, activation)
 
 
 def _qkv(self_attn, h: torch.Tensor, dtype: torch.dtype, o=ops) -> torch.Tensor:
     """The fused QKV projection [.., 3H], LoRA terms of query/key/value included."""
     wqkv, bqkv = fused_qkv(self_attn, dtype)
     parts = [dropin.linear_terms(m) for m in (self_attn.query, self_attn.key, self_attn.value)]
-    u, w_extra = _lora_augment(h, [(p.weight.shape[0], p.lora) for p in parts], dtype, o)
-    if u is None:
-        return o.linear(h, wqkv, bqkv)
-    return o.linear(torch.cat([h, u], dim=-1), torch.cat([wqkv, w_extra], dim=1), bqkv)
+    u, w_extra = _lora_delta(h, [(p.weight.shape[0], p.lora) for p in parts], dtype, o)
+    y = o.linear(h, wqkv, bqkv)
+    return y if u is None else _plus_lora(y, u, w_extra, None)
 
 
 def _first(out):

@@ -33,10 +33,10 @@ def _sp(r: dict) -> str:
     return text + (" unstable" if r.get("speedup_unstable") else "")
 
 
-def _bench_table(doc: dict, title: str) -> list:
+def _bench_table(doc: dict, title: str, name: str) -> list:
     env = doc.get("environment", {})
-    lines = [f"**{title}** ({doc['runs'][0]['dtype']}, {doc.get('threads')} threads, "
-             f"{env.get('cpu') or env.get('device_name', 'CPU')}; `{' '.join(['bert-fast'] + doc.get('arguments', {}).get('argv', ['bench']))}`):",
+    lines = [f"**{title}** ({doc.get('threads')} threads, torch {env.get('torch', '?')}, "
+             f"commit {str(env.get('git_commit', '?'))[:8]}; `benchmarks/results/cpu/{name}`):",
              "", "| model | case | bert_fast ms | vs transformers SDPA | vs ONNX Runtime |", "|---|---|---|---|---|"]
     for run in doc["runs"]:
         res = {r["provider"]: r for r in run["results"] if r.get("status") == "ok"}
@@ -45,7 +45,7 @@ def _bench_table(doc: dict, title: str) -> list:
             continue
         lengths = "full" if run["lengths"] == "full" else f"ragged {run['lengths']}"
         case = f"B={run['batch']} S={run['seq']} {lengths}"
-        cells = [_sp(res[p]) if p in res else "-" for p in ("hf-sdpa", "onnxruntime")]
+        cells = [_sp(res[p]) if p in res else "not run" for p in ("hf-sdpa", "onnxruntime")]
         lines.append(f"| {run['model_name']} | {case} | {bf['median_ms']:.1f} | {cells[0]} | {cells[1]} |")
     return lines + [""]
 
@@ -54,26 +54,29 @@ def section(d: Path) -> str:
     out = ["### CPU results (the CPU path, not the GPU kernels)", "",
            "Measured on the project's 2-core CPU machine (AVX-512), providers side by side in one "
            "process, interleaved rounds, medians with 95% intervals; a speedup above 1 means "
-           "bert_fast is faster. Files: `benchmarks/results/cpu/`.", ""]
+           "bert_fast is faster. Files: `benchmarks/results/cpu/` (all of them: `bash benchmarks/run_cpu_results.sh`, "
+           "then this table: `python benchmarks/make_readme_cpu_performance.py`).", ""]
     for name, title in (("bench_fp32.json", "Inference, fp32"), ("bench_bf16.json", "Inference, bf16")):
         doc = _load(d, name)
         if doc:
-            out += _bench_table(doc, title)
+            out += _bench_table(doc, title, name)
     enc = _load(d, "encode.json")
     if enc:
         for run in enc["runs"]:
             res = {r["provider"]: r for r in run["results"]}
             st = res.get("sentence-transformers")
             if st:
-                out += [f"**sentence-transformers encode()** of {run.get('batch', '')} sentences with "
-                        f"`bert_fast.optimize()`: {_sp(st)} over the unoptimized model.", ""]
+                out += [f"**sentence-transformers encode()** of {run.get('batch', '')} shipped sentences "
+                        f"with `bert_fast.optimize()` (`bert-fast bench --encode`): {_sp(st)} over the "
+                        "unoptimized model.", ""]
     train = _load(d, "train_mlm.json")
     if train:
         r = train["result"]
         sp = r["speedups"]
-        out += [f"**{r['case']}** (`python benchmarks/cpu_train_bf16.py train`): bert_fast "
+        out += [f"**{r['case']}** (`python benchmarks/cpu_train_bf16.py train`), speedup over "
+                "transformers SDPA: "
                 + ", ".join(f"{k.split(' vs ')[0]} {v['value']:.2f}x ({v['ci_low']:.2f}-{v['ci_high']:.2f})"
-                            for k, v in sp.items()) + " over transformers SDPA.", ""]
+                            + (" unstable" if v.get("unstable") else "") for k, v in sp.items()) + ".", ""]
     err = _load(d, "bf16_error.json")
     if err:
         r = err["result"]
@@ -85,8 +88,7 @@ def section(d: Path) -> str:
         for case, r in drop["cases"].items():
             sps = "; ".join(f"{k}: {v['value']:.2f}x ({v['ci_low']:.2f}-{v['ci_high']:.2f})"
                             for k, v in r["speedups"].items())
-            out.append(f"**{case}** (`python benchmarks/bench_dropin.py`): {sps}.")
-        out.append("")
+            out += [f"**{case}** (`python benchmarks/bench_dropin.py`): {sps}.", ""]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -40,7 +40,7 @@ BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 CPU_SUITE = ((8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full"))
 CPU_NOTE = ("This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
             "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch picks "
-            "for CPU tensors{interp} ({ops}), fp32, {threads} thread(s). The figures say nothing about "
+            "for CPU tensors{interp} ({ops}), {dtype}, {threads} thread(s). The figures say nothing about "
             "GPU speed.")
 
 
@@ -490,7 +490,7 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         notes.append(CPU_NOTE.format(interp=" (TRITON_INTERPRET=1: the Triton kernels through the "
                                             "interpreter, far slower than the CPU path)" if interp else "",
-                                     ops=_cpu_ops(), threads=args.threads))
+                                     ops=_cpu_ops(), dtype=args.dtype, threads=args.threads))
         if args.cuda_graphs:
             notes.append("--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
                          "case is labelled 'graphs'")

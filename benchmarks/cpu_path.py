@@ -4,6 +4,7 @@
     python benchmarks/cpu_path.py ops [--dtype fp32|bf16] [--case NAME]   # torch impl vs reference, per op
     python benchmarks/cpu_path.py profile [--model minilm|PATH] [--batch 8] [--seq 128]
     python benchmarks/cpu_path.py model               # bert_fast vs transformers SDPA, whole forward
+    python benchmarks/cpu_path.py grouping            # varlen attention: exact-length vs padded groups
 
 Method (DESIGN.md): one process, torch.set_num_threads(THREADS) (default 2, --threads), the
 providers interleaved in rounds after a warm-up, medians with a 95% interval of the median
@@ -268,6 +269,35 @@ def ops(args) -> None:
                       + _fmt(res, "reference") + note, flush=True)
 
 
+# ----------------------------------------------------------------------------- varlen grouping
+def grouping(args) -> None:
+    """varlen attention forward at several GROUP_WASTE_PER_CALL thresholds (0 = exact lengths)."""
+    from bert_fast.ops import torch_impl
+    print(f"threads={torch.get_num_threads()}; ratio = exact-length groups / provider")
+    default = torch_impl.GROUP_WASTE_PER_CALL
+    for b, s, h, d, dt, ths in ((16, 256, 12, 32, torch.float32, (0, 3e5, 2e6, 1e7, 1e12)),
+                                (16, 256, 12, 64, torch.float32, (0, 3e5, 2e6, 1e7, 1e12)),
+                                (16, 256, 12, 32, torch.bfloat16, (0, 3e5, 2e6, 1e7, 1e12)),
+                                (128, 128, 12, 32, torch.float32, (0, 3e4, 1e5, 3e5, 2e6)),
+                                (256, 64, 12, 32, torch.float32, (0, 3e4, 1e5, 3e5, 2e6))):
+        lens = _ragged_lengths(b, s)
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(b)], dtype=torch.int32)
+        qkv = torch.randn(sum(lens), 3, h, d).to(dt)
+        fns = {}
+        for th in ths:
+            torch_impl.GROUP_WASTE_PER_CALL = th
+            n = len(torch_impl._varlen_plan(cu, h * d))
+
+            def run(th=th):
+                torch_impl.GROUP_WASTE_PER_CALL = th
+                return torch_impl.varlen_attention_fwd(qkv, cu, s, 0.0, d ** -0.5, None)
+            fns[f"waste<={th:.0e} ({n} groups)"] = run
+        note = wait_quiet(args.quiet)
+        res = interleaved(fns, rounds=args.rounds, budget_s=args.budget)
+        print(f"b{b} s{s} ragged h{h} d{d} {str(dt)[6:]}: " + _fmt(res, list(fns)[0]) + note, flush=True)
+    torch_impl.GROUP_WASTE_PER_CALL = default
+
+
 # ----------------------------------------------------------------------------- model
 def _minilm_path() -> str:
     import importlib.util
@@ -344,7 +374,7 @@ def model(args) -> None:
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["ceilings", "ops", "profile", "model"])
+    p.add_argument("what", choices=["ceilings", "ops", "profile", "model", "grouping"])
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--case", default=None)
@@ -360,7 +390,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=10.0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"ceilings": ceilings, "ops": ops, "profile": profile, "model": model}[args.what](args)
+    {"ceilings": ceilings, "ops": ops, "profile": profile, "model": model,
+     "grouping": grouping}[args.what](args)
     return 0
 
 

@@ -30,9 +30,10 @@ What each op does (and why; figures in NOTES.md):
     aten.native_layer_norm_backward from the saved statistics (no recomputed forward).
   * attention: the SDPA flash CPU kernel (aten._scaled_dot_product_flash_attention_for_cpu: out and
     log-sum-exp, no S x S matrix) with the key-padding mask as an additive [B, 1, 1, S] bias; its
-    backward op in fp32. Varlen: sequences grouped by length (one batched call per group, equal
-    lengths without a copy, near-equal lengths padded into one group with a key mask), not a
-    Python loop per sequence; reading the lengths is this path's one host access.
+    backward op in fp32. Varlen: sequences grouped by length (one batched call per distinct
+    length, a zero-copy view of qkv when every sequence has one length; optionally near-equal
+    lengths padded into one group with a key mask, GROUP_WASTE_PER_CALL), not a Python loop per
+    sequence; reading the lengths is this path's one host access.
     Materialized softmax(QK^T)V (the reference's formulas, in the input dtype, the batch streamed
     in L2-sized chunks) where the flash kernel cannot serve or loses: dropout (the kernel draws its
     own mask and cannot take the seed's, nor could its backward regenerate it), the bf16/fp16
@@ -388,11 +389,15 @@ def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Te
 
 
 # ----------------------------------------------------------------------------- varlen attention
-# A group pays a fixed cost per call (Python, index tensors, the kernel's setup: ~50 us measured on
-# the CPU) and padding wastes (Lmax^2 - L^2) * heads * d multiply-adds per padded sequence. A
-# sequence joins the current group while its waste stays under the work a call's fixed cost buys.
-# Measured: benchmarks/NOTES.md, CPU path (python benchmarks/cpu_path.py ops --case varlen).
-GROUP_WASTE_PER_CALL = 2_000_000     # (pairs x head dim x heads) a new call must save
+# Grouping: sequences of one length run as one batched call (a view of qkv when they are all of
+# them, in order). GROUP_WASTE_PER_CALL lets near-equal lengths share a call, padded to the group's
+# longest with a key mask, while padding wastes at most that many (pairs x heads x d) multiply-adds
+# per sequence. Measured on the CPU (benchmarks/NOTES.md, CPU path), padding never paid: exact
+# groups were fastest at every threshold tried (b16 s256 ragged: 16 groups 4.5 ms, 7 padded groups
+# 5.5 ms, one padded call 9.5 ms; b128 s128: 73 groups 18.6 ms, 17 groups 20.4 ms), because a call
+# costs only ~20-40 us and the flash kernel pays for every masked score. So the default is 0; the
+# padded grouping stays as the knob (and is tested) for machines where calls cost more.
+GROUP_WASTE_PER_CALL = 0
 
 
 class _Group:

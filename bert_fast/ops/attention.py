@@ -494,9 +494,12 @@ def backend(device, dtype) -> str:
     impl = _dispatch.implementation_for(device, dtype, uses_dot=True)
     if impl == "kernel" and dtype == torch.float64:
         impl = "torch"
-    label = ("SDPA flash CPU kernel (padded: key-padding bias; varlen: sequences batched by length); "
-             "materialized softmax with dropout" if device.type == "cpu"
-             else "materialized softmax(QK^T)V with cuBLAS batched GEMMs")
+    if device.type != "cpu":
+        label = "materialized softmax (batched GEMMs)"
+    elif dtype == torch.float32:
+        label = "SDPA flash CPU kernel (materialized with dropout)"
+    else:
+        label = "SDPA flash CPU forward, materialized backward"
     return _dispatch.describe(impl, device, label)
 
 

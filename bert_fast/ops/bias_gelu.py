@@ -134,7 +134,7 @@ bias_gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
 def backend(device, dtype) -> str:
     """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
     return _dispatch.describe(_dispatch.implementation_for(device, dtype), device,
-                              "aten GELU on x + b (in place), aten.gelu_backward")
+                              "aten GELU")
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:

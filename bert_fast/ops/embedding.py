@@ -85,7 +85,7 @@ def backend(device, dtype) -> str:
     if b == "cpu":
         return "C++ CPU twin (bert_fast._C; TRITON_INTERPRET=1 runs the kernels)"
     impl = "torch" if b == "torch" else "reference"
-    return _dispatch.describe(impl, device, "index_select gathers + aten native_layer_norm"
+    return _dispatch.describe(impl, device, "index_select + aten native_layer_norm"
                               + ("" if _ext is not None else " (bert_fast._C not built)"))
 
 

@@ -436,9 +436,9 @@ def backend(device, dtype) -> str:
     device = torch.device(device)
     impl = _dispatch.implementation_for(device, dtype, uses_dot=True)
     kernel = "Triton or cuBLAS (auto, per shape)" if device.type == "cuda" else "Triton"
-    fused = " (oneDNN linear + GELU fused for bf16 inference)" if (
+    fused = " (no-grad: oneDNN fused GELU)" if (
         device.type == "cpu" and dtype == torch.bfloat16 and torch_impl._onednn_bf16()) else ""
-    return _dispatch.describe(impl, device, f"F.linear (MKL/oneDNN/cuBLAS) + aten GELU{fused}", kernel)
+    return _dispatch.describe(impl, device, f"F.linear + aten GELU{fused}", kernel)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,

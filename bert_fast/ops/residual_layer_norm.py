@@ -231,7 +231,7 @@ residual_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_contex
 def backend(device, dtype) -> str:
     """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
     return _dispatch.describe(_dispatch.implementation_for(device, dtype), device,
-                              "dropout + add, aten native_layer_norm (fp32 statistics) and its backward")
+                              "add + aten native_layer_norm")
 
 
 def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12,

@@ -402,7 +402,8 @@ def test_opcheck(device):
 
 @pytest.mark.no_kernels("float64 has no attention kernel: the torch implementation runs")
 def test_gradcheck_float64(device):
-    """float64 runs the reference path: checks the op plumbing (autograd, masks) end to end."""
+    """float64 runs the torch implementation (its materialized path): checks the op plumbing
+    (autograd, masks) end to end."""
     g = _gen(42)
     qkv = _rand((2, 5, 3, 1, 16), g, device, torch.float64).requires_grad_(True)
     mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool, device=device)
@@ -415,7 +416,7 @@ def test_gradcheck_float64(device):
 @pytest.mark.no_kernels("BERT_FAST_BACKEND=reference on purpose")
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_reference_backend(device, monkeypatch, dropout_p):
-    """BERT_FAST_BACKEND=reference (the library's CPU path): the ops' analytic backward equals
+    """BERT_FAST_BACKEND=reference (the oracle, forced): the ops' analytic backward equals
     autograd through bert_fast.reference with the mask the op reports."""
     monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
     g = _gen(44)

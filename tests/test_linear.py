@@ -191,8 +191,8 @@ def test_backend_env_and_argument(device, monkeypatch):
     for forced in ("triton", "cublas"):
         monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", forced)
         got = linear_mod.choose_backend(x, 8, 16, "gelu", "fwd")
-        assert got == (forced if expect_kernel else "reference")
-        assert linear_mod.choose_backend(x, 8, 16, "gelu", "fwd", backend="cublas") in ("cublas", "reference")
+        assert got == (forced if expect_kernel else _dispatch.implementation(x, uses_dot=True))
+        assert linear_mod.choose_backend(x, 8, 16, "gelu", "fwd", backend="cublas") in ("cublas", "torch", "reference")
     monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="cuda-magic"):
         linear(x, w, b)
@@ -309,7 +309,7 @@ def test_opcheck(device, backend):
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", None])
 def test_gradcheck_float64(device, act, backend):
     # float64 runs the Triton kernels in the interpreter (its tl.dot takes fp64); on CUDA float64
-    # takes the reference path (fp64 tl.dot on the GPU is not relied on).
+    # takes the torch implementation (cuBLAS DGEMM; fp64 tl.dot on the GPU is not relied on).
     g = torch.Generator().manual_seed(12)
     x = torch.randn(3, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     w = torch.randn(5, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)

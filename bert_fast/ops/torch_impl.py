@@ -47,7 +47,6 @@ What each op does (and why; figures in NOTES.md):
 from __future__ import annotations
 
 import functools
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch

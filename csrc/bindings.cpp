@@ -7,6 +7,10 @@
 
 namespace py = pybind11;
 
+namespace bert_fast {
+void bind_keep_mask(py::module_& m);  // keep_mask_cpu.cpp
+}  // namespace bert_fast
+
 #ifndef BERT_FAST_CUDA_ARCHS
 #define BERT_FAST_CUDA_ARCHS ""
 #endif
@@ -27,7 +31,8 @@ static py::dict build_info() {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin)";
+  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask)";
   m.def("build_info", &build_info, "How this module was compiled");
   bert_fast::bind_embedding(m);
+  bert_fast::bind_keep_mask(m);
 }

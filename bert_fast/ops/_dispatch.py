@@ -169,14 +169,14 @@ def seed_value(seed: Optional[torch.Tensor]) -> int:
 
 def reference_dropout_mask(shape, dropout_p: float, seed: Optional[torch.Tensor],
                            device) -> Optional[torch.Tensor]:
-    """The keep-mask of the reference path: a function of (seed, shape) alone, so backward and
-    checkpoint recomputation rebuild the forward's mask. (The Triton kernels use their own Philox
-    stream; both are Bernoulli(1 - p), neither claims to reproduce the other's bits.)"""
+    """The keep-mask of the torch and reference implementations: a function of (seed, shape)
+    alone (bert_fast/ops/keep_mask.py: a Philox stream, vectorized and threaded on the host), so
+    backward and checkpoint recomputation rebuild the forward's mask. (The Triton kernels draw
+    their own Philox layouts; all are Bernoulli(1 - p), none claims to reproduce another's bits.)"""
     if seed is None or dropout_p == 0.0:
         return None
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed_value(seed) % (2**63 - 1))
-    return (torch.rand(tuple(shape), generator=g, device="cpu") >= dropout_p).to(device)
+    from bert_fast.ops.keep_mask import keep_mask   # deferred: keep_mask imports the compiled module
+    return keep_mask(shape, dropout_p, seed_value(seed), device)
 
 
 def host_checks_allowed(t: torch.Tensor) -> bool:

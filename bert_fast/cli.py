@@ -32,61 +32,21 @@ class CLIError(Exception):
 
 
 # ----------------------------------------------------------------------------- info
-OP_KERNELS: Dict[str, Dict[str, object]] = {
-    # op -> how its fast path is built; "uses_dot": the Triton kernel uses tl.dot (see _dispatch)
-    "embedding": {"impl": "cuda", "uses_dot": False},
-    "linear": {"impl": "triton", "uses_dot": True},
-    "bias_gelu": {"impl": "triton", "uses_dot": False},
-    "residual_layer_norm": {"impl": "triton", "uses_dot": False},
-    "attention": {"impl": "triton", "uses_dot": True},
-}
+# The ops whose implementation `bert-fast info` reports, each module's ``backend(device, dtype)``.
+OP_KERNELS = ("embedding", "linear", "bias_gelu", "residual_layer_norm", "attention")
 
 
 def op_backend(op: str, device, dtype, build: Optional[dict] = None) -> str:
-    """Which implementation of ``op`` runs for tensors of ``dtype`` on ``device``, per
-    bert_fast.ops._dispatch (an op module may override with ``backend(device, dtype) -> str``)."""
+    """Which implementation of ``op`` runs for tensors of ``dtype`` on ``device``: the op module's
+    own ``backend(device, dtype)``, which applies bert_fast.ops._dispatch's rule. (``build`` is
+    accepted for the callers' convenience; the modules read the build themselves.)"""
     import torch
 
-    from bert_fast.ops import _dispatch
-
-    mod = None
     try:
         mod = importlib.import_module(f"bert_fast.ops.{op}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"bert_fast.ops.{op}":
-            return f"import error: {exc}"
-    except Exception as exc:  # noqa: BLE001
-        return f"import error: {type(exc).__name__}: {exc}"
-    hook = getattr(mod, "backend", None) if mod is not None else None
-    if callable(hook):
-        try:
-            return str(hook(torch.device(device), dtype))
-        except Exception as exc:  # noqa: BLE001
-            return f"backend() error: {exc}"
-    suffix = "" if mod is not None else " [op module not present yet]"
-    spec = OP_KERNELS.get(op, {"impl": "triton", "uses_dot": False})
-    device = torch.device(device)
-    if _dispatch.reference_forced():
-        return "reference (BERT_FAST_BACKEND=reference)" + suffix
-    if spec["impl"] == "cuda":
-        build = build or {}
-        if device.type == "cuda":
-            if build.get("extension_loaded") and build.get("cuda_compiled"):
-                return "CUDA kernel (bert_fast._C)" + suffix
-            return "CUDA kernel NOT BUILT (bert_fast._C compiled without CUDA)" + suffix
-        # CPU tensors take the C++ twin whenever the extension loaded, interpreter or not
-        # (bert_fast.ops.embedding._backend)
-        if build.get("extension_loaded"):
-            return "C++ CPU twin (bert_fast._C)" + suffix
-        return "reference (pure PyTorch; bert_fast._C not built)" + suffix
-    probe = torch.empty(0, dtype=dtype, device=device)
-    if _dispatch.use_triton(probe, uses_dot=bool(spec["uses_dot"])):
-        if device.type == "cuda" and op == "linear" and hasattr(mod, "choose_backend"):
-            return "Triton or cuBLAS (auto, per shape)"
-        return ("Triton" if device.type == "cuda" else "Triton interpreter") + suffix
-    if device.type == "cpu" and _dispatch.interpreter_enabled():
-        return "reference (bf16 tl.dot)" + suffix
-    return "reference (pure PyTorch)" + suffix
+        return str(mod.backend(torch.device(device), dtype))
+    except Exception as exc:  # noqa: BLE001 - info must print whatever is broken, not die on it
+        return f"error: {type(exc).__name__}: {exc}"
 
 
 def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:

@@ -18,10 +18,7 @@ Timing: bert_fast.bench.timing.measure (interleaved rounds, 95% interval of each
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +28,7 @@ import transformers  # noqa: E402
 
 import bert_fast  # noqa: E402
 from bert_fast.bench import timing  # noqa: E402
+from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def minilm_folder() -> str:
@@ -115,12 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     threads = timing.fix_threads(args.threads)
-    results = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads,
-                           "torch": torch.__version__, "transformers": transformers.__version__,
-                           "python": sys.version.split()[0],
-                           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                    capture_output=True, text=True).stdout.strip()},
-               "cases": {}}
+    results = {"machine": machine(threads), "cases": {}}
     res = timing.measure(lora_step_providers(args.batch, args.seq), warmup=2, budget_s=args.budget)
     results["cases"][f"lora-step-b{args.batch}-s{args.seq}"] = _report(
         f"LoRA fine-tuning step, MiniLM, b{args.batch} s{args.seq}", res,
@@ -128,10 +121,7 @@ def main(argv=None) -> int:
     res = timing.measure(check_providers(args.seq), warmup=5, budget_s=args.budget, max_rounds=2000)
     results["cases"][f"check-b1-s{args.seq}"] = _report(
         f"drop-in check, MiniLM inference b1 s{args.seq}", res, [("checked", "unchecked")])
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
     return 0
 
 

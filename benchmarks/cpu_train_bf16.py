@@ -18,10 +18,7 @@ bf16-error  the error of bf16 inference against the fp32 model (same weights: th
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,13 +28,7 @@ import transformers  # noqa: E402
 
 import bert_fast  # noqa: E402
 from bert_fast.bench import timing  # noqa: E402
-
-
-def _machine(threads: int) -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0],
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip()}
+from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def train(args) -> dict:
@@ -128,11 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     threads = timing.fix_threads(args.threads)
-    doc = {"machine": _machine(threads), "result": train(args) if args.what == "train" else bf16_error(args)}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
+    doc = {"machine": machine(threads), "result": train(args) if args.what == "train" else bf16_error(args)}
+    write_json(args.json, doc)
     return 0
 
 

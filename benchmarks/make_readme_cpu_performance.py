@@ -33,11 +33,22 @@ def _sp(r: dict) -> str:
     return text + (" unstable" if r.get("speedup_unstable") else "")
 
 
+def _sp_frozen(run: dict, provider: str) -> str:
+    v = (run.get("speedups_frozen") or {}).get(provider)
+    if v is None:
+        return "not run"
+    lo, hi = v["ci"]
+    return f"{v['value']:.2f}x ({lo:.2f}-{hi:.2f})" + (" unstable" if v.get("unstable") else "")
+
+
 def _bench_table(doc: dict, title: str, name: str) -> list:
     env = doc.get("environment", {})
     lines = [f"**{title}** ({doc.get('threads')} threads, torch {env.get('torch', '?')}, "
-             f"commit {str(env.get('git_commit', '?'))[:8]}; `benchmarks/results/cpu/{name}`):",
-             "", "| model | case | bert_fast ms | vs transformers SDPA | vs ONNX Runtime |", "|---|---|---|---|---|"]
+             f"commit {str(env.get('git_commit', '?'))[:8]}; `benchmarks/results/cpu/{name}`). "
+             "bert_fast: `optimize(model)`; frozen: `optimize(model, freeze=True)` (packed weights, "
+             "inference only):",
+             "", "| model | case | bert_fast ms | bert_fast vs transformers SDPA | bert_fast vs ONNX Runtime "
+             "| frozen vs transformers SDPA | frozen vs ONNX Runtime |", "|---|---|---|---|---|---|---|"]
     for run in doc["runs"]:
         res = {r["provider"]: r for r in run["results"] if r.get("status") == "ok"}
         bf = res.get("bert_fast")
@@ -46,7 +57,8 @@ def _bench_table(doc: dict, title: str, name: str) -> list:
         lengths = "full" if run["lengths"] == "full" else f"ragged {run['lengths']}"
         case = f"B={run['batch']} S={run['seq']} {lengths}"
         cells = [_sp(res[p]) if p in res else "not run" for p in ("hf-sdpa", "onnxruntime")]
-        lines.append(f"| {run['model_name']} | {case} | {bf['median_ms']:.1f} | {cells[0]} | {cells[1]} |")
+        cells += [_sp_frozen(run, p) if p in res else "not run" for p in ("hf-sdpa", "onnxruntime")]
+        lines.append(f"| {run['model_name']} | {case} | {bf['median_ms']:.1f} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

@@ -46,7 +46,7 @@ def test_cpu_defaults_measure_real_models():
     assert models[0] == "bert-base" and len(models) == 2
     assert models[1] == (model_workload.local_minilm() or "minilm")
     assert args.suite == [(8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full")]
-    assert args.providers == ["bert_fast", "hf-sdpa", "onnxruntime"] and args.dtype == "fp32"
+    assert args.providers == ["bert_fast", "bert_fast-frozen", "hf-sdpa", "onnxruntime"] and args.dtype == "fp32"
     assert any(n.startswith("This measures the CPU path") and f"{args.threads} thread(s)" in n for n in notes)
     cases = model_bench.build_cases(args)
     assert [(c["model_name"], c["batch"], c["seq"], c["lengths"]) for c in cases][:3] == [
@@ -80,6 +80,34 @@ def test_model_folder_with_onnxruntime(tiny_folder, tmp_path, capsys):
     assert ort["status"] == "ok" and ort["median_ms"] > 0 and ort["speedup_of_bert_fast"] is None
     assert "Attention x1" in ort["notes"][0] and "intra_op_num_threads=" in ort["notes"][0]
     assert run["parity_onnxruntime"]["max_abs_diff"] < 1e-4
+
+
+def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
+    """bert_fast-frozen: optimize + BertModel.freeze(), its own parity line and its speedups from the
+    same paired rounds; the packed weights really ran; training is not its business."""
+    from bert_fast import frozen
+
+    if not frozen.available():
+        pytest.skip("no oneDNN linear ops in this torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")        # the CPU path, where freeze() applies
+    calls = []
+    inner = frozen._PackedLinear.__call__
+    monkeypatch.setattr(frozen._PackedLinear, "__call__", lambda self, x, act=None: calls.append(1) or inner(self, x, act))
+    out_json = tmp_path / "frozen.json"
+    rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5",
+                   "--providers", "bert_fast,bert_fast-frozen,hf-sdpa", *FAST, "--json", str(out_json)])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    run = json.loads(out_json.read_text())["runs"][0]
+    fr = next(r for r in run["results"] if r["provider"] == "bert_fast-frozen")
+    assert fr["status"] == "ok" and "packed copies" in fr["notes"][0] and calls
+    assert run["parity_frozen"]["max_abs_diff"] < 1e-4
+    assert set(run["speedups_frozen"]) == {"bert_fast", "hf-sdpa"}
+    assert "parity bert_fast-frozen vs hf-sdpa" in capsys.readouterr().out
+    rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "8", "--mode", "train",
+                   "--providers", "bert_fast,bert_fast-frozen", *FAST])
+    assert rc == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if " bert_fast-frozen " in ln)
+    assert "SKIPPED" in row and "CPU inference only" in row
 
 
 def test_onnxruntime_missing_is_a_one_line_skip(tiny_folder, monkeypatch, capsys):

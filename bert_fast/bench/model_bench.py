@@ -31,7 +31,8 @@ from bert_fast.bench.model_providers import (_hidden, _make_optimizer, bert_fast
 from bert_fast.bench.model_workload import (PRESETS, BenchError, load_config, local_minilm, make_inputs,
                                             parse_lengths, step_flops)
 
-PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile", "onnxruntime")
+PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile", "onnxruntime", "bert_fast-frozen")
+FROZEN = "bert_fast-frozen"   # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
 MODES = ("infer", "train")
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
@@ -117,7 +118,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
             rec = records[provider] = _new_record(provider)
             results.append(rec)
             try:
-                if provider == "bert_fast":
+                if provider in ("bert_fast", FROZEN):
                     try:
                         bert_fast_model_class()
                     except (ImportError, AttributeError) as exc:
@@ -133,7 +134,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                 optimizer = _make_optimizer(model, device) if mode == "train" else None
                 built[provider] = (model, runner, optimizer)
                 steps = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
-                if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast", "onnxruntime"):
+                if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast", "onnxruntime", FROZEN):
                     # the first call, on the first input set, is kept (on the CPU) for the parity check
                     with torch.no_grad():
                         out = runner(**inputs[0])
@@ -204,6 +205,8 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     mask0 = inputs[0]["attention_mask"].cpu()
     if ref is not None and "bert_fast" in parity_outs:
         case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"], mask0)}
+    if ref is not None and FROZEN in parity_outs:
+        case["parity_frozen"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs[FROZEN], mask0)}
     if ref is not None and "onnxruntime" in parity_outs:     # the anchor computes the same thing too
         case["parity_onnxruntime"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["onnxruntime"], mask0)}
     if on_result is not None:
@@ -232,6 +235,17 @@ def _fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast") -> 
         r["speedup_unstable"] = sp.unstable
     case["speedups"] = {r["provider"]: r["speedup_of_bert_fast"] for r in res
                         if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None}
+    # The frozen model (opt-in) against every other provider, from the same paired rounds.
+    frozen_ok = any(r["provider"] == FROZEN and r["status"] == "ok" for r in res)
+    if m is not None and frozen_ok and subject != FROZEN:
+        case["speedups_frozen"] = {}
+        for r in res:
+            if r["provider"] == FROZEN or r["status"] != "ok" or r.get("median_ms") is None:
+                continue
+            sp = m.speedup(FROZEN, r["provider"])
+            if sp is not None:
+                case["speedups_frozen"][r["provider"]] = {"value": sp.value, "ci": [sp.ci_low, sp.ci_high],
+                                                          "unstable": sp.unstable}
 
 
 # ----------------------------------------------------------------------------- table
@@ -290,7 +304,7 @@ def format_table(doc: Dict[str, Any]) -> str:
             lines.append(f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
                          f"{tm['threads']} threads; intervals are 95%")
         subject = case.get("subject", "bert_fast")
-        for key, who in (("parity", subject), ("parity_onnxruntime", "onnxruntime")):
+        for key, who in (("parity", subject), ("parity_frozen", FROZEN), ("parity_onnxruntime", "onnxruntime")):
             par = case.get(key)
             if par:
                 what = "embeddings" if case["mode"] == "encode" else "real tokens"
@@ -366,9 +380,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="infer: forward under no_grad; train: forward + backward + AdamW step")
     p.add_argument("--providers", type=_providers, default=None,
                    help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
-                        "hf-compile on CUDA; bert_fast,hf-sdpa,onnxruntime on the CPU). onnxruntime: the "
+                        "hf-compile on CUDA; bert_fast,bert_fast-frozen,hf-sdpa,onnxruntime on the CPU). onnxruntime: the "
                         "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
-                        "(CPU, fp32, inference; needs pip install -e \".[ort]\")")
+                        "(CPU, fp32, inference; needs pip install -e \".[ort]\"). bert_fast-frozen: bert_fast "
+                        "after BertModel.freeze() (packed weights, CPU inference only)")
     p.add_argument("--encode", action="store_true",
                    help="time sentence-transformers' encode() of a list of real mixed-length sentences, with "
                         "and without bert_fast.optimize(), loaded from --model FOLDER (default: the "
@@ -469,7 +484,7 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
     if args.dtype is None:
         args.dtype = "bf16" if cuda else "fp32"
     if args.providers is None:
-        args.providers = list(PROVIDERS[:4]) if cuda else ["bert_fast", "hf-sdpa", "onnxruntime"]
+        args.providers = list(PROVIDERS[:4]) if cuda else ["bert_fast", FROZEN, "hf-sdpa", "onnxruntime"]
     if args.encode and args.mode != "infer":
         raise BenchError("--encode times inference (encode()); it takes no --mode train")
     if args.warmup is None:

@@ -238,9 +238,19 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
         model = _hf_model(config, "sdpa", device, dtype)
     elif provider == "bert_fast":
         model = _bert_fast_model(config, state, device, dtype)
+    elif provider == "bert_fast-frozen":
+        from bert_fast import frozen
+        from bert_fast.bench.timing import ProviderUnavailable
+
+        if mode != "infer" or torch.device(device).type != "cpu":
+            raise ProviderUnavailable("bert_fast-frozen (BertModel.freeze()) is CPU inference only")
+        if not (frozen.available() and frozen.dtype_supported(dtype)):
+            raise ProviderUnavailable(f"this torch/CPU cannot pack {dtype} weights for oneDNN")
+        model = _bert_fast_model(config, state, device, dtype)
+        notes.append(f"BertModel.freeze(): packed copies {model.freeze() / 2**20:,.0f} MiB")
     else:  # validated earlier
         raise BenchError(f"unknown provider {provider!r}")
-    if provider != "bert_fast":
+    if not provider.startswith("bert_fast"):
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     model.train(mode == "train")
     runner: Callable = model
@@ -250,7 +260,7 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
             notes.append("torch.compile(mode='reduce-overhead'): torch's own CUDA graphs")
         else:
             runner = torch.compile(model)
-    elif provider == "bert_fast" and cuda_graphs:
+    elif provider.startswith("bert_fast") and cuda_graphs:
         if torch.device(device).type != "cuda":
             notes.append("--cuda-graphs ignored: CUDA graphs need a CUDA GPU")
         else:

@@ -78,9 +78,11 @@ def section(d: Path) -> str:
             res = {r["provider"]: r for r in run["results"]}
             st = res.get("sentence-transformers")
             if st:
+                frozen = ("" if "speedups_frozen" not in run else
+                          f"; with `optimize(model, freeze=True)`: {_sp_frozen(run, 'sentence-transformers')}")
                 out += [f"**sentence-transformers encode()** of {run.get('batch', '')} shipped sentences "
                         f"with `bert_fast.optimize()` (`bert-fast bench --encode`): {_sp(st)} over the "
-                        "unoptimized model.", ""]
+                        f"unoptimized model{frozen}.", ""]
     train = _load(d, "train_mlm.json")
     if train:
         r = train["result"]

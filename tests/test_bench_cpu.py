@@ -134,8 +134,14 @@ def test_encode_with_and_without_optimize(tiny_folder, tmp_path, capsys):
     run = json.loads(out_json.read_text())["runs"][0]
     assert run["mode"] == "encode" and run["batch"] == 3 and run["subject"] == "st+optimize"
     res = {r["provider"]: r for r in run["results"]}
-    assert set(res) == {"st+optimize", "sentence-transformers"}
+    from bert_fast import frozen
+
+    frozen_too = {"st+optimize+freeze"} if frozen.available() else set()
+    assert set(res) == {"st+optimize", "sentence-transformers"} | frozen_too
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in res.values())
+    if frozen_too:
+        assert run["parity_frozen"]["min_cosine"] > 0.9999
+        assert set(run["speedups_frozen"]) == {"st+optimize", "sentence-transformers"}
     assert res["st+optimize"]["speedup_of_bert_fast"] == 1.0
     sp = res["sentence-transformers"]
     assert sp["speedup_of_bert_fast"] > 0 and sp["speedup_ci"][0] <= sp["speedup_of_bert_fast"] <= sp["speedup_ci"][1]

@@ -3,9 +3,11 @@
 What a user of sentence embeddings runs: ``SentenceTransformer(folder).encode(sentences)`` on a
 list of real, mixed-length sentences (bert_fast/data/encode_sentences.txt: 200 lines of one to ten
 sentences from the shipped demo corpus; ``--encode-sentences FILE`` for your own, one per line).
-Two providers, each its own SentenceTransformer loaded from the same folder:
+Each provider is its own SentenceTransformer loaded from the same folder:
 
   st+optimize            the model after ``bert_fast.optimize(model)`` (the subject of the speedup)
+  st+optimize+freeze     after ``bert_fast.optimize(model, freeze=True)`` (packed inference
+                         weights; on the CPU where this torch can pack them)
   sentence-transformers  the model as loaded
 
 timed side by side in interleaved rounds (bert_fast.bench.timing.measure), one call = one
@@ -22,6 +24,7 @@ from typing import Any, Dict, List, Optional
 from bert_fast.bench.model_workload import BenchError, flops_per_token
 
 SUBJECT = "st+optimize"
+FROZEN = "st+optimize+freeze"
 BASELINE = "sentence-transformers"
 DEFAULT_SENTENCES = Path(__file__).resolve().parents[1] / "data" / "encode_sentences.txt"
 
@@ -50,6 +53,7 @@ def make_case(folder: str, sentences: List[str], batch_size: int, dtype_name: st
     return {"model": folder, "model_name": name, "mode": "encode", "batch": len(sentences), "seq": None,
             "lengths": f"sentences:{Path(sentences_file).name if sentences_file else DEFAULT_SENTENCES.name}",
             "encode_batch_size": batch_size, "dtype": dtype_name, "cuda_graphs": False, "subject": SUBJECT,
+            "frozen_provider": FROZEN,
             "parity": None, "results": [], "_sentences": sentences}
 
 
@@ -65,7 +69,12 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
     sentences = case["_sentences"]
     bs = case["encode_batch_size"]
     models, fns, recs = {}, {}, {}
-    for provider in (SUBJECT, BASELINE):
+    from bert_fast import frozen
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(case["dtype"])
+    can_freeze = (torch.device(device).type == "cpu" and frozen.available()
+                  and (dtype is None or frozen.dtype_supported(dtype)))
+    for provider in (SUBJECT, FROZEN, BASELINE) if can_freeze else (SUBJECT, BASELINE):
         rec = recs[provider] = _new_record(provider)
         case["results"].append(rec)
         try:
@@ -73,6 +82,9 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
             if provider == SUBJECT:
                 bert_fast.optimize(st)
                 rec["notes"] = ["bert_fast.optimize(SentenceTransformer)"]
+            elif provider == FROZEN:
+                bert_fast.optimize(st, freeze=True)
+                rec["notes"] = ["bert_fast.optimize(SentenceTransformer, freeze=True)"]
             models[provider] = st
             fns[provider] = (lambda m=st: m.encode(sentences, batch_size=bs, convert_to_tensor=True,
                                                    show_progress_bar=False))
@@ -101,11 +113,12 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
             recs[provider].update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
             print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
             fns.pop(provider)
-    if len(outs) == 2:
-        a, b = outs[BASELINE], outs[SUBJECT]
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-        case["parity"] = {"reference": BASELINE, "max_abs_diff": float((a - b).abs().max()),
-                          "min_cosine": float(cos.min()), "ref_max_abs": float(a.abs().max())}
+    for key, who in (("parity", SUBJECT), ("parity_frozen", FROZEN)):
+        if BASELINE in outs and who in outs:
+            a, b = outs[BASELINE], outs[who]
+            cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+            case[key] = {"reference": BASELINE, "max_abs_diff": float((a - b).abs().max()),
+                         "min_cosine": float(cos.min()), "ref_max_abs": float(a.abs().max())}
     if fns:
         m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
                     budget_s=max_seconds, timer=timer, on_round=on_round)
@@ -126,6 +139,6 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
             rec["padded_tokens_per_s"] = None
             rec["tflops"] = case.get("flops_per_step", 0.0) / sec / 1e12
             rec["mfu"] = rec["tflops"] / rate if rate else None
-        _fill_speedups(case, m, subject=SUBJECT)
+        _fill_speedups(case, m, subject=SUBJECT, frozen=FROZEN)
     models.clear()
     return case

@@ -214,7 +214,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     return case
 
 
-def _fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast") -> None:
+def _fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", frozen: str = FROZEN) -> None:
     """speedup_of_bert_fast = provider median / bert_fast median (> 1: bert_fast is faster), with the
     interval of the paired rounds (bert_fast.bench.timing.Measurement.speedup)."""
     res = case.get("results", [])
@@ -236,13 +236,13 @@ def _fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast") -> 
     case["speedups"] = {r["provider"]: r["speedup_of_bert_fast"] for r in res
                         if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None}
     # The frozen model (opt-in) against every other provider, from the same paired rounds.
-    frozen_ok = any(r["provider"] == FROZEN and r["status"] == "ok" for r in res)
-    if m is not None and frozen_ok and subject != FROZEN:
+    frozen_ok = any(r["provider"] == frozen and r["status"] == "ok" for r in res)
+    if m is not None and frozen_ok and subject != frozen:
         case["speedups_frozen"] = {}
         for r in res:
-            if r["provider"] == FROZEN or r["status"] != "ok" or r.get("median_ms") is None:
+            if r["provider"] == frozen or r["status"] != "ok" or r.get("median_ms") is None:
                 continue
-            sp = m.speedup(FROZEN, r["provider"])
+            sp = m.speedup(frozen, r["provider"])
             if sp is not None:
                 case["speedups_frozen"][r["provider"]] = {"value": sp.value, "ci": [sp.ci_low, sp.ci_high],
                                                           "unstable": sp.unstable}
@@ -304,7 +304,8 @@ def format_table(doc: Dict[str, Any]) -> str:
             lines.append(f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
                          f"{tm['threads']} threads; intervals are 95%")
         subject = case.get("subject", "bert_fast")
-        for key, who in (("parity", subject), ("parity_frozen", FROZEN), ("parity_onnxruntime", "onnxruntime")):
+        for key, who in (("parity", subject), ("parity_frozen", case.get("frozen_provider", FROZEN)),
+                         ("parity_onnxruntime", "onnxruntime")):
             par = case.get(key)
             if par:
                 what = "embeddings" if case["mode"] == "encode" else "real tokens"

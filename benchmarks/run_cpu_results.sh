@@ -11,7 +11,7 @@ log start
 log "bench default fp32"; bert-fast bench --threads 2 --max-seconds 45 --no-progress --json $R/bench_fp32.json > $R/bench_fp32.txt 2>&1
 log "bench encode"; bert-fast bench --encode --threads 2 --max-seconds 60 --no-progress --json $R/encode.json > $R/encode.txt 2>&1
 log "dropin"; python benchmarks/bench_dropin.py --budget 45 --json $R/dropin.json > $R/dropin.txt 2>&1
-log "train"; python benchmarks/cpu_train_bf16.py train --budget 90 --json $R/train_mlm.json > $R/train_mlm.txt 2>&1
+log "train"; python benchmarks/cpu_train_bf16.py train --budget 150 --json $R/train_mlm.json > $R/train_mlm.txt 2>&1
 log "bf16 error"; python benchmarks/cpu_train_bf16.py bf16-error --json $R/bf16_error.json > $R/bf16_error.txt 2>&1
 log "bench bf16 minilm"; bert-fast bench --model $MINI --dtype bf16 --providers bert_fast,bert_fast-frozen,hf-sdpa --threads 2 --max-seconds 45 --no-progress --json $R/bench_bf16.json > $R/bench_bf16.txt 2>&1
 log done

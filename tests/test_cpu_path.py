@@ -395,6 +395,33 @@ def test_embedding_dropout_mask_regenerated(torch_path):
     assert torch_path["embedding_bwd"] == 1
 
 
+def test_embedding_no_grad_skips_the_custom_op_only(torch_path, monkeypatch):
+    """Without gradients the public function calls the torch implementation directly (no custom-op
+    plumbing): the same numbers as with gradients, and the same range checks and messages."""
+    g = _gen(23)
+    ids = torch.randint(1, 30, (3, 11), generator=g).to(DEVICE)
+    tables = [_rand(s, g, torch.float32) for s in ((30, 48), (16, 48), (2, 48), (48,), (48,))]
+    indices = torch.tensor([0, 2, 5, 11, 12, 30], device=DEVICE)
+    with torch.enable_grad():
+        want = embedding_layer_norm(ids, None, None, *[t.clone().requires_grad_(True) for t in tables],
+                                    indices=indices)
+    ops_called = []
+    real_op = torch.ops.bert_fast.embedding_layer_norm_fwd
+    monkeypatch.setattr(torch.ops.bert_fast, "embedding_layer_norm_fwd",
+                        lambda *a, **k: ops_called.append(1) or real_op(*a, **k))
+    with torch.no_grad():
+        got = embedding_layer_norm(ids, None, None, *tables, indices=indices)
+        assert torch.equal(got, want.detach()) and ops_called == []
+        bad = ids.clone()
+        bad[1, 4] = 30
+        with pytest.raises(IndexError, match="input_ids"):
+            embedding_layer_norm(bad, None, None, *tables, indices=indices)
+        with pytest.raises(IndexError, match="sequence length 17 needs position ids"):
+            embedding_layer_norm(torch.ones(2, 17, dtype=torch.long, device=DEVICE), None, None, *tables)
+        embedding_layer_norm(ids, None, None, *tables, dropout_p=0.1)      # dropout: the op, as before
+    assert ops_called == [1]
+
+
 # ----------------------------------------------------------------------------- dispatch
 def test_dispatch_cpu_takes_torch_without_interpreter(monkeypatch):
     _import_triton_first()

@@ -581,6 +581,16 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
         return reference.embedding_layer_norm(input_ids, position_ids, token_type_ids, word_embeddings,
                                               position_embeddings, token_type_embeddings, weight, bias, eps,
                                               dropout_p, padding_idx, indices, mask)
+    if (dropout_p == 0.0 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(word_embeddings.device.type) and _backend(word_embeddings) == "torch"):
+        # No gradient, nothing to trace, no dropout: the custom op's plumbing (~50 us at 128 tokens,
+        # ~0.4 ms at 1024 measured) buys nothing; the same torch implementation runs directly.
+        if validate and _dispatch.host_checks_allowed(input_ids):
+            _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, position_embeddings.shape[0],
+                             token_type_embeddings.shape[0])
+        return torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word_embeddings,
+                                        position_embeddings, token_type_embeddings, weight, bias, float(eps),
+                                        0.0, None)[0]
     out, _, _ = torch.ops.bert_fast.embedding_layer_norm_fwd(
         input_ids, position_ids, token_type_ids, indices, word_embeddings.contiguous(),
         position_embeddings.contiguous(), token_type_embeddings.contiguous(), weight.contiguous(),

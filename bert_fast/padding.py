@@ -44,6 +44,10 @@ def unpad(attention_mask: torch.Tensor) -> Unpadded:
 
 def pad(hidden: torch.Tensor, where: Unpadded) -> torch.Tensor:
     """Scatter packed rows [T, ...] back to [B, S, ...]; pad positions are zero (differentiable)."""
+    shape = (where.batch, where.seqlen) + tuple(hidden.shape[1:])
+    if hidden.shape[0] == where.batch * where.seqlen:
+        # no pads: the packed rows are already in [B, S] order (indices = 0..T-1)
+        return hidden.view(shape)
     out = hidden.new_zeros((where.batch * where.seqlen,) + tuple(hidden.shape[1:]))
-    out = out.index_copy(0, where.indices, hidden)
-    return out.view((where.batch, where.seqlen) + tuple(hidden.shape[1:]))
+    out.index_copy_(0, where.indices, hidden)      # in place into the fresh zeros: one pass less
+    return out.view(shape)

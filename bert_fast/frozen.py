@@ -137,12 +137,17 @@ def _plain(linears) -> bool:
     return all(m.weight.device.type == "cpu" for m in linears)
 
 
-def freeze(model, dtype: Optional[torch.dtype] = None) -> int:
-    """Pack every layer of ``model`` (a bert_fast.BertModel) for inference in ``dtype`` (default: its
-    parameters' dtype). Returns the bytes the packed copies take. Raises where this torch cannot."""
+def freeze(model) -> int:
+    """Pack every layer of ``model`` (a bert_fast.BertModel) for inference in its parameters' dtype
+    (a later ``.to()`` repacks at the next forward). Returns the bytes the packed copies take.
+    Raises where there is nothing it could do: no oneDNN linear in this torch, a model off the CPU,
+    a dtype oneDNN does not pack here."""
     if not available():
         raise RuntimeError("freeze() needs torch's oneDNN (mkldnn) linear ops, which this torch build lacks")
-    dtype = dtype or model.embeddings.word_embeddings.weight.dtype
+    weight = model.embeddings.word_embeddings.weight
+    if weight.device.type != "cpu":
+        raise ValueError(f"freeze() packs weights for CPU inference; this model is on {weight.device}")
+    dtype = weight.dtype
     if not dtype_supported(dtype):
         raise ValueError(f"freeze() packs float32 or bfloat16 weights (bfloat16 where this CPU runs oneDNN "
                          f"bf16), got {dtype}")

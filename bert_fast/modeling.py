@@ -371,13 +371,13 @@ class BertModel(transformers.BertModel):
             layer.bert_fast_index = i
         return self
 
-    def freeze(self, dtype: Optional[torch.dtype] = None) -> int:
+    def freeze(self) -> int:
         """Pack the encoder's linear weights for CPU inference (bert_fast/frozen.py: oneDNN prepacked
         weights, the QKV weight fused once): no-grad eval forwards on the CPU then run on them.
-        ``dtype``: float32 or bfloat16 (default: the parameters' dtype). Returns the bytes the
-        packed copies take. The copies follow in-place changes of the parameters (optimizer steps,
-        load_state_dict, ``.to()``) but not writes through ``.data``: freeze again after those."""
-        return frozen.freeze(self, dtype)
+        float32 or bfloat16 models on the CPU. Returns the bytes the packed copies take. The copies
+        follow in-place changes of the parameters (optimizer steps, load_state_dict, ``.to()``)
+        but not writes through ``.data``: freeze again after those."""
+        return frozen.freeze(self)
 
     def unfreeze(self) -> None:
         """Drop the packed copies of ``freeze()``."""

@@ -233,7 +233,9 @@ def test_copies_stay_out_of_the_state_dict_and_copies(tmp_path, packed_calls):
     assert packed_calls == [] and frozen.store_of(fast) is None
 
 
-def test_freeze_refuses_other_dtypes():
+def test_freeze_refuses_what_it_cannot_pack():
     _, fast = make()
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        fast.freeze(torch.float16)
+        fast.half().freeze()
+    with pytest.raises(ValueError, match="CPU inference; this model is on meta"):
+        fast.float().to("meta").freeze()

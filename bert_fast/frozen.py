@@ -32,7 +32,7 @@ from torch import Tensor
 
 from bert_fast.ops import torch_impl
 
-_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+_APPROX = torch_impl._APPROX   # activation name -> F.gelu(approximate=...)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 # model -> {layer index: _FrozenLayer}; weak keys: a model that goes away takes its copies along

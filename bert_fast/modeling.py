@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bert_fast import direct_ops, dropin, frozen, ops
 from bert_fast.masks import key_padding_mask
+from bert_fast.ops import torch_impl
 from bert_fast.padding import Unpadded, pad, unpad
 
 logger = logging.getLogger("bert_fast")
@@ -158,7 +159,7 @@ def _lora_delta(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
     return u, torch.cat(blocks, dim=0)
 
 
-_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+_APPROX = torch_impl._APPROX   # activation name -> F.gelu(approximate=...)
 
 
 def _plus_lora(y: torch.Tensor, u: torch.Tensor, w_extra: torch.Tensor, activation) -> torch.Tensor:

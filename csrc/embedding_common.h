@@ -131,6 +131,16 @@ BF_HD bool dropout_keep(uint64_t seed, uint64_t threshold, int64_t row, int64_t 
          threshold;
 }
 
+// Host only: fills keep[0..H) with row `row`'s keep-mask (1/0), one Philox call at a time (the CPU
+// twin's dropout, and the portable version of keep_mask_cpu.cpp).
+inline void row_keep_mask(uint64_t seed, uint64_t threshold, int64_t row, int64_t H, uint8_t* keep) {
+  for (int64_t g = 0; g * 4 < H; ++g) {
+    const U32x4 b = dropout_bits(seed, row, g);
+    const uint32_t w[4] = {b.x, b.y, b.z, b.w};
+    for (int k = 0; k < 4 && g * 4 + k < H; ++k) keep[g * 4 + k] = static_cast<uint64_t>(w[k]) >= threshold;
+  }
+}
+
 // round(p * 2^32), clamped to [0, 2^32]; p == 0 -> 0 (every element kept).
 inline uint64_t keep_threshold_from_p(double p) {
   if (!(p > 0.0)) return 0;

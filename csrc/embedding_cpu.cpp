@@ -138,15 +138,6 @@ inline RowIds row_ids(const P& prm, int64_t row) {
   return r;
 }
 
-// Fills keep[0..H) with the row's dropout keep-mask (1/0).
-inline void row_keep_mask(uint64_t seed, uint64_t threshold, int64_t row, int64_t H, uint8_t* keep) {
-  for (int64_t g = 0; g * 4 < H; ++g) {
-    const U32x4 b = dropout_bits(seed, row, g);
-    const uint32_t w[4] = {b.x, b.y, b.z, b.w};
-    for (int k = 0; k < 4 && g * 4 + k < H; ++k) keep[g * 4 + k] = static_cast<uint64_t>(w[k]) >= threshold;
-  }
-}
-
 template <int DT>
 void fwd_impl(const EmbFwdParams& p) {
   using Tr = Traits<DT>;
@@ -384,19 +375,6 @@ void bwd_cpu(const py::dict& d) {
   }
 }
 
-void dropout_mask_cpu(uintptr_t out, int64_t rows, int64_t hidden, int64_t seed, double pdrop) {
-  const uint64_t thr = keep_threshold_from_p(pdrop);
-  uint8_t* o = reinterpret_cast<uint8_t*>(out);
-  py::gil_scoped_release nogil;
-  for (int64_t r = 0; r < rows; ++r) {
-    if (thr == 0) {
-      std::memset(o + r * hidden, 1, static_cast<size_t>(hidden));
-    } else {
-      row_keep_mask(static_cast<uint64_t>(seed), thr, r, hidden, o + r * hidden);
-    }
-  }
-}
-
 }  // namespace
 
 void bind_embedding(py::module_& m) {
@@ -404,8 +382,6 @@ void bind_embedding(py::module_& m) {
         "Embedding sum + LayerNorm (+dropout) forward on host pointers (see embedding_common.h)");
   m.def("embedding_bwd_cpu", &bwd_cpu, py::arg("params"),
         "Backward: accumulates into the zeroed accumulators given (dword/dpos/dtype_grad/dgamma/dbeta)");
-  m.def("dropout_mask_cpu", &dropout_mask_cpu, py::arg("out"), py::arg("rows"), py::arg("hidden"),
-        py::arg("seed"), py::arg("dropout_p"), "Debug: the uint8 keep-mask [rows, hidden] of a seed");
 #ifdef BERT_FAST_WITH_CUDA
   m.def("embedding_fwd_cuda", [](const py::dict& d) {
     const EmbFwdParams p = parse_fwd(d);

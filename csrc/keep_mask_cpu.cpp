@@ -1,10 +1,10 @@
 // The dropout keep-mask of the torch and reference implementations on the CPU: the Philox4x32-10
 // stream defined in embedding_common.h (element j of row r is kept iff word j % 4 of
 // philox({j / 4, 0, lo32(r), hi32(r)}, {lo32(seed), hi32(seed)}) >= round(p * 2^32)), the same bits
-// as the embedding twin's `dropout_mask_cpu`, but fast enough to be drawn for every dropout of a
+// as the embedding twin's dropout (row_keep_mask), but fast enough to be drawn for every dropout of a
 // training step, forward and backward (bert_fast/ops/_dispatch.py: reference_dropout_mask).
 //
-// Why its own code: the twin's scalar loop (one Philox call at a time) costs ~1.8 ns per element,
+// Why its own code: the scalar loop (row_keep_mask) (one Philox call at a time) costs ~1.8 ns per element,
 // and torch.rand + compare, which this replaces, ~3.7 ns on one thread (mt19937). Here 16 (AVX-512)
 // or 8 (AVX2) counters run side by side in vector registers, the version picked at run time from
 // what the CPU has, and the rows are split over `threads` std::threads (the caller passes
@@ -34,15 +34,7 @@ using RowsFn = void (*)(uint8_t*, int64_t, int64_t, int64_t, uint64_t, uint32_t)
 // Rows [r0, r1) of the [rows, cols] mask, one Philox call at a time; `thr` is the keep threshold
 // (< 2^32). The portable version, and the oracle of the vector ones (tests/test_keep_mask.py).
 void keep_rows_scalar(uint8_t* out, int64_t r0, int64_t r1, int64_t cols, uint64_t seed, uint32_t thr) {
-  const int64_t groups = (cols + 3) / 4;
-  for (int64_t r = r0; r < r1; ++r) {
-    uint8_t* row = out + r * cols;
-    for (int64_t g = 0; g < groups; ++g) {
-      const U32x4 b = dropout_bits(seed, r, g);
-      const uint32_t w[4] = {b.x, b.y, b.z, b.w};
-      for (int k = 0; k < 4 && g * 4 + k < cols; ++k) row[g * 4 + k] = w[k] >= thr;
-    }
-  }
+  for (int64_t r = r0; r < r1; ++r) row_keep_mask(seed, thr, r, cols, out + r * cols);
 }
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)

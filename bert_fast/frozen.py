@@ -23,13 +23,13 @@ see them).
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from bert_fast import direct_ops
 from bert_fast.ops import torch_impl
 
 _APPROX = torch_impl._APPROX   # activation name -> F.gelu(approximate=...)
@@ -186,25 +186,17 @@ def entry_for(store: Dict[int, _FrozenLayer], index: int, layer, dtype: torch.dt
 
 def layer_forward(entry: _FrozenLayer, layer, h: Tensor, batch, heads: int, activation: str) -> Tensor:
     """One BertLayer's inference forward on the packed weights (no dropout: eval only). h: [T, H]
-    (varlen) or [B, S, H] (padded), in the entry's dtype."""
-    hidden = h.shape[-1]
-    d = hidden // heads
-    scale = 1.0 / math.sqrt(d)
+    (varlen) or [B, S, H] (padded), in the entry's dtype. Everything but the GEMMs is the generic
+    inference path's (bert_fast.direct_ops)."""
+    d = h.shape[-1] // heads
     qkv = entry.qkv(h)
     if batch.padded:
-        ctx = torch_impl.attention_fwd(qkv.view(batch.batch, batch.seqlen, 3, heads, d), batch.mask, 0.0,
-                                       scale, None)[0]
+        ctx = direct_ops.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, d), batch.mask)
     else:
         u = batch.unpadded
-        ctx = torch_impl.varlen_attention_fwd(qkv.view(-1, 3, heads, d), u.cu_seqlens, u.max_seqlen, 0.0,
-                                              scale, None)[0]
-    att_out = layer.attention.output
+        ctx = direct_ops.varlen_attention(qkv.view(-1, 3, heads, d), u.cu_seqlens, u.max_seqlen)
+    ln1, ln2 = layer.attention.output.LayerNorm, layer.output.LayerNorm
     a = entry.out(ctx.reshape(h.shape))
-    h1 = torch_impl.residual_layer_norm_fwd(a, h, att_out.LayerNorm.weight.to(h.dtype),
-                                            att_out.LayerNorm.bias.to(h.dtype), att_out.LayerNorm.eps,
-                                            0.0, None)[0]
-    f = entry.up(h1, activation)
-    out = layer.output
-    y = entry.down(f)
-    return torch_impl.residual_layer_norm_fwd(y, h1, out.LayerNorm.weight.to(h.dtype), out.LayerNorm.bias.to(h.dtype),
-                                              out.LayerNorm.eps, 0.0, None)[0]
+    h1 = direct_ops.residual_layer_norm(a, h, ln1.weight.to(h.dtype), ln1.bias.to(h.dtype), ln1.eps)
+    y = entry.down(entry.up(h1, activation))
+    return direct_ops.residual_layer_norm(y, h1, ln2.weight.to(h.dtype), ln2.bias.to(h.dtype), ln2.eps)

@@ -10,6 +10,9 @@ importing transformers and triton; ``bert_fast.BertModel`` etc. load on first us
 import importlib
 
 from bert_fast._build_info import build_info
+from bert_fast.compat import check_transformers_floor
+
+check_transformers_floor()   # a transformers older than setup.py's floor is refused here, by name
 
 __version__ = "0.1.0"
 

@@ -23,17 +23,17 @@ import torch
 import torch.nn.modules.module as _module_globals
 import transformers
 from torch import nn
-from transformers.models.bert import modeling_bert as _hf
+from transformers.models.bert import modeling_bert as hf_bert
 
-try:   # optional: PEFT's LoRA Linear, run natively when present
-    from peft.tuners.lora.layer import Linear as _LoraLinear
-except Exception:   # peft absent or its layout changed: LoRA layers are then simply "not plain"
-    _LoraLinear = None
+from bert_fast import compat
+
+# PEFT's LoRA Linear, run natively when present (None: peft absent or changed, LoRA runs unfused).
+LORA_LINEAR = compat.lora_linear_class()
 
 
 def _hf_classes(*names) -> Tuple[type, ...]:
     """transformers' classes by name, skipping those this version does not have."""
-    return tuple(getattr(_hf, n) for n in names if hasattr(_hf, n))
+    return tuple(getattr(hf_bert, n) for n in names if hasattr(hf_bert, n))
 
 
 # Modules whose forward the fast path reproduces (or that it calls itself, like the pooler).
@@ -45,30 +45,20 @@ _PLAIN_TYPES = frozenset((nn.Linear, nn.LayerNorm, nn.Embedding, nn.Dropout, nn.
                                        "BertOutput", "BertPooler")))
 
 
-# transformers' own hooks whose effect the fast forward reproduces:
+# Hooks whose effect the fast forward reproduces, or that fire anyway (compat.is_understood_hook):
 #  * output_capturing_hook (transformers 5): installed for good on BertLayer/BertSelfAttention the
 #    first time a model is asked for hidden states; inert unless an output collector is active
 #    (our forward collects hidden states itself);
 #  * make_inputs_require_grads (enable_input_require_grads(), which PEFT and gradient
-#    checkpointing install on the word embeddings): the model applies it to its embedding output.
-_UNDERSTOOD_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
-
-
-def _is_inert_hook(fn) -> bool:
-    return (getattr(fn, "__name__", "") in _UNDERSTOOD_HOOKS
-            and getattr(fn, "__module__", "").startswith("transformers."))
-
-
-def wants_input_grads(word_embeddings: nn.Module) -> bool:
-    """Whether transformers' enable_input_require_grads() hook is on the word embeddings."""
-    return any(getattr(f, "__name__", "") == "make_inputs_require_grads"
-               for f in word_embeddings._forward_hooks.values())
+#    checkpointing install on the word embeddings): the model applies it to its embedding output;
+#  * FSDP2's per-layer hooks: layers are called as modules, so they fire on the fused path too.
+wants_input_grads = compat.wants_input_grads
 
 
 def _hook_reason(m: nn.Module) -> Optional[str]:
-    if m._forward_pre_hooks:
+    if m._forward_pre_hooks and not all(compat.is_understood_hook(f) for f in m._forward_pre_hooks.values()):
         return "forward pre-hook"
-    if m._forward_hooks and not all(_is_inert_hook(f) for f in m._forward_hooks.values()):
+    if m._forward_hooks and not all(compat.is_understood_hook(f) for f in m._forward_hooks.values()):
         return "forward hook"
     if m._backward_hooks or m._backward_pre_hooks:
         return "backward hook"
@@ -120,7 +110,7 @@ def _lora_reason(m: nn.Module) -> Optional[str]:
     for name in m.active_adapters:
         if name not in m.lora_A:
             continue
-        if name in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(name, False):
+        if compat.lora_variant_or_dora(m, name):
             return f"LoRA variant (DoRA or other) on adapter {name!r}"
         a, b, d = m.lora_A[name], m.lora_B[name], m.lora_dropout[name]
         if type(a) is not nn.Linear or type(b) is not nn.Linear or b.bias is not None or a.bias is not None:
@@ -162,14 +152,16 @@ def _module_reason(m: nn.Module, t: type, expected_act: type) -> Optional[str]:
 
     Hot path (every module, every forward): parameters are read from ``_parameters`` rather than
     through nn.Module.__getattr__, which costs several times more."""
-    if t is _LoraLinear:
+    if t is LORA_LINEAR:
         return _hook_reason(m) or _lora_reason(m)
     if t not in _PLAIN_TYPES and t not in _FAST_TYPES:
         if hasattr(m, "parametrizations"):
             return "parametrization (" + ", ".join(m.parametrizations.keys()) + ")"
         if t is expected_act:
             return _hook_reason(m)
-        return f"type {t.__module__}.{t.__qualname__}"
+        t = compat.base_class(t)    # FSDP2's fully_shard subclass of a layer is that layer
+        if t not in _PLAIN_TYPES and t not in _FAST_TYPES:
+            return f"type {t.__module__}.{t.__qualname__}"
     if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
         reason = _hook_reason(m)
         if reason:
@@ -178,7 +170,7 @@ def _module_reason(m: nn.Module, t: type, expected_act: type) -> Optional[str]:
         return "Linear without bias"
     if t is nn.LayerNorm and (m._parameters.get("weight") is None or m._parameters.get("bias") is None):
         return "LayerNorm without affine weight or bias"
-    if t is _hf.BertIntermediate and type(m.intermediate_act_fn) is not expected_act:
+    if t is hf_bert.BertIntermediate and type(m.intermediate_act_fn) is not expected_act:
         return f"activation {type(m.intermediate_act_fn).__qualname__} instead of {expected_act.__qualname__}"
     return None
 
@@ -199,11 +191,11 @@ def find_unfused(model: nn.Module, expected_act: type) -> Dict[str, str]:
         t = type(m)
         reason = _module_reason(m, t, expected_act)
         children = m._modules
-        if reason or (children and t is not _LoraLinear):
+        if reason or (children and t is not LORA_LINEAR):
             path = name if parent is None else f"{parent}.{name}"
             if reason:
                 found[path] = reason
-            if t is not _LoraLinear:
+            if t is not LORA_LINEAR:
                 stack.extend((path, n, c) for n, c in children.items() if c is not None)
     return found
 

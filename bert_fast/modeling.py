@@ -31,7 +31,7 @@ from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttent
                                            BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
 
-from bert_fast import direct_ops, dropin, frozen, ops
+from bert_fast import compat, direct_ops, dropin, frozen, ops
 from bert_fast.masks import key_padding_mask
 from bert_fast.ops import torch_impl
 from bert_fast.padding import Unpadded, pad, unpad
@@ -40,7 +40,6 @@ logger = logging.getLogger("bert_fast")
 
 # transformers' hidden_act names -> our fused activation.
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 
 
 def check_config(config) -> None:
@@ -57,10 +56,8 @@ def check_config(config) -> None:
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size={config.hidden_size} is not a multiple of "
                          f"num_attention_heads={config.num_attention_heads}")
-    head_dim = config.hidden_size // config.num_attention_heads
-    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} (hidden_size / num_attention_heads) is outside "
-                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], which the attention kernel supports")
+    # Any head dim runs: those the attention kernel does not cover (outside 16..128) take the torch
+    # implementation of the same op, with one warning (bert_fast/ops/attention.py).
 
 
 def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -118,6 +115,9 @@ class _Batch:
     # the attention mask in the form transformers' own attention modules take.
     unfused: Dict[int, FrozenSet[str]] = field(default_factory=dict)
     hf_mask: Optional[torch.Tensor] = None
+    # Keywords the caller passed down (TransformersKwargs in transformers 5): handed on to the
+    # transformers modules that run unfused, where those take **kwargs, as transformers does.
+    hf_kwargs: dict = field(default_factory=dict)
     # The ops the layers call: bert_fast.ops (custom ops: autograd, torch.compile), or
     # bert_fast.direct_ops (the same torch implementation without the custom-op overhead, for
     # inference; see direct_ops.usable).
@@ -194,6 +194,21 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+_VAR_KWARGS: Dict[type, bool] = {}
+
+
+def _call_hf(module, batch: "_Batch", *args, **kwargs):
+    """Call a transformers module that runs unfused as transformers calls it: the caller's
+    forwarded keywords go along where its forward takes **kwargs (transformers 5)."""
+    t = type(module)
+    takes = _VAR_KWARGS.get(t)
+    if takes is None:
+        takes = _VAR_KWARGS[t] = compat.accepts_var_kwargs(t.forward)
+    if takes and batch.hf_kwargs:
+        kwargs = {**batch.hf_kwargs, **kwargs}
+    return module(*args, **kwargs)
+
+
 def _self_attention(sa, h: torch.Tensor, batch: _Batch, dtype: torch.dtype, heads: int,
                     training: bool) -> torch.Tensor:
     """Context [.., H] of one BertSelfAttention run by our ops (fused QKV GEMM + flash attention)."""
@@ -234,10 +249,10 @@ def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool
             return frozen.layer_forward(entry, layer, h, batch, heads, ACTIVATIONS[config.hidden_act])
 
     if "attention" in unfused:
-        h1 = _cast(_first(att(h, batch.hf_mask)), dtype)
+        h1 = _cast(_first(_call_hf(att, batch, h, batch.hf_mask)), dtype)
     else:
         if "attention.self" in unfused:
-            ctx = _cast(_first(att.self(h, attention_mask=batch.hf_mask)), dtype)
+            ctx = _cast(_first(_call_hf(att.self, batch, h, attention_mask=batch.hf_mask)), dtype)
         else:
             ctx = _self_attention(att.self, h, batch, dtype, heads, training)
         if "attention.output" in unfused:
@@ -282,7 +297,7 @@ class BertEncoder(transformers.models.bert.modeling_bert.BertEncoder):
         for layer in self.layer:
             if not isinstance(layer, BertLayer):
                 # A layer module the user replaced: called as transformers' encoder calls it.
-                h = _cast(_first(layer(h, batch.hf_mask)), h.dtype)
+                h = _cast(_first(_call_hf(layer, batch, h, batch.hf_mask)), h.dtype)
             elif checkpointed:
                 # Dropout seeds come from torch's RNG, which checkpoint restores before recomputing,
                 # so the recomputed masks are the forward's.
@@ -316,26 +331,20 @@ def _unfused_blocks(found: Dict[str, str], num_layers: int):
 
 # transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__; older versions did it in
 # the encoder loop, which our forward replaces, so there we checkpoint ourselves.
-try:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-except ImportError:
-    GradientCheckpointingLayer = None
-_LAYER_CHECKPOINTS_ITSELF = (GradientCheckpointingLayer is not None
-                             and issubclass(transformers.models.bert.modeling_bert.BertLayer, GradientCheckpointingLayer))
+_LAYER_CHECKPOINTS_ITSELF = compat.layer_checkpoints_itself()
 
 
-# Keywords transformers' BertModel.forward takes (TransformersKwargs) and trainers pass through
-# the heads: those meaningless for an encoder forward are ignored; those that would change the
-# result (packed-sequence attention boundaries, a causal mask) are refused rather than ignored.
-_IGNORED_KWARGS = {"num_items_in_batch": "a loss normalizer for the head, not used by the encoder",
-                   "output_router_logits": "mixture-of-experts output, BERT has none",
-                   "cache_position": "a decoder cache index"}
+# Keywords transformers' BertModel.forward takes (TransformersKwargs in 5.x) and heads and
+# trainers pass down: as on transformers, the encoder accepts them, the fused path has no use for
+# them (num_items_in_batch, shift_labels, ... concern the head's loss), and modules that run
+# unfused get them (``_call_hf``). Those that would change the result on transformers (packed-sequence
+# attention boundaries, a causal mask) are refused rather than ignored.
 _REFUSED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _check_kwargs(kwargs: dict) -> None:
     for key, value in kwargs.items():
-        if key in _IGNORED_KWARGS or value is None or value is False:
+        if value is None or value is False:
             continue
         if key in _REFUSED_KWARGS:
             raise ValueError(f"{key} (packed sequences for flash attention) is not supported by "
@@ -344,7 +353,24 @@ def _check_kwargs(kwargs: dict) -> None:
         if key == "is_causal":
             raise ValueError("is_causal=True is not supported: bert_fast implements the bidirectional "
                              "BERT encoder")
-        raise TypeError(f"unexpected argument for bert_fast.BertModel.forward: {key!r}")
+
+
+def _selected_hidden_states(flag, count: int) -> Optional[FrozenSet[int]]:
+    """Which of the ``count`` hidden states (embeddings + one per layer) ``output_hidden_states``
+    asks for: None for none, else indices. As transformers 5 reads it: a bool, or an index or list
+    of indices (negative ones count from the end; out-of-range ones select nothing); a falsy value
+    (False, [], 0) asks for none, as transformers reads it."""
+    if isinstance(flag, torch.Tensor):
+        flag = flag.tolist()
+    if not flag:
+        return None
+    if flag is True:
+        return frozenset(range(count))
+    picks = [flag] if isinstance(flag, int) else list(flag)
+    for i in picks:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"output_hidden_states must be a bool, an int or a list of ints, got {flag!r}")
+    return frozenset(i % count for i in picks if -count <= i < count)
 
 
 class BertModel(transformers.BertModel):
@@ -355,18 +381,27 @@ class BertModel(transformers.BertModel):
     def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
         check_config(config)
         super().__init__(config, add_pooling_layer=add_pooling_layer)
+        # An installed transformers whose BertModel bert_fast does not recognise: warned fallback to
+        # transformers' own forward (never a TypeError inside forward or a different answer).
+        self.bert_fast_fallback = compat.incompatibility(self)
+        if self.bert_fast_fallback:
+            compat.warn_fallback(self.bert_fast_fallback)
+            self.padded = bool(padded)
+            return
         self.setup_fast(padded)
 
     def setup_fast(self, padded: bool = False) -> "BertModel":
         """Make this (possibly class-swapped) module ready for the fast forward."""
         check_config(self.config)
         self.padded = bool(padded)
+        self.bert_fast_fallback = None
         self.bert_fast_expected_act = dropin.expected_activation(self.config)
         self.bert_fast_logged = set()
-        if type(self.encoder) is transformers.models.bert.modeling_bert.BertEncoder:
+        hf_bert = transformers.models.bert.modeling_bert
+        if type(self.encoder) is hf_bert.BertEncoder:
             self.encoder.__class__ = BertEncoder
         for i, layer in enumerate(self.encoder.layer):
-            if type(layer) is transformers.models.bert.modeling_bert.BertLayer:
+            if type(layer) is hf_bert.BertLayer:
                 layer.__class__ = BertLayer
             layer.bert_fast_config = self.config
             layer.bert_fast_index = i
@@ -399,36 +434,41 @@ class BertModel(transformers.BertModel):
                        "transformers' padded layout, so that they compute what they compute on "
                        "transformers: %s", len(found), type(self).__name__, pieces)
 
-    def _hf_attention_mask(self, mask: torch.Tensor, embedding_output: torch.Tensor):
-        """The attention mask in the form transformers' own attention modules take (exact mode)."""
-        mask = mask.long()
-        create = getattr(transformers.BertModel, "_create_attention_masks", None)
-        if create is not None:   # transformers 5
-            return create(self, attention_mask=mask, encoder_attention_mask=None,
-                          embedding_output=embedding_output, encoder_hidden_states=None,
-                          past_key_values=None)[0]
-        return self.get_extended_attention_mask(mask, tuple(mask.shape), dtype=embedding_output.dtype)
-
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, output_hidden_states=None, return_dict=None, output_attentions=None,
                 encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
-                use_cache=None, head_mask=None, padded: Optional[bool] = None, **kwargs):
+                use_cache=None, head_mask=None, padded: Optional[bool] = None, cache=None, **kwargs):
+        config = self.config
+        if self.__dict__.get("bert_fast_fallback"):
+            given = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                         position_ids=position_ids, inputs_embeds=inputs_embeds,
+                         output_hidden_states=output_hidden_states, return_dict=return_dict,
+                         output_attentions=output_attentions, encoder_hidden_states=encoder_hidden_states,
+                         encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values,
+                         use_cache=use_cache, head_mask=head_mask, cache=cache)
+            return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
+        # From the keyword or from the config: one path, one answer (as transformers reads them).
+        if output_attentions is None:
+            output_attentions = getattr(config, "output_attentions", False)
         if output_attentions:
-            raise ValueError("output_attentions=True is not supported: bert_fast's flash attention never "
-                             "materializes the attention probabilities")
+            raise ValueError("output_attentions=True (as a keyword or config.output_attentions) is not "
+                             "supported: bert_fast's flash attention never materializes the attention "
+                             "probabilities; use transformers' BertModel with attn_implementation='eager' "
+                             "to inspect them")
         if encoder_hidden_states is not None or encoder_attention_mask is not None:
             raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
-        if past_key_values is not None or use_cache:
-            raise ValueError("past_key_values / use_cache are decoder features, not supported by bert_fast")
+        if past_key_values is not None or cache is not None:
+            raise ValueError("past_key_values / cache are decoder features, not supported by bert_fast")
+        # use_cache: an encoder ignores it, as transformers' BertModel does when is_decoder is False.
         if head_mask is not None:
             raise ValueError("head_mask is not supported by bert_fast")
         _check_kwargs(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
-        config = self.config
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else getattr(config, "output_hidden_states", False))
+        selected = _selected_hidden_states(output_hidden_states, len(self.encoder.layer) + 1)
         return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
         emb = self.embeddings
         device = emb.word_embeddings.weight.device
@@ -459,7 +499,8 @@ class BertModel(transformers.BertModel):
         padded = bool(found) or (self.padded if padded is None else bool(padded))
 
         batch = _Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
-                       mask=attention_mask if padded else None, batch=b, seqlen=s, unfused=unfused)
+                       mask=attention_mask if padded else None, batch=b, seqlen=s, unfused=unfused,
+                       hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs)
         if embeddings_unfused:
             h = emb(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids,
                     inputs_embeds=inputs_embeds)
@@ -472,7 +513,7 @@ class BertModel(transformers.BertModel):
         # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
         h = _cast(h, emb.word_embeddings.weight.dtype)
         if found:
-            batch.hf_mask = self._hf_attention_mask(attention_mask, h)
+            batch.hf_mask = compat.attention_mask_for_modules(attention_mask, h.dtype, config)
         if not found and direct_ops.usable(h, self.training):
             batch.ops = direct_ops
             batch.frozen = frozen.store_of(self)
@@ -480,14 +521,21 @@ class BertModel(transformers.BertModel):
         def to_bsh(x):
             return x if padded else pad(x, batch.unpadded)
 
-        all_hidden = [to_bsh(h)] if output_hidden_states else None
+        # Hidden states as transformers 5 returns them: one entry per state, None where not selected.
+        all_hidden = [] if selected is not None else None
+
+        def collect(x):
+            all_hidden.append(to_bsh(x) if len(all_hidden) in selected else None)
+
+        if selected is not None:
+            collect(h)
         encoder_ckpt = (self.training and torch.is_grad_enabled() and not _LAYER_CHECKPOINTS_ITSELF
                         and getattr(self.encoder, "gradient_checkpointing", False))
-        collect = (lambda x: all_hidden.append(to_bsh(x))) if output_hidden_states else None
         if isinstance(self.encoder, BertEncoder):
-            h = self.encoder(h, batch, checkpointed=encoder_ckpt, collect=collect).last_hidden_state
+            h = self.encoder(h, batch, checkpointed=encoder_ckpt,
+                             collect=collect if selected is not None else None).last_hidden_state
         else:   # a user's own encoder class (reported by unfused_pieces): called as transformers does
-            h = _first(self.encoder(h, attention_mask=batch.hf_mask))
+            h = _first(_call_hf(self.encoder, batch, h, attention_mask=batch.hf_mask))
             h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h
 
         last = to_bsh(h)
@@ -495,7 +543,7 @@ class BertModel(transformers.BertModel):
         if self.pooler is not None and s == 0:
             # No CLS position: pool the all-zero state, as for a fully padded row.
             pooled = self.pooler(last.new_zeros((b, 1, config.hidden_size)))
-        hidden_states = tuple(all_hidden) if output_hidden_states else None
+        hidden_states = tuple(all_hidden) if selected is not None else None
         if not return_dict:
             return tuple(v for v in (last, pooled, hidden_states) if v is not None)
         return BaseModelOutputWithPoolingAndCrossAttentions(
@@ -525,11 +573,19 @@ class BertModel(transformers.BertModel):
         return F.dropout(x, p=p, training=self.training)
 
 
-def to_fast_bert(module: transformers.BertModel, padded: bool = False) -> BertModel:
-    """Turn a live transformers.BertModel into ours, in place, sharing every parameter."""
+def to_fast_bert(module: transformers.BertModel, padded: bool = False) -> transformers.BertModel:
+    """Turn a live transformers.BertModel into ours, in place, sharing every parameter. When the
+    installed transformers builds a BertModel bert_fast does not recognise, the module is left as
+    it is (transformers' own forward) with a warning naming the version and the tested range."""
     if not isinstance(module, BertModel):
         if type(module) is not transformers.BertModel:
             raise TypeError(f"can only convert transformers.BertModel, got {type(module).__name__}")
         check_config(module.config)
+        reason = compat.incompatibility(module)
+        if reason:
+            compat.warn_fallback(reason)
+            return module
         module.__class__ = BertModel
+    elif module.bert_fast_fallback:
+        return module
     return module.setup_fast(padded)

@@ -14,7 +14,9 @@ def optimize(model: torch.nn.Module, padded: bool = False, freeze: bool = False)
     sentence-transformers SentenceTransformer, say). Parameters are shared, not copied: the model
     keeps its state dict, optimizer state and device; only the encoder's forward changes. Returns
     ``model``. Raises TypeError when there is no BertModel inside, ValueError/NotImplementedError for
-    configurations bert_fast does not implement (before anything is converted).
+    configurations bert_fast does not implement (before anything is converted). When the installed
+    transformers builds a BertModel that bert_fast does not recognise (bert_fast/compat.py), the
+    model keeps transformers' own forward, with a warning naming the version and the tested range.
 
     ``freeze=True`` also packs the encoders' linear weights for CPU inference
     (``BertModel.freeze()``: faster no-grad eval forwards on the CPU, one more copy of those
@@ -28,7 +30,7 @@ def optimize(model: torch.nn.Module, padded: bool = False, freeze: bool = False)
     for m in targets:   # validate all first: never leave a model half converted
         check_config(m.config)
     for m in targets:
-        to_fast_bert(m, padded=padded)
-        if freeze:
+        m = to_fast_bert(m, padded=padded)
+        if freeze and isinstance(m, BertModel):   # not after a warned fallback (compat.py)
             m.freeze()
     return model

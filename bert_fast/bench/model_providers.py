@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
+from bert_fast import compat
 from bert_fast.bench.model_workload import BenchError
 
 
@@ -39,32 +40,14 @@ def reference_state_dict(config, key: str, seed: int = 0):
         del model
     if key not in _STATE_CACHE:
         torch.manual_seed(seed)
-        cfg = copy.deepcopy(config)
-        cfg._attn_implementation = "eager"
-        model = HFBertModel(cfg)
+        model = compat.hf_bert_model(config, "eager")
         _STATE_CACHE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         del model
     return _STATE_CACHE[key]
 
 
 def _hf_model(config, attn: str, device, dtype):
-    import torch
-    from transformers import BertModel as HFBertModel
-
-    cfg = copy.deepcopy(config)
-    try:
-        cfg._attn_implementation = attn
-    except Exception:  # noqa: BLE001 - older transformers: fall through to _from_config
-        pass
-    with torch.device(device):
-        try:
-            model = HFBertModel._from_config(cfg, attn_implementation=attn)
-        except TypeError:
-            model = HFBertModel(cfg)
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != attn:
-        raise RuntimeError(f"transformers built attention {impl!r} instead of {attn!r}")
-    return model.to(dtype)
+    return compat.hf_bert_model(config, attn, device=device).to(dtype)
 
 
 def bert_fast_model_class():
@@ -90,13 +73,9 @@ def _bert_fast_model(config, state, device, dtype):
     try:
         model.load_state_dict(state, strict=True)
     except (RuntimeError, KeyError) as exc:
-        from transformers import BertModel as HFBertModel
-
         del model
         with tempfile.TemporaryDirectory(prefix="bert_fast_bench_") as tmp:
-            cfg = copy.deepcopy(config)
-            cfg._attn_implementation = "eager"
-            hf = HFBertModel(cfg)
+            hf = compat.hf_bert_model(config, "eager")
             hf.load_state_dict(state, strict=True)
             hf.save_pretrained(tmp)
             del hf
@@ -151,9 +130,7 @@ def export_onnxruntime(config, state, key) -> tuple:
     from onnxruntime.transformers.optimizer import optimize_model
 
     tmp = tempfile.TemporaryDirectory(prefix="bert_fast_ort_")
-    cfg = copy.deepcopy(config)
-    cfg._attn_implementation = "eager"
-    hf = HFBertModel(cfg).eval()
+    hf = compat.hf_bert_model(config, "eager").eval()
     hf.load_state_dict(state, strict=True)
     raw, fused_path = os.path.join(tmp.name, "model.onnx"), os.path.join(tmp.name, "model.opt.onnx")
     ids = torch.ones(2, 8, dtype=torch.long)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -46,10 +47,29 @@ __all__ = ["attention", "varlen_attention"]
 _DTYPES = _dispatch.FLOAT_DTYPES + (torch.float64,)
 
 
+# Head dims the Triton kernels are built and tested for; others run the torch implementation.
+KERNEL_HEAD_DIMS = (16, 128)
+_WARNED_HEAD_DIMS: set = set()
+
+
 def _impl(qkv: Tensor) -> str:
-    """"kernel", "torch" or "reference" for qkv (the kernels have no float64: torch runs it)."""
+    """"kernel", "torch" or "reference" for qkv (the kernels have no float64 and cover head dims
+    16..128: torch runs the rest, the latter with one warning per head dim)."""
     impl = _dispatch.implementation(qkv, uses_dot=True)
-    return "torch" if (impl == "kernel" and qkv.dtype == torch.float64) else impl
+    if impl != "kernel":
+        return impl
+    if qkv.dtype == torch.float64:
+        return "torch"
+    d = qkv.shape[-1]
+    if not KERNEL_HEAD_DIMS[0] <= d <= KERNEL_HEAD_DIMS[1]:
+        if d not in _WARNED_HEAD_DIMS:
+            _WARNED_HEAD_DIMS.add(d)
+            warnings.warn(f"bert_fast: head dim {d} is outside {KERNEL_HEAD_DIMS[0]}..{KERNEL_HEAD_DIMS[1]}, "
+                          "which the attention kernel covers; attention runs torch's implementation of "
+                          "the same op (SDPA / batched GEMMs, same layout), correct but slower", RuntimeWarning,
+                          stacklevel=2)
+        return "torch"
+    return impl
 
 
 def _use_triton(qkv: Tensor) -> bool:
@@ -416,10 +436,8 @@ def _check_qkv(qkv, varlen: bool) -> None:
     if qkv.shape[-3] != 3:
         raise ValueError(f"qkv must be {layout}: dimension {qkv.dim() - 3} must be 3 (q, k, v), "
                          f"got shape {tuple(qkv.shape)}")
-    d = qkv.shape[-1]
-    if not 16 <= d <= 128:
-        raise ValueError(f"head dim (last dimension of qkv) must be in 16..128, got {d} "
-                         f"(qkv shape {tuple(qkv.shape)})")
+    if qkv.shape[-1] < 1:
+        raise ValueError(f"head dim (last dimension of qkv) must be >= 1, got shape {tuple(qkv.shape)}")
 
 
 def _softmax_scale(softmax_scale, d: int) -> float:
@@ -512,7 +530,8 @@ def attention(qkv: Tensor, attention_mask: Optional[Tensor] = None, dropout_p: f
     query position (pads included) attends to the real keys of its row, as in transformers; a row
     without real keys gives zeros (zero gradients). q, k, v are read by stride from qkv (any
     strides). dropout_p in [0, 1) on the probabilities, seeded from torch's CPU generator (or
-    ``generator``). softmax_scale defaults to 1/sqrt(d). Head dim 16..128; fp16, bf16, fp32
+    ``generator``). softmax_scale defaults to 1/sqrt(d). Any head dim (the kernel
+    covers 16..128; others run the torch implementation with a warning); fp16, bf16, fp32
     (float64 runs the reference). ``return_dropout_mask=True`` returns ``(out, keep_mask)`` with the
     exact bool mask [B, heads, S, S] used (None when dropout_p == 0).
     """

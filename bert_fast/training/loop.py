@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bert_fast import compat
 from bert_fast.bench.model_workload import flops_per_token
 from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import collator as coll
@@ -90,7 +91,7 @@ def build_model(args, tokenizer, task: str, num_labels: int = 2) -> torch.nn.Mod
     if fast and task == "mlm":
         kwargs["mlm_masked_positions_only"] = not args.mlm_full_logits
     if not fast:
-        config._attn_implementation = args.hf_attn
+        compat.set_attention_implementation(config, args.hf_attn)
     if args.init_from:
         model = cls.from_pretrained(args.init_from, config=config, local_files_only=True, **kwargs)
     else:

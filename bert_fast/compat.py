@@ -1,0 +1,338 @@
+"""Every touch point of bert_fast with transformers, peft, sentence-transformers, accelerate and FSDP2.
+
+Why one module: those libraries change every few weeks (transformers 5.24 changed the signature of a
+private method bert_fast called, and every unfused forward crashed with a TypeError). Everything of
+theirs that bert_fast relies on beyond their documented public API lives here, with the reason it is
+needed; each use has a test in tests/test_compat.py. Outside this module bert_fast uses only public
+names of those libraries, and ``grep`` proves it (tests/test_compat.py::test_no_private_use_outside_compat).
+
+What bert_fast relies on, and the versions each form was tested on (CI runs the newest releases
+that resolve, and the floor of setup.py; the README's "tested with" line names the exact versions):
+
+transformers (floor TRANSFORMERS_FLOOR; tested 4.41.2 ... 5.24.0)
+  * Module tree of BertModel (modeling_bert): embeddings.{word,position,token_type}_embeddings,
+    LayerNorm, dropout; encoder.layer[i].attention.self.{query,key,value,dropout},
+    attention.output.{dense,LayerNorm,dropout}, intermediate.{dense,intermediate_act_fn},
+    output.{dense,LayerNorm,dropout}; pooler. Same names and classes in every tested version
+    (4.x also has BertSdpaSelfAttention). Checked per model by ``probe_model`` before conversion.
+  * Subclassing by class swap: bert_fast.BertLayer / BertEncoder subclass transformers' BertLayer /
+    BertEncoder and are never constructed (``obj.__class__ = ...``), so their constructor
+    signatures (BertLayer(config) in 4.41, BertLayer(config, layer_idx=None) in 5.x) do not matter.
+    BertModel.__init__(config, add_pooling_layer=True): the same in every tested version.
+  * Calls into transformers' own modules for pieces that run unfused (exact mode):
+    BertAttention(h, mask), BertSelfAttention(h, attention_mask=mask), BertSelfOutput(ctx, h),
+    BertIntermediate(h), BertOutput(f, h1), BertLayer(h, mask), BertEncoder(h, attention_mask=mask).
+    Tuples in 4.x, tensors or tuples in 5.x. Their keyword ``**kwargs`` exist from 5.0
+    (``accepts_var_kwargs``). Checked by ``probe_signatures``.
+  * The attention mask those modules take, built by bert_fast itself (``attention_mask_for_modules``):
+    eager and sdpa take an additive float mask broadcastable to [B, heads, S, S] (4.41: eager
+    [B,1,1,S] from get_extended_attention_mask, sdpa [B,1,S,S]; 5.x: [B,1,S,S] float or bool from
+    masking_utils); flash_attention_* take the 2-D [B, S] padding mask (5.x). Which one is in use is
+    ``config._attn_implementation`` (private: there is no public getter in 4.41-5.24), read by
+    ``attention_implementation``.
+  * GradientCheckpointingLayer (transformers.modeling_layers, 4.52+): BertLayer.__call__ checkpoints
+    itself when gradient_checkpointing_enable() is on; in older versions the encoder loop did it,
+    which our encoder replaces (``layer_checkpoints_itself``).
+  * Hooks transformers installs itself that the fused forward reproduces, recognised by function
+    name and module: ``output_capturing_hook`` (5.x output collection) and
+    ``make_inputs_require_grads`` (enable_input_require_grads, used by PEFT and gradient
+    checkpointing) (``is_understood_hook``, ``wants_input_grads``).
+  * Keywords transformers' heads and Trainer pass down to BertModel.forward (TransformersKwargs in
+    5.x): num_items_in_batch (Trainer, 4.46+), output_hidden_states as a bool or (5.2x) an index or
+    list of indices, cache / past_key_values (renamed in 5.24), use_cache (ignored by encoders).
+  * activations.ACT2FN (public), modeling_outputs (public), PreTrainedModel.from_pretrained /
+    save_pretrained (public).
+  * Building a BertModel with a chosen attention implementation for the benchmark
+    (``hf_bert_model``): ``attn_implementation=`` of from_config / config (public in 4.41+), and
+    ``config._attn_implementation`` to check what was built.
+
+peft (tested 0.13.2 ... 0.21.2)
+  * peft.tuners.lora.layer.Linear (``lora_linear_class``), read through its public attributes:
+    base_layer, lora_A, lora_B, lora_dropout, scaling, active_adapters, merged, disable_adapters,
+    use_dora (0.9+), lora_variant (0.16+, absent before). Anything else (DoRA, variants, other
+    tuners) runs through peft's own forward.
+
+sentence-transformers (tested 3.x ... 6.2.0)
+  * Only public API: SentenceTransformer(path), .encode(), .fit() / SentenceTransformerTrainer;
+    optimize() finds the BertModel inside by walking modules(), nothing of theirs is called.
+
+accelerate: not imported by bert_fast (transformers.Trainer needs it; tests exercise it).
+
+torch.distributed FSDP2 (torch 2.6+): fully_shard swaps a module's class for a dynamic subclass
+(``FSDP<Name>`` deriving from FSDPModule and the original class) and registers forward hooks of
+its own on it. ``base_class`` maps the subclass back, and ``is_understood_hook`` accepts FSDP's
+own hooks (they fire anyway: layers are called as modules), so FSDP2-wrapped layers stay fused.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from importlib import metadata
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch and transformers are imported inside the functions: ``import bert_fast`` runs
+# check_transformers_floor() and must stay light (``bert-fast --help`` imports neither).
+
+# The oldest transformers CI runs (setup.py's lower bound) and the newest it ran at this commit.
+TRANSFORMERS_FLOOR = "4.41.2"
+TRANSFORMERS_TESTED = ("4.41.2", "5.24.0")
+PEFT_TESTED = ("0.13.2", "0.21.2")
+
+
+class CompatibilityError(RuntimeError):
+    """An installed library changed something bert_fast depends on."""
+
+
+def installed_version(package: str) -> Optional[str]:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def tested_range(package: str = "transformers") -> str:
+    lo, hi = {"transformers": TRANSFORMERS_TESTED, "peft": PEFT_TESTED}[package]
+    return f"{lo} to {hi}"
+
+
+def describe(package: str = "transformers") -> str:
+    """'transformers 5.24.0 (bert_fast is tested with 4.41.2 to 5.24.0)' for messages."""
+    return f"{package} {installed_version(package)} (bert_fast is tested with {tested_range(package)})"
+
+
+def check_transformers_floor(version: Optional[str] = None) -> None:
+    """Refuse a transformers older than the floor, naming both (called when bert_fast is imported)."""
+    version = installed_version("transformers") if version is None else version
+    from packaging.version import Version   # a dependency of transformers
+
+    if version is not None and Version(version) < Version(TRANSFORMERS_FLOOR):
+        raise ImportError(f"bert_fast needs transformers >= {TRANSFORMERS_FLOOR}, but transformers "
+                          f"{version} is installed: pip install -U 'transformers>={TRANSFORMERS_FLOOR}'")
+
+
+# ----------------------------------------------------------------------------- attention masks
+def attention_implementation(config) -> str:
+    """The attention implementation transformers' modules of ``config`` run ("eager", "sdpa",
+    "flash_attention_2", ...). Private attribute: transformers (4.41-5.24) has no public getter."""
+    impl = getattr(config, "_attn_implementation", None)
+    return impl or "eager"
+
+
+def set_attention_implementation(config, name: str) -> None:
+    """Select transformers' attention implementation on a config before a model is built from it
+    (the same private attribute; the public route, ``attn_implementation=`` of from_pretrained /
+    from_config, needs a model class)."""
+    config._attn_implementation = name
+
+
+def attention_mask_for_modules(keep: torch.Tensor, dtype: torch.dtype, config):
+    """The mask transformers' own attention modules take, built from bert_fast's [B, S] bool
+    key-padding mask (True = real token), for the attention implementation ``config`` selects.
+
+    eager / sdpa: additive float [B, 1, 1, S] in ``dtype`` (0 = attend, finfo.min = pad), which
+    both add to the scores and which F.scaled_dot_product_attention broadcasts; it is the form of
+    4.x's get_extended_attention_mask and gives the same probabilities as 5.x's [B, 1, S, S]
+    masks at every real query. flash_attention_*: the 2-D padding mask (None without pads)."""
+    import torch
+
+    impl = attention_implementation(config)
+    if impl in ("eager", "sdpa") or impl.endswith("|sdpa") or impl.endswith("|eager"):
+        additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+        additive.masked_fill_(~keep, torch.finfo(dtype).min)
+        return additive[:, None, None, :]
+    if impl.startswith("flash_attention"):
+        return None if bool(keep.all()) else keep.to(torch.long)
+    raise CompatibilityError(
+        f"bert_fast runs unfused pieces through transformers' attention modules, but cannot build the "
+        f"attention mask of attn_implementation={impl!r} ({describe()}): use 'sdpa' or 'eager' for a "
+        "model with hooks or custom modules, or remove them so that the model runs fused")
+
+
+# ----------------------------------------------------------------------------- hooks and checkpoints
+_TRANSFORMERS_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
+
+
+def _is_fsdp_hook(fn) -> bool:
+    owner = getattr(fn, "__self__", None)
+    mod = type(owner).__module__ if owner is not None else getattr(fn, "__module__", "") or ""
+    return mod.startswith("torch.distributed.fsdp") or mod.startswith("torch.distributed._composable.fsdp")
+
+
+def is_understood_hook(fn) -> bool:
+    """A hook whose effect the fused forward reproduces or that fires anyway: transformers'
+    output-capturing and input-require-grads hooks, and FSDP2's per-module hooks."""
+    if getattr(fn, "__name__", "") in _TRANSFORMERS_HOOKS and (getattr(fn, "__module__", "") or "").startswith(
+            "transformers."):
+        return True
+    return _is_fsdp_hook(fn)
+
+
+def wants_input_grads(word_embeddings: nn.Module) -> bool:
+    """Whether transformers' enable_input_require_grads() hook is on the word embeddings."""
+    return any(getattr(f, "__name__", "") == "make_inputs_require_grads"
+               for f in word_embeddings._forward_hooks.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _gradient_checkpointing_layer():
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:     # transformers < 4.52
+        return None
+    return GradientCheckpointingLayer
+
+
+def layer_checkpoints_itself() -> bool:
+    """Whether transformers' BertLayer.__call__ applies gradient checkpointing itself (4.52+)."""
+    from transformers.models.bert import modeling_bert
+
+    gcl = _gradient_checkpointing_layer()
+    return gcl is not None and issubclass(modeling_bert.BertLayer, gcl)
+
+
+# ----------------------------------------------------------------------------- FSDP2
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def base_class(t: type) -> type:
+    """The class a module had before FSDP2's fully_shard swapped it for its dynamic subclass
+    (``FSDP<Name>(FSDPModule, <Name>)``); ``t`` itself for any other class. Called only for
+    modules of a class the fused path does not know, so no cache is needed."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None or t is fsdp or not issubclass(t, fsdp):
+        return t
+    for base in t.__bases__:
+        if base is not fsdp and not issubclass(base, fsdp):
+            return base
+    return t
+
+
+# ----------------------------------------------------------------------------- peft
+@functools.lru_cache(maxsize=None)
+def lora_linear_class():
+    """peft's LoRA Linear layer class, or None (peft absent or its layout changed: LoRA layers are
+    then "not plain" and run through peft's forward)."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except Exception:  # noqa: BLE001 - peft absent or broken: LoRA runs unfused
+        return None
+    needed = ("update_layer", "merge", "unmerge")
+    return Linear if all(hasattr(Linear, n) for n in needed) else None
+
+
+def lora_variant_or_dora(m: nn.Module, adapter: str) -> bool:
+    """Whether adapter ``adapter`` of a peft LoRA Linear is DoRA or another variant (peft 0.16+
+    keeps variants in ``lora_variant``; 0.9-0.15 has only ``use_dora``)."""
+    return adapter in getattr(m, "lora_variant", {}) or bool(getattr(m, "use_dora", {}).get(adapter, False))
+
+
+# ----------------------------------------------------------------------------- transformers' models
+def hf_bert_model(config, attn: str, device=None):
+    """transformers.BertModel built from ``config`` with attention implementation ``attn``."""
+    import copy
+
+    import torch
+    import transformers
+
+    cfg = copy.deepcopy(config)
+    set_attention_implementation(cfg, attn)
+    with torch.device(device) if device is not None else _nullcontext():
+        model = transformers.BertModel(cfg)
+    built = attention_implementation(model.config)
+    if built != attn:
+        raise CompatibilityError(f"transformers built attention {built!r} instead of {attn!r} ({describe()})")
+    return model
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def accepts_var_kwargs(fn: Callable) -> bool:
+    """Whether ``fn`` takes ``**kwargs`` (transformers' modules do from 5.0; 4.x lists its keywords)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+# What the fused forward reads from each module of a transformers BertModel (probe_model).
+_EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
+_LAYER_PARTS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.self.dropout",
+                "attention.output.dense", "attention.output.LayerNorm", "attention.output.dropout",
+                "intermediate.dense", "intermediate.intermediate_act_fn", "output.dense", "output.LayerNorm",
+                "output.dropout")
+
+# The calls exact mode makes into transformers' modules: (class name, positional args, keywords).
+_EXACT_CALLS = (("BertAttention", 2, ()), ("BertSelfAttention", 1, ("attention_mask",)),
+                ("BertSelfOutput", 2, ()), ("BertIntermediate", 1, ()), ("BertOutput", 2, ()),
+                ("BertLayer", 2, ()), ("BertEncoder", 1, ("attention_mask",)))
+
+
+def _get(module: nn.Module, dotted: str):
+    for name in dotted.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def probe_model(model: nn.Module) -> Optional[str]:
+    """None when ``model`` (a transformers BertModel) has every piece the fused forward reads, else
+    what is missing."""
+    missing = [f"embeddings.{p}" for p in _EMBEDDING_PARTS if _get(model, f"embeddings.{p}") is None]
+    layers = _get(model, "encoder.layer")
+    if layers is None:
+        missing.append("encoder.layer")
+    else:
+        for i, layer in enumerate(layers):
+            missing += [f"encoder.layer.{i}.{p}" for p in _LAYER_PARTS if _get(layer, p) is None]
+            if missing:
+                break
+    return ("missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")) if missing else None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_signatures() -> Optional[str]:
+    """None when transformers' modules take the calls exact mode makes, else which one does not."""
+    from transformers.models.bert import modeling_bert
+
+    for name, positional, keywords in _EXACT_CALLS:
+        cls = getattr(modeling_bert, name, None)
+        if cls is None:
+            return f"transformers.models.bert.modeling_bert.{name} is gone"
+        try:
+            inspect.signature(cls.forward).bind(None, *range(positional), **{k: None for k in keywords})
+        except TypeError as e:
+            return f"{name}.forward no longer takes {positional} positional argument(s) {keywords or ''}: {e}"
+    return None
+
+
+def incompatibility(model: nn.Module) -> Optional[str]:
+    """Why bert_fast cannot run this transformers BertModel with the installed transformers, or None."""
+    reason = probe_model(model) or probe_signatures()
+    if reason is None:
+        return None
+    return (f"bert_fast does not recognise the BertModel of {describe()}: {reason}. Please report it "
+            "to bert_fast with this message")
+
+
+def warn_fallback(reason: str) -> None:
+    warnings.warn(f"{reason}; the model keeps transformers' own (unfused) forward", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,409 @@
+"""bert_fast against the transformers / peft it finds installed (bert_fast/compat.py).
+
+* no private name of transformers, peft, sentence-transformers or accelerate is used outside
+  bert_fast/compat.py (an AST scan, not a string grep: attribute names, getattr strings, imports);
+* every use inside compat works on the installed versions (the mask builder against transformers'
+  own attention modules in eager and SDPA form, from 2-D, 3-D and 4-D masks; the hooks it
+  understands; FSDP's class swap; peft's LoRA class);
+* a change upstream becomes a warned fallback to transformers' forward naming the package, its
+  version and the tested range, at optimize() / construction time (faked by monkeypatch), and a
+  transformers older than the floor is refused at import;
+* every keyword and config transformers' BertModel accepts either works as on transformers or
+  gets the documented error, the same from the keyword and from the config.
+"""
+import ast
+import functools
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import bert_fast
+from bert_fast import compat
+from bert_fast.testing import pick_test_device
+
+DEVICE = pick_test_device()
+ROOT = Path(__file__).resolve().parents[1]
+LIBS = ("transformers", "peft", "sentence_transformers", "accelerate")
+
+
+def tiny_config(**kw):
+    base = dict(vocab_size=101, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=128, max_position_embeddings=32, type_vocab_size=2,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    base.update(kw)
+    return transformers.BertConfig(**base)
+
+
+def pair(config=None, attn="sdpa", seed=0):
+    config = config or tiny_config()
+    compat.set_attention_implementation(config, attn)
+    torch.manual_seed(seed)
+    hf = transformers.BertModel(config).to(DEVICE).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    fast = bert_fast.BertModel(config).to(DEVICE).eval()
+    fast.load_state_dict(hf.state_dict(), strict=True)
+    return hf, fast
+
+
+def inputs(config, b=3, s=9):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, config.vocab_size, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[2, 2:] = 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def real(t, mask):
+    return t[mask.bool()]
+
+
+# ----------------------------------------------------------------------------- no private use outside compat
+def _private_names():
+    """Underscore names defined by the classes of those libraries bert_fast touches (minus the
+    nn.Module internals every module has: those are torch's, not theirs)."""
+    classes = [transformers.PreTrainedModel, transformers.BertModel, transformers.BertConfig,
+               transformers.BertForMaskedLM, transformers.Trainer]
+    from transformers.models.bert import modeling_bert
+
+    classes += [c for c in vars(modeling_bert).values() if isinstance(c, type)]
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        import peft
+        classes += [LoraLinear, peft.PeftModel]
+    except ImportError:
+        pass
+    try:
+        import sentence_transformers
+        classes += [sentence_transformers.SentenceTransformer]
+    except ImportError:
+        pass
+    names = set()
+    for cls in classes:
+        for klass in cls.__mro__:
+            if (klass.__module__ or "").split(".")[0] in LIBS:
+                names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+    names |= {n for n in vars(transformers.BertConfig()) if n.startswith("_") and not n.startswith("__")}
+    names |= {"_attn_implementation", "_from_config", "_create_attention_masks"}   # known by name
+    module_internals = {n for n in dir(nn.Module()) if n.startswith("_")} | set(vars(nn.Module))
+    return names - module_internals
+
+
+def _private_uses(source: str, names: set):
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.append((node.lineno, repr(node.value)))     # getattr(x, "_name")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIBS:
+            if any(part.startswith("_") for part in node.module.split(".")) or any(
+                    a.name.startswith("_") for a in node.names):
+                found.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in LIBS and any(p.startswith("_") for p in a.name.split(".")):
+                    found.append((node.lineno, f"import {a.name}"))
+    return found
+
+
+def test_no_private_use_outside_compat():
+    names = _private_names()
+    assert {"_attn_implementation", "_create_attention_masks"} <= names
+    bad = []
+    for path in sorted((ROOT / "bert_fast").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py")):
+        if path.name == "compat.py":
+            continue
+        bad += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in _private_uses(path.read_text(), names)]
+    assert not bad, "private names of transformers/peft/sentence-transformers/accelerate outside compat.py:\n" + \
+        "\n".join(bad)
+
+
+def test_the_scan_finds_what_main_used_before():
+    """The scan catches the private uses that broke on transformers 5.24 (a planted copy)."""
+    planted = '''
+create = getattr(transformers.BertModel, "_create_attention_masks", None)
+cfg._attn_implementation = "eager"
+m = HFBertModel._from_config(cfg)
+from transformers.models.bert.modeling_bert import _private_helper
+'''
+    found = _private_uses(planted, _private_names() | {"_private_helper"})
+    assert len(found) == 4, found
+
+
+# ----------------------------------------------------------------------------- the floor
+def test_transformers_older_than_the_floor_is_refused_at_import():
+    floor = compat.TRANSFORMERS_FLOOR
+    with pytest.raises(ImportError, match=rf"transformers >= {re.escape(floor)}.*4\.30\.0"):
+        compat.check_transformers_floor("4.30.0")
+    compat.check_transformers_floor(compat.TRANSFORMERS_FLOOR)   # the floor itself is fine
+    code = ("import importlib.metadata as m; real = m.version\n"
+            "m.version = lambda p: '4.30.0' if p == 'transformers' else real(p)\n"
+            "import bert_fast\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and f"needs transformers >= {floor}" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_setup_py_floor_matches_compat():
+    setup = (ROOT / "setup.py").read_text()
+    assert f'"transformers>={compat.TRANSFORMERS_FLOOR}"' in setup
+
+
+# ----------------------------------------------------------------------------- the mask for unfused pieces
+def _masks(mask, form, dtype):
+    b, s = mask.shape
+    if form == "2d":
+        return mask
+    if form == "3d":
+        return mask[:, None, :].expand(b, s, s).contiguous()
+    additive = (1.0 - mask.to(dtype)) * torch.finfo(dtype).min
+    return additive[:, None, None, :]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("form", ["2d", "3d", "4d"])
+def test_unfused_pieces_get_a_mask_their_attention_takes(attn, form):
+    """A hook makes every block of layer 0 run through transformers' own modules on the mask
+    bert_fast builds: the outputs equal transformers' own forward with the same mask."""
+    hf, fast = pair(attn=attn)
+    ids, mask = inputs(hf.config)
+    m = _masks(mask, form, torch.float32)
+    calls = []
+    fast.encoder.layer[0].attention.self.register_forward_hook(lambda mod, a, o: calls.append(1))
+    with torch.no_grad():
+        # transformers 5 no longer takes 3-D masks, 4.41's eager path no 4-D ones: where the installed
+        # version refuses a form, its answer for the equivalent 2-D mask is the reference
+        try:
+            ref = hf(ids, attention_mask=m).last_hidden_state
+        except (ValueError, RuntimeError):
+            ref = hf(ids, attention_mask=mask).last_hidden_state
+        out = fast(ids, attention_mask=m).last_hidden_state
+    assert calls == [1] and "encoder.layer.0.attention.self" in fast.unfused_pieces()
+    torch.testing.assert_close(real(out, mask), real(ref, mask), atol=2e-5, rtol=1e-5)
+
+
+def test_mask_builder_forms():
+    keep = torch.tensor([[True, True, False], [True, True, True]])
+    cfg = tiny_config()
+    for attn in ("eager", "sdpa"):
+        compat.set_attention_implementation(cfg, attn)
+        m = compat.attention_mask_for_modules(keep, torch.bfloat16, cfg)
+        assert m.shape == (2, 1, 1, 3) and m.dtype == torch.bfloat16
+        assert m[0, 0, 0, 2] == torch.finfo(torch.bfloat16).min and m[0, 0, 0, :2].eq(0).all()
+    compat.set_attention_implementation(cfg, "flash_attention_2")
+    assert compat.attention_mask_for_modules(keep, torch.float16, cfg).tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert compat.attention_mask_for_modules(torch.ones(2, 3, dtype=torch.bool), torch.float16, cfg) is None
+    compat.set_attention_implementation(cfg, "flex_attention")
+    with pytest.raises(compat.CompatibilityError, match="flex_attention.*transformers"):
+        compat.attention_mask_for_modules(keep, torch.float32, cfg)
+
+
+# ----------------------------------------------------------------------------- faked upstream changes
+@pytest.fixture
+def fresh_probes():
+    compat.probe_signatures.cache_clear()
+    yield
+    compat.probe_signatures.cache_clear()
+
+
+def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_probes):
+    """transformers changes BertSelfOutput.forward (a keyword renamed): optimize() and the
+    constructor warn, naming the package, its version and the tested range, and the model keeps
+    transformers' forward: same answer, no TypeError inside forward."""
+    from transformers.models.bert import modeling_bert
+
+    original = modeling_bert.BertSelfOutput.forward
+
+    def changed(self, hidden_states, *, residual):      # the residual became keyword-only
+        return original(self, hidden_states, residual)
+
+    monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", changed)
+    config = tiny_config()
+    hf = transformers.BertModel(config).eval()
+    ids, mask = inputs(config)
+    version = transformers.__version__
+    with pytest.warns(RuntimeWarning, match=rf"transformers {version}.*tested with {compat.tested_range()}"):
+        out_model = bert_fast.optimize(hf)
+    assert type(out_model) is transformers.BertModel     # left as it was
+    with pytest.warns(RuntimeWarning, match="BertSelfOutput.forward"):
+        fast = bert_fast.BertModel(config).eval()
+    fast.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", original)   # transformers' own runs
+        torch.testing.assert_close(fast(ids, attention_mask=mask).last_hidden_state,
+                                   hf(ids, attention_mask=mask).last_hidden_state)
+
+
+def test_a_changed_module_tree_is_a_warned_fallback(fresh_probes):
+    config = tiny_config()
+    hf = transformers.BertModel(config).eval()
+    layer = hf.encoder.layer[1].output
+    layer.layer_norm = layer.LayerNorm                 # renamed, as another version might
+    del layer.LayerNorm
+    assert "encoder.layer.1.output.LayerNorm" in compat.probe_model(hf)
+    with pytest.warns(RuntimeWarning, match=r"transformers .*tested with.*missing encoder\.layer\.1\.output\.LayerNorm"):
+        bert_fast.optimize(hf)
+    assert type(hf) is transformers.BertModel
+
+
+# ----------------------------------------------------------------------------- touch points, on what is installed
+def test_understood_hooks_and_checkpointing_layer():
+    config = tiny_config()
+    hf, fast = pair(config)
+    fast.enable_input_require_grads()
+    assert compat.wants_input_grads(fast.embeddings.word_embeddings)
+    assert fast.unfused_pieces() == {}
+    with torch.no_grad():        # transformers 5 installs its output-capturing hooks for good here
+        fast(*inputs(config)[:1], output_hidden_states=True)
+    assert fast.unfused_pieces() == {}
+    from transformers.models.bert import modeling_bert
+
+    gcl = getattr(__import__("transformers.modeling_layers", fromlist=["x"]), "GradientCheckpointingLayer", None) \
+        if _has_module("transformers.modeling_layers") else None
+    assert compat.layer_checkpoints_itself() == (gcl is not None and issubclass(modeling_bert.BertLayer, gcl))
+
+
+def _has_module(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_fsdp2_class_swap_is_recognised():
+    fsdp = compat._fsdp_module_class()
+    if fsdp is None:
+        pytest.skip("this torch has no FSDP2")
+    from bert_fast.modeling import BertLayer
+
+    swapped = type(f"FSDP{BertLayer.__name__}", (fsdp, BertLayer), {})
+    assert compat.base_class(swapped) is BertLayer
+    assert compat.base_class(BertLayer) is BertLayer
+
+
+def test_peft_lora_class_has_what_dropin_reads():
+    peft = pytest.importorskip("peft")
+    cls = compat.lora_linear_class()
+    assert cls is not None, f"peft {peft.__version__}: its LoRA Linear changed"
+    base = nn.Linear(8, 8)
+    model = nn.Sequential(base)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0"]))
+    lora = pm.base_model.model[0]
+    assert type(lora) is cls
+    for attr in ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters", "merged",
+                 "disable_adapters"):
+        assert hasattr(lora, attr), attr
+    assert compat.lora_variant_or_dora(lora, "default") is False
+
+
+def test_hf_bert_model_builds_the_asked_attention():
+    for attn in ("eager", "sdpa"):
+        model = compat.hf_bert_model(tiny_config(), attn)
+        assert compat.attention_implementation(model.config) == attn
+
+
+# ----------------------------------------------------------------------------- keywords and configs
+def test_forwarded_kwargs_reach_unfused_modules_where_transformers_passes_them():
+    hf, fast = pair()
+    ids, mask = inputs(hf.config)
+    seen = []
+    fast.encoder.layer[1].attention.self.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        fast(ids, attention_mask=mask, shift_labels=ids, num_items_in_batch=torch.tensor(3))
+    takes = compat.accepts_var_kwargs(type(fast.encoder.layer[1].attention.self).forward)
+    assert ("shift_labels" in seen[0]) == takes and ("num_items_in_batch" in seen[0]) == takes
+
+
+def test_head_forwards_its_kwargs_like_transformers():
+    config = tiny_config()
+    torch.manual_seed(0)
+    hf = transformers.BertForMaskedLM(config).eval()
+    fast = bert_fast.BertForMaskedLM(config).eval()
+    fast.load_state_dict(hf.state_dict())
+    ids, mask = inputs(config)
+    labels = ids.masked_fill(mask == 0, -100)
+    if not compat.accepts_var_kwargs(transformers.BertForMaskedLM.forward):
+        # transformers 4.x heads list their keywords: both refuse an unknown one alike
+        for model in (hf, fast):
+            with pytest.raises(TypeError, match="use_cache"):
+                model(ids, attention_mask=mask, labels=labels, use_cache=True)
+        return
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, labels=labels, use_cache=True)
+        out = fast(ids, attention_mask=mask, labels=labels, use_cache=True)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_use_cache_is_ignored_from_keyword_and_config():
+    config = tiny_config(use_cache=True)
+    hf, fast = pair(config)
+    ids, mask = inputs(config)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, use_cache=True).last_hidden_state
+        out = fast(ids, attention_mask=mask, use_cache=True).last_hidden_state
+    torch.testing.assert_close(real(out, mask), real(ref, mask), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("select", [True, False, [0, 2], [2], -1, [1, -3], [7], []])
+def test_output_hidden_states_selects_layers_as_transformers(select):
+    """transformers 5: hidden_states has one entry per state, None where not selected. (4.x reads a
+    list as a truthy flag: we follow 5's meaning there too, documented.)"""
+    hf, fast = pair()
+    ids, mask = inputs(hf.config)
+    with torch.no_grad():
+        full = fast(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        out = fast(ids, attention_mask=mask, output_hidden_states=select).hidden_states
+        ref = hf(ids, attention_mask=mask, output_hidden_states=select).hidden_states
+    n = len(full)
+    if not select:      # False, [] (and 0): no hidden states, as transformers reads a falsy flag
+        assert out is None and ref is None
+        return
+    if select is True:
+        want = set(range(n))
+    else:
+        picks = [select] if isinstance(select, int) else select
+        want = {i % n for i in picks if -n <= i < n}
+    assert len(out) == n and {i for i, h in enumerate(out) if h is not None} == want
+    for i in want:
+        torch.testing.assert_close(real(out[i], mask), real(full[i], mask))
+    if compat.accepts_var_kwargs(transformers.BertModel.forward):    # transformers 5 selects too
+        assert [h is None for h in ref] == [h is None for h in out]
+        for a, b in zip(out, ref):
+            if a is not None:
+                torch.testing.assert_close(real(a, mask), real(b, mask), atol=2e-5, rtol=1e-5)
+
+
+def test_output_attentions_keyword_and_config_give_the_same_error():
+    hf, fast = pair(attn="eager")       # transformers' config refuses output_attentions with sdpa
+    ids, mask = inputs(hf.config)
+    with pytest.raises(ValueError, match="output_attentions") as by_keyword:
+        fast(ids, attention_mask=mask, output_attentions=True)
+    fast.config.output_attentions = True
+    with pytest.raises(ValueError, match="output_attentions") as by_config:
+        fast(ids, attention_mask=mask)
+    assert str(by_keyword.value) == str(by_config.value)
+    fast(ids, attention_mask=mask, output_attentions=False)     # the keyword overrides the config
+
+
+@pytest.mark.parametrize("head_dim", [8, 160])
+def test_head_dims_the_kernels_do_not_cover_run_correctly(head_dim):
+    config = tiny_config(hidden_size=2 * head_dim, num_attention_heads=2)
+    hf, fast = pair(config)
+    ids, mask = inputs(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            ref = hf(ids, attention_mask=mask).last_hidden_state
+            out = fast(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(real(out, mask), real(ref, mask), atol=3e-5, rtol=1e-5)

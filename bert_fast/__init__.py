@@ -10,7 +10,7 @@ importing transformers and triton; ``bert_fast.BertModel`` etc. load on first us
 import importlib
 
 from bert_fast._build_info import build_info
-from bert_fast.compat import check_transformers_floor
+from bert_fast.model.compat import check_transformers_floor
 
 check_transformers_floor()   # a transformers older than setup.py's floor is refused here, by name
 
@@ -19,10 +19,10 @@ __version__ = "0.1.0"
 _SUBMODULES = ("ops", "reference", "testing")
 _LAZY = {
     **{name: f"bert_fast.{name}" for name in _SUBMODULES},
-    "BertModel": "bert_fast.modeling",
-    "optimize": "bert_fast.optimize",
-    "CudaGraphRunner": "bert_fast.cuda_graphs",
-    **{name: "bert_fast.heads" for name in (
+    "BertModel": "bert_fast.model.modeling",
+    "optimize": "bert_fast.model.optimize",
+    "CudaGraphRunner": "bert_fast.model.cuda_graphs",
+    **{name: "bert_fast.model.heads" for name in (
         "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
         "BertForMultipleChoice")},

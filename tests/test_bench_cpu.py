@@ -85,7 +85,7 @@ def test_model_folder_with_onnxruntime(tiny_folder, tmp_path, capsys):
 def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
     """bert_fast-frozen: optimize + BertModel.freeze(), its own parity line and its speedups from the
     same paired rounds; the packed weights really ran; training is not its business."""
-    from bert_fast import frozen
+    from bert_fast.model import frozen
 
     if not frozen.available():
         pytest.skip("no oneDNN linear ops in this torch")
@@ -134,7 +134,7 @@ def test_encode_with_and_without_optimize(tiny_folder, tmp_path, capsys):
     run = json.loads(out_json.read_text())["runs"][0]
     assert run["mode"] == "encode" and run["batch"] == 3 and run["subject"] == "st+optimize"
     res = {r["provider"]: r for r in run["results"]}
-    from bert_fast import frozen
+    from bert_fast.model import frozen
 
     frozen_too = {"st+optimize+freeze"} if frozen.available() else set()
     assert set(res) == {"st+optimize", "sentence-transformers"} | frozen_too

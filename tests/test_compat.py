@@ -1,7 +1,7 @@
-"""bert_fast against the transformers / peft it finds installed (bert_fast/compat.py).
+"""bert_fast against the transformers / peft it finds installed (bert_fast/model/compat.py).
 
 * no private name of transformers, peft, sentence-transformers or accelerate is used outside
-  bert_fast/compat.py (an AST scan, not a string grep: attribute names, getattr strings, imports);
+  bert_fast/model/compat.py (an AST scan, not a string grep: attribute names, getattr strings, imports);
 * every use inside compat works on the installed versions (the mask builder against transformers'
   own attention modules in eager and SDPA form, from 2-D, 3-D and 4-D masks; the hooks it
   understands; FSDP's class swap; peft's LoRA class);
@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 
 import bert_fast
-from bert_fast import compat
+from bert_fast.model import compat
 from bert_fast.testing import pick_test_device
 
 DEVICE = pick_test_device()
@@ -284,7 +284,7 @@ def test_fsdp2_class_swap_is_recognised():
     fsdp = compat._fsdp_module_class()
     if fsdp is None:
         pytest.skip("this torch has no FSDP2")
-    from bert_fast.modeling import BertLayer
+    from bert_fast.model.modeling import BertLayer
 
     swapped = type(f"FSDP{BertLayer.__name__}", (fsdp, BertLayer), {})
     assert compat.base_class(swapped) is BertLayer

@@ -398,9 +398,9 @@ def test_check_walks_every_module_once():
 # ----------------------------------------------------------------------------- inference fast path
 def test_direct_inference_path_equals_custom_ops(monkeypatch):
     """No-grad inference on the torch implementation skips the custom-op plumbing
-    (bert_fast.direct_ops): the same functions, so the same numbers as through the ops."""
+    (bert_fast.model.direct_ops): the same functions, so the same numbers as through the ops."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from bert_fast import direct_ops
+    from bert_fast.model import direct_ops
 
     calls = []
     real = direct_ops.linear
@@ -424,7 +424,7 @@ def test_direct_dense_batch_path(monkeypatch):
     """A dense batch (every sequence full length) takes three QKV GEMMs and strided flash attention
     (direct_ops.dense_self_attention): transformers' numbers, and the custom ops' within fp32 rounding."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from bert_fast import direct_ops
+    from bert_fast.model import direct_ops
 
     calls = []
     real = direct_ops.dense_self_attention

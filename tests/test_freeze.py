@@ -1,4 +1,4 @@
-"""BertModel.freeze() (bert_fast/frozen.py): packed inference weights on the CPU. The frozen model
+"""BertModel.freeze() (bert_fast/model/frozen.py): packed inference weights on the CPU. The frozen model
 must give the unfrozen model's outputs, follow every weight change the packed copies can see, stay
 out of the way where it does not apply (training, gradients, autocast, hooks, LoRA), and never
 reach the state dict."""
@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import bert_fast
-from bert_fast import frozen
+from bert_fast.model import frozen
 
 pytestmark = [pytest.mark.no_kernels("the CPU path (TRITON_INTERPRET=0), not the Triton kernels"),
               pytest.mark.skipif(not frozen.available(), reason="this torch has no oneDNN linear ops")]

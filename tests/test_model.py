@@ -331,14 +331,14 @@ def test_gradient_checkpointing_same_gradients_with_dropout(api, monkeypatch):
     # Count the layer computations themselves, not module calls: transformers >= 5.23 checkpoints
     # `forward` inside `__call__`, so module hooks run once even when the layer is recomputed.
     calls = []
-    layer_forward = bert_fast.modeling._layer_forward
+    layer_forward = bert_fast.model.modeling._layer_forward
 
     def counting_layer_forward(layer, *args):
         if layer is model.bert.encoder.layer[0]:
             calls.append(1)
         return layer_forward(layer, *args)
 
-    monkeypatch.setattr(bert_fast.modeling, "_layer_forward", counting_layer_forward)
+    monkeypatch.setattr(bert_fast.model.modeling, "_layer_forward", counting_layer_forward)
 
     def grads():
         model.zero_grad()
@@ -545,7 +545,7 @@ def test_low_precision_error_within_3x_transformers(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_runner_matches_eager():
-    from bert_fast.cuda_graphs import CudaGraphRunner
+    from bert_fast.model.cuda_graphs import CudaGraphRunner
 
     cfg = make_config(hidden=128, heads=2, layers=2, max_pos=128)
     _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
@@ -564,7 +564,7 @@ def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
     never in the capture), the 1 x 128 bucket of the benchmark; bad ids and shapes raise before
     any replay; every bucket reads one frozen copy of the fused QKV weights, which a weight update
     does not reach until reset() (while eager calls see it at once)."""
-    from bert_fast.cuda_graphs import CudaGraphRunner
+    from bert_fast.model.cuda_graphs import CudaGraphRunner
 
     cfg = make_config(hidden=256, heads=4, layers=2, vocab=500, max_pos=256)
     _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
@@ -611,7 +611,7 @@ def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_graph_runner_on_a_non_current_device():
-    from bert_fast.cuda_graphs import CudaGraphRunner
+    from bert_fast.model.cuda_graphs import CudaGraphRunner
 
     cfg = make_config(hidden=128, heads=2, layers=2, max_pos=128)
     torch.manual_seed(0)

@@ -1,10 +1,10 @@
-"""bert_fast.padding: unpad / pad round trips on any mask pattern, zeros at pads, gradients."""
+"""bert_fast.model.padding: unpad / pad round trips on any mask pattern, zeros at pads, gradients."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bert_fast.padding import pad, unpad
+from bert_fast.model.padding import pad, unpad
 
 pytestmark = pytest.mark.no_kernels("host-side layout helpers")
 

@@ -69,7 +69,7 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
     sentences = case["_sentences"]
     bs = case["encode_batch_size"]
     models, fns, recs = {}, {}, {}
-    from bert_fast import frozen
+    from bert_fast.model import frozen
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(case["dtype"])
     can_freeze = (torch.device(device).type == "cpu" and frozen.available()

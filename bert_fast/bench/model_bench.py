@@ -393,7 +393,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--encode: one sentence per line (default: bert_fast/data/encode_sentences.txt, 200 lines)")
     p.add_argument("--encode-batch", type=_pos_int, default=32, help="--encode: encode()'s batch_size (default: 32)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="infer only: bert_fast through bert_fast.cuda_graphs.CudaGraphRunner, hf-compile "
+                   help="infer only: bert_fast through bert_fast.model.cuda_graphs.CudaGraphRunner, hf-compile "
                         "with mode='reduce-overhead'")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--warmup", type=_nonneg_int, default=None,

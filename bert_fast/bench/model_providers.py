@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-from bert_fast import compat
+from bert_fast.model import compat
 from bert_fast.bench.model_workload import BenchError
 
 
@@ -56,7 +56,7 @@ def bert_fast_model_class():
 
     cls = getattr(bert_fast, "BertModel", None)
     if cls is None:
-        from bert_fast.modeling import BertModel as cls  # noqa: N813
+        from bert_fast.model.modeling import BertModel as cls  # noqa: N813
     return cls
 
 
@@ -216,7 +216,7 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
     elif provider == "bert_fast":
         model = _bert_fast_model(config, state, device, dtype)
     elif provider == "bert_fast-frozen":
-        from bert_fast import frozen
+        from bert_fast.model import frozen
         from bert_fast.bench.timing import ProviderUnavailable
 
         if mode != "infer" or torch.device(device).type != "cpu":
@@ -241,10 +241,10 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
         if torch.device(device).type != "cuda":
             notes.append("--cuda-graphs ignored: CUDA graphs need a CUDA GPU")
         else:
-            from bert_fast.cuda_graphs import CudaGraphRunner
+            from bert_fast.model.cuda_graphs import CudaGraphRunner
 
             runner = CudaGraphRunner(model)
-            notes.append("bert_fast.cuda_graphs.CudaGraphRunner")
+            notes.append("bert_fast.model.cuda_graphs.CudaGraphRunner")
     elif cuda_graphs:
         notes.append("--cuda-graphs applies to bert_fast (CudaGraphRunner) and hf-compile "
                      "(mode='reduce-overhead'); this provider runs eagerly")

@@ -25,7 +25,7 @@ import transformers
 from torch import nn
 from transformers.models.bert import modeling_bert as hf_bert
 
-from bert_fast import compat
+from bert_fast.model import compat
 
 # PEFT's LoRA Linear, run natively when present (None: peft absent or changed, LoRA runs unfused).
 LORA_LINEAR = compat.lora_linear_class()

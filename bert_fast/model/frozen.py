@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from bert_fast import direct_ops
+from bert_fast.model import direct_ops
 from bert_fast.ops import torch_impl
 
 _APPROX = torch_impl._APPROX   # activation name -> F.gelu(approximate=...)
@@ -187,7 +187,7 @@ def entry_for(store: Dict[int, _FrozenLayer], index: int, layer, dtype: torch.dt
 def layer_forward(entry: _FrozenLayer, layer, h: Tensor, batch, heads: int, activation: str) -> Tensor:
     """One BertLayer's inference forward on the packed weights (no dropout: eval only). h: [T, H]
     (varlen) or [B, S, H] (padded), in the entry's dtype. Everything but the GEMMs is the generic
-    inference path's (bert_fast.direct_ops)."""
+    inference path's (bert_fast.model.direct_ops)."""
     d = h.shape[-1] // heads
     qkv = entry.qkv(h)
     if batch.padded:

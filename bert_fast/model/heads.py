@@ -14,7 +14,7 @@ from torch.nn import CrossEntropyLoss
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-from bert_fast.modeling import to_fast_bert
+from bert_fast.model.modeling import to_fast_bert
 
 
 def _fast_head(hf_cls):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from bert_fast.modeling import BertModel, to_fast_bert
+from bert_fast.model.modeling import BertModel, to_fast_bert
 
 
 def optimize(model: torch.nn.Module, padded: bool = False, freeze: bool = False) -> torch.nn.Module:
@@ -15,7 +15,7 @@ def optimize(model: torch.nn.Module, padded: bool = False, freeze: bool = False)
     keeps its state dict, optimizer state and device; only the encoder's forward changes. Returns
     ``model``. Raises TypeError when there is no BertModel inside, ValueError/NotImplementedError for
     configurations bert_fast does not implement (before anything is converted). When the installed
-    transformers builds a BertModel that bert_fast does not recognise (bert_fast/compat.py), the
+    transformers builds a BertModel that bert_fast does not recognise (bert_fast/model/compat.py), the
     model keeps transformers' own forward, with a warning naming the version and the tested range.
 
     ``freeze=True`` also packs the encoders' linear weights for CPU inference
@@ -25,7 +25,7 @@ def optimize(model: torch.nn.Module, padded: bool = False, freeze: bool = False)
     targets = [m for m in model.modules() if type(m) is transformers.BertModel or isinstance(m, BertModel)]
     if not targets:
         raise TypeError(f"{type(model).__name__} contains no transformers.BertModel to optimize")
-    from bert_fast.modeling import check_config
+    from bert_fast.model.modeling import check_config
 
     for m in targets:   # validate all first: never leave a model half converted
         check_config(m.config)

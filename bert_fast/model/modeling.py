@@ -31,10 +31,11 @@ from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttent
                                            BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
 
-from bert_fast import compat, direct_ops, dropin, frozen, ops
-from bert_fast.masks import key_padding_mask
+from bert_fast import ops
+from bert_fast.model import compat, direct_ops, dropin, frozen
+from bert_fast.model.masks import key_padding_mask
 from bert_fast.ops import torch_impl
-from bert_fast.padding import Unpadded, pad, unpad
+from bert_fast.model.padding import Unpadded, pad, unpad
 
 logger = logging.getLogger("bert_fast")
 
@@ -119,10 +120,10 @@ class _Batch:
     # transformers modules that run unfused, where those take **kwargs, as transformers does.
     hf_kwargs: dict = field(default_factory=dict)
     # The ops the layers call: bert_fast.ops (custom ops: autograd, torch.compile), or
-    # bert_fast.direct_ops (the same torch implementation without the custom-op overhead, for
+    # bert_fast.model.direct_ops (the same torch implementation without the custom-op overhead, for
     # inference; see direct_ops.usable).
     ops: object = ops
-    # The model's packed inference weights (bert_fast/frozen.py), when it is frozen and the layers
+    # The model's packed inference weights (bert_fast/model/frozen.py), when it is frozen and the layers
     # run on direct_ops: {layer index: packed layer}.
     frozen: Optional[dict] = None
 
@@ -408,7 +409,7 @@ class BertModel(transformers.BertModel):
         return self
 
     def freeze(self) -> int:
-        """Pack the encoder's linear weights for CPU inference (bert_fast/frozen.py: oneDNN prepacked
+        """Pack the encoder's linear weights for CPU inference (bert_fast/model/frozen.py: oneDNN prepacked
         weights, the QKV weight fused once): no-grad eval forwards on the CPU then run on them.
         float32 or bfloat16 models on the CPU. Returns the bytes the packed copies take. The copies
         follow in-place changes of the parameters (optimizer steps, load_state_dict, ``.to()``)

@@ -164,7 +164,7 @@ setup(
     install_requires=[
         "torch>=2.5",
         "triton>=3.0",
-        "transformers>=4.41.2",   # the floor CI runs (bert_fast/model/compat.py TRANSFORMERS_FLOOR)
+        "transformers>=4.41.2",   # the floor CI runs (bert_fast/versions.py TRANSFORMERS_FLOOR)
         "safetensors>=0.4",
         "numpy",
         "tqdm",

@@ -10,7 +10,7 @@ importing transformers and triton; ``bert_fast.BertModel`` etc. load on first us
 import importlib
 
 from bert_fast._build_info import build_info
-from bert_fast.model.compat import check_transformers_floor
+from bert_fast.versions import check_transformers_floor
 
 check_transformers_floor()   # a transformers older than setup.py's floor is refused here, by name
 

@@ -20,7 +20,7 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 LINEAR_ACTIVATIONS = (None, "gelu", "gelu_tanh")
 
 
-def _apply_dropout(x: torch.Tensor, dropout_p: float, dropout_mask: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_dropout(x: torch.Tensor, dropout_p: float, dropout_mask: Optional[torch.Tensor]) -> torch.Tensor:
     if dropout_mask is None or dropout_p == 0.0:
         return x
     return x * dropout_mask.to(x.dtype) * (1.0 / (1.0 - dropout_p))
@@ -57,14 +57,14 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word_embedding
          + F.embedding(position_ids, position_embeddings)
          + F.embedding(token_type_ids, token_type_embeddings))
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    return _apply_dropout(y, dropout_p, dropout_mask)
+    return apply_dropout(y, dropout_p, dropout_mask)
 
 
 # ----------------------------------------------------------------------------- residual + LN
 def residual_layer_norm(x, residual, weight, bias, eps: float = 1e-12, dropout_p: float = 0.0,
                         dropout_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """LayerNorm(dropout(x) + residual) over the last dimension (BERT's post-LN sublayer end)."""
-    h = _apply_dropout(x, dropout_p, dropout_mask) + residual
+    h = apply_dropout(x, dropout_p, dropout_mask) + residual
     return F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
 
 
@@ -104,7 +104,7 @@ def attention(qkv, attention_mask=None, dropout_p: float = 0.0, softmax_scale: O
     if attention_mask is not None:
         has_key = attention_mask.to(torch.bool).any(dim=-1)[:, None, None, None]
         probs = probs * has_key.to(probs.dtype)
-    probs = _apply_dropout(probs, dropout_p, dropout_mask)
+    probs = apply_dropout(probs, dropout_p, dropout_mask)
     return torch.matmul(probs, v).transpose(1, 2)                  # [B, S, h, d]
 
 

@@ -12,8 +12,6 @@
   gets the documented error, the same from the keyword and from the config.
 """
 import ast
-import functools
-import os
 import re
 import subprocess
 import sys
@@ -26,6 +24,7 @@ import transformers
 from torch import nn
 
 import bert_fast
+from bert_fast import versions
 from bert_fast.model import compat
 from bert_fast.testing import pick_test_device
 
@@ -144,10 +143,10 @@ from transformers.models.bert.modeling_bert import _private_helper
 
 # ----------------------------------------------------------------------------- the floor
 def test_transformers_older_than_the_floor_is_refused_at_import():
-    floor = compat.TRANSFORMERS_FLOOR
+    floor = versions.TRANSFORMERS_FLOOR
     with pytest.raises(ImportError, match=rf"transformers >= {re.escape(floor)}.*4\.30\.0"):
-        compat.check_transformers_floor("4.30.0")
-    compat.check_transformers_floor(compat.TRANSFORMERS_FLOOR)   # the floor itself is fine
+        versions.check_transformers_floor("4.30.0")
+    versions.check_transformers_floor(versions.TRANSFORMERS_FLOOR)   # the floor itself is fine
     code = ("import importlib.metadata as m; real = m.version\n"
             "m.version = lambda p: '4.30.0' if p == 'transformers' else real(p)\n"
             "import bert_fast\n")
@@ -157,7 +156,7 @@ def test_transformers_older_than_the_floor_is_refused_at_import():
 
 def test_setup_py_floor_matches_compat():
     setup = (ROOT / "setup.py").read_text()
-    assert f'"transformers>={compat.TRANSFORMERS_FLOOR}"' in setup
+    assert f'"transformers>={versions.TRANSFORMERS_FLOOR}"' in setup
 
 
 # ----------------------------------------------------------------------------- the mask for unfused pieces
@@ -233,7 +232,7 @@ def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_prob
     hf = transformers.BertModel(config).eval()
     ids, mask = inputs(config)
     version = transformers.__version__
-    with pytest.warns(RuntimeWarning, match=rf"transformers {version}.*tested with {compat.tested_range()}"):
+    with pytest.warns(RuntimeWarning, match=rf"transformers {version}.*tested with {versions.tested_range()}"):
         out_model = bert_fast.optimize(hf)
     assert type(out_model) is transformers.BertModel     # left as it was
     with pytest.warns(RuntimeWarning, match="BertSelfOutput.forward"):

@@ -307,8 +307,8 @@ def _varlen_op(qkv, cu, mx, dout, scale):
 def _reference64(qkv, mask, dout, scale):
     """float64 out and d(qkv) of the padded problem (the materialized formulas, exact in float64)."""
     x = qkv.double()
-    out, _ = torch_impl._materialized_fwd(x, mask, scale)
-    return out, torch_impl._materialized_bwd(dout.double(), x, mask, scale)
+    out, _ = torch_impl.materialized_fwd(x, mask, scale)
+    return out, torch_impl.materialized_bwd(dout.double(), x, mask, scale)
 
 
 # ----------------------------------------------------------------------------- (b) selection + check
@@ -334,8 +334,8 @@ def test_correct_fused_padded_is_checked_then_used(emulate, dtype):
     assert out[2].abs().max() == 0 and dqkv[2].abs().max() == 0
     # against float64: within 2x of the materialized path's own error (+ a rounding floor)
     ref_out, ref_d = _reference64(qkv, mask, dout, scale)
-    m_out, m_lse = torch_impl._materialized_fwd(qkv, mask, scale)
-    m_d = torch_impl._materialized_bwd(dout, qkv, mask, scale)
+    m_out, m_lse = torch_impl.materialized_fwd(qkv, mask, scale)
+    m_d = torch_impl.materialized_bwd(dout, qkv, mask, scale)
     floor = 4 * torch.finfo(dtype).eps
     assert (out.double() - ref_out).abs().max() <= 2 * (m_out.double() - ref_out).abs().max() + floor
     assert (dqkv.double() - ref_d).abs().max() <= 2 * (m_d.double() - ref_d).abs().max() + floor * 4
@@ -355,8 +355,8 @@ def test_correct_fused_varlen_is_checked_then_used(emulate, dtype):
     assert emu.calls["fwd"] == 0 and emu.calls["bwd"] == 0                 # no grouping into padded calls
     assert out.shape == (62, 2, 32) and out.is_contiguous() and out.dtype == dtype
     assert lse.shape == (2, 62) and lse.dtype == torch.float32 and lse.is_contiguous()
-    m_out, m_lse = torch_impl._varlen_fwd_grouped(qkv, cu, mx, 0.0, scale, None)
-    m_d = torch_impl._varlen_bwd_grouped(dout, qkv, cu, mx, m_out, m_lse, 0.0, scale, None)
+    m_out, m_lse = torch_impl.varlen_fwd_grouped(qkv, cu, mx, 0.0, scale, None)
+    m_d = torch_impl.varlen_bwd_grouped(dout, qkv, cu, mx, m_out, m_lse, 0.0, scale, None)
     tol = dict(atol=0.05, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.float(), m_out.float(), **tol)
     torch.testing.assert_close(lse, m_lse, **tol)
@@ -383,8 +383,8 @@ def test_wrong_fused_padded_is_rejected(emulate, fault, direction):
     assert v[("cpu", None, dtype, 32, "padded", direction)] == "materialized"
     assert v[("cpu", None, dtype, 32, "padded", other)] == "fused"
     assert emu.calls[direction] == 1                                       # the check only, never again
-    m_out, m_lse = torch_impl._materialized_fwd(qkv, mask, scale)
-    m_d = torch_impl._materialized_bwd(dout, qkv, mask, scale)
+    m_out, m_lse = torch_impl.materialized_fwd(qkv, mask, scale)
+    m_d = torch_impl.materialized_bwd(dout, qkv, mask, scale)
     if direction == "fwd":
         assert torch.equal(out, m_out.contiguous()) and torch.equal(lse, m_lse.contiguous()) and torch.equal(out2, out)
     else:
@@ -404,11 +404,11 @@ def test_wrong_fused_varlen_is_rejected(emulate, fault, direction):
     assert len(fw) == 1, [str(x.message) for x in fw]
     assert emu.calls["v" + direction] == 1
     assert emu.calls["fwd"] == 0 and emu.calls["bwd"] == 0         # the fallback: materialized groups
-    m_out, m_lse = torch_impl._varlen_fwd_grouped(qkv, cu, mx, 0.0, scale, None)
+    m_out, m_lse = torch_impl.varlen_fwd_grouped(qkv, cu, mx, 0.0, scale, None)
     if direction == "fwd":
         assert torch.equal(out, m_out) and torch.equal(lse, m_lse)
     else:
-        m_d = torch_impl._varlen_bwd_grouped(dout, qkv, cu, mx, out, lse, 0.0, scale, None)
+        m_d = torch_impl.varlen_bwd_grouped(dout, qkv, cu, mx, out, lse, 0.0, scale, None)
         assert torch.equal(dqkv, m_d)
 
 
@@ -419,7 +419,7 @@ def test_exception_at_a_later_call_falls_back(emulate):
     emu.fault, emu.where = "raise", ("fwd",)
     with pytest.warns(fused_sdpa.FusedAttentionWarning, match="at a call"):
         out, lse = torch_impl.attention_fwd(qkv, mask, 0.0, scale, None)
-    assert torch.equal(out, torch_impl._materialized_fwd(qkv, mask, scale)[0].contiguous())
+    assert torch.equal(out, torch_impl.materialized_fwd(qkv, mask, scale)[0].contiguous())
 
 
 def test_ineligible_calls_take_the_materialized_path(emulate):
@@ -456,8 +456,8 @@ def test_dropout_keeps_the_materialized_path(emulate, padded):
         out, lse = torch_impl.attention_fwd(qkv, mask, 0.2, scale, seed)
         dq = torch_impl.attention_bwd(dout, qkv, mask, out, lse, 0.2, scale, seed)
         keep = torch_impl._dropout_mask((3, 2, 33, 33), 0.2, seed, qkv.device)
-        assert torch.equal(out, torch_impl._materialized_fwd(qkv, mask, scale, keep, 0.2)[0].contiguous())
-        assert torch.equal(dq, torch_impl._materialized_bwd(dout, qkv, mask, scale, keep, 0.2))
+        assert torch.equal(out, torch_impl.materialized_fwd(qkv, mask, scale, keep, 0.2)[0].contiguous())
+        assert torch.equal(dq, torch_impl.materialized_bwd(dout, qkv, mask, scale, keep, 0.2))
     else:
         qkv, cu, mx, dout, scale = _varlen_problem(torch.float32)
         out, lse = torch_impl.varlen_attention_fwd(qkv, cu, mx, 0.2, scale, seed)
@@ -476,9 +476,9 @@ def test_fully_masked_rows_backward_whatever_lse(emulate, bad):
     gradients are zeros, never NaN, and the other rows are untouched."""
     emulate(Emu())
     qkv, mask, dout, scale = _padded_problem(torch.float32)
-    out, lse = torch_impl._materialized_fwd(qkv, mask, scale)
+    out, lse = torch_impl.materialized_fwd(qkv, mask, scale)
     lse = lse.contiguous().clone()
     lse[2] = bad
     d = fused_sdpa._padded_bwd_raw(dout, qkv, mask, out, lse, scale)
     assert torch.isfinite(d).all() and d[2].abs().max() == 0
-    torch.testing.assert_close(d, torch_impl._materialized_bwd(dout, qkv, mask, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d, torch_impl.materialized_bwd(dout, qkv, mask, scale), atol=1e-5, rtol=1e-5)

@@ -331,14 +331,14 @@ def test_gradient_checkpointing_same_gradients_with_dropout(api, monkeypatch):
     # Count the layer computations themselves, not module calls: transformers >= 5.23 checkpoints
     # `forward` inside `__call__`, so module hooks run once even when the layer is recomputed.
     calls = []
-    layer_forward = bert_fast.model.modeling._layer_forward
+    layer_forward = bert_fast.model.modeling.layer_forward
 
     def counting_layer_forward(layer, *args):
         if layer is model.bert.encoder.layer[0]:
             calls.append(1)
         return layer_forward(layer, *args)
 
-    monkeypatch.setattr(bert_fast.model.modeling, "_layer_forward", counting_layer_forward)
+    monkeypatch.setattr(bert_fast.model.modeling, "layer_forward", counting_layer_forward)
 
     def grads():
         model.zero_grad()

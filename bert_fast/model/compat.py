@@ -9,7 +9,7 @@ names of those libraries, and ``grep`` proves it (tests/test_compat.py::test_no_
 What bert_fast relies on, and the versions each form was tested on (CI runs the newest releases
 that resolve, and the floor of setup.py; the README's "tested with" line names the exact versions):
 
-transformers (floor TRANSFORMERS_FLOOR; tested 4.41.2 ... 5.24.0)
+transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5.24.0)
   * Module tree of BertModel (modeling_bert): embeddings.{word,position,token_type}_embeddings,
     LayerNorm, dropout; encoder.layer[i].attention.self.{query,key,value,dropout},
     attention.output.{dense,LayerNorm,dropout}, intermediate.{dense,intermediate_act_fn},
@@ -68,51 +68,16 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from importlib import metadata
 from typing import TYPE_CHECKING, Callable, Optional
 
+from bert_fast.versions import CompatibilityError, describe
+
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 # torch and transformers are imported inside the functions: ``import bert_fast`` runs
 # check_transformers_floor() and must stay light (``bert-fast --help`` imports neither).
-
-# The oldest transformers CI runs (setup.py's lower bound) and the newest it ran at this commit.
-TRANSFORMERS_FLOOR = "4.41.2"
-TRANSFORMERS_TESTED = ("4.41.2", "5.24.0")
-PEFT_TESTED = ("0.13.2", "0.21.2")
-
-
-class CompatibilityError(RuntimeError):
-    """An installed library changed something bert_fast depends on."""
-
-
-def installed_version(package: str) -> Optional[str]:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def tested_range(package: str = "transformers") -> str:
-    lo, hi = {"transformers": TRANSFORMERS_TESTED, "peft": PEFT_TESTED}[package]
-    return f"{lo} to {hi}"
-
-
-def describe(package: str = "transformers") -> str:
-    """'transformers 5.24.0 (bert_fast is tested with 4.41.2 to 5.24.0)' for messages."""
-    return f"{package} {installed_version(package)} (bert_fast is tested with {tested_range(package)})"
-
-
-def check_transformers_floor(version: Optional[str] = None) -> None:
-    """Refuse a transformers older than the floor, naming both (called when bert_fast is imported)."""
-    version = installed_version("transformers") if version is None else version
-    from packaging.version import Version   # a dependency of transformers
-
-    if version is not None and Version(version) < Version(TRANSFORMERS_FLOOR):
-        raise ImportError(f"bert_fast needs transformers >= {TRANSFORMERS_FLOOR}, but transformers "
-                          f"{version} is installed: pip install -U 'transformers>={TRANSFORMERS_FLOOR}'")
-
 
 # ----------------------------------------------------------------------------- attention masks
 def attention_implementation(config) -> str:

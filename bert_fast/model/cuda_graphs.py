@@ -13,7 +13,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from bert_fast.model.modeling import BertModel, frozen_qkv
+from bert_fast.model.gemms import frozen_qkv
+from bert_fast.model.modeling import BertModel
 from bert_fast.ops.embedding import check_index_ranges
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)

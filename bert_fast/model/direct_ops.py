@@ -9,7 +9,7 @@ implementation functions (bert_fast.ops.torch_impl) directly: same code, same nu
 checks the two paths agree bit for bit), minus the overhead. Dropout is never on here (eval only).
 
 The object mirrors the subset of ``bert_fast.ops`` the model uses, so a layer runs unchanged on
-either (``modeling._layer_forward(..., o=ops or direct_ops)``).
+either (``layer.layer_forward`` with ``batch.ops`` = bert_fast.ops or direct_ops).
 """
 from __future__ import annotations
 

@@ -29,10 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from bert_fast.model import direct_ops
-from bert_fast.ops import torch_impl
-
-_APPROX = torch_impl._APPROX   # activation name -> F.gelu(approximate=...)
+from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 _DTYPES = (torch.float32, torch.bfloat16)
 
 # model -> {layer index: _FrozenLayer}; weak keys: a model that goes away takes its copies along
@@ -78,7 +75,7 @@ class _PackedLinear:
             y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight, self.bias, "none", [], "")
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight, self.bias, "gelu", [],
-                                                   _APPROX[activation])
+                                                   GELU_APPROXIMATE[activation])
         return y.view(*x.shape[:-1], self.n)
 
 
@@ -101,6 +98,8 @@ def _stamp(tensors) -> Tuple:
 
 
 class _FrozenLayer:
+    """One layer's packed weights: a GEMM set for layer.layer_forward (see gemms.py): ``qkv``,
+    ``out``, ``up`` (GELU fused) and ``down`` are callables ``(x, activation=None) -> y``."""
     __slots__ = ("sources", "stamp", "dtype", "qkv", "out", "up", "down")
 
     def __init__(self, linears, dtype: torch.dtype):
@@ -124,6 +123,11 @@ class _FrozenLayer:
     @property
     def nbytes(self) -> int:
         return self.qkv.nbytes + self.out.nbytes + self.up.nbytes + self.down.nbytes
+
+    def separate_qkv(self):
+        """None: the packed QKV weight is one fused GEMM (the dense three-GEMM path is for the
+        unpacked weights, whose concatenation it avoids)."""
+        return None
 
 
 def _plain(linears) -> bool:
@@ -182,21 +186,3 @@ def entry_for(store: Dict[int, _FrozenLayer], index: int, layer, dtype: torch.dt
         return None
     entry = store[index] = _FrozenLayer(linears, dtype)
     return entry
-
-
-def layer_forward(entry: _FrozenLayer, layer, h: Tensor, batch, heads: int, activation: str) -> Tensor:
-    """One BertLayer's inference forward on the packed weights (no dropout: eval only). h: [T, H]
-    (varlen) or [B, S, H] (padded), in the entry's dtype. Everything but the GEMMs is the generic
-    inference path's (bert_fast.model.direct_ops)."""
-    d = h.shape[-1] // heads
-    qkv = entry.qkv(h)
-    if batch.padded:
-        ctx = direct_ops.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, d), batch.mask)
-    else:
-        u = batch.unpadded
-        ctx = direct_ops.varlen_attention(qkv.view(-1, 3, heads, d), u.cu_seqlens, u.max_seqlen)
-    ln1, ln2 = layer.attention.output.LayerNorm, layer.output.LayerNorm
-    a = entry.out(ctx.reshape(h.shape))
-    h1 = direct_ops.residual_layer_norm(a, h, ln1.weight.to(h.dtype), ln1.bias.to(h.dtype), ln1.eps)
-    y = entry.down(entry.up(h1, activation))
-    return direct_ops.residual_layer_norm(y, h1, ln2.weight.to(h.dtype), ln2.bias.to(h.dtype), ln2.eps)

@@ -20,27 +20,22 @@ kernel and matches transformers at every position, pads included.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional
 
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttentions,
                                            BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
 
-from bert_fast import ops
 from bert_fast.model import compat, direct_ops, dropin, frozen
+from bert_fast.model.gemms import cast
+from bert_fast.model.layer import ACTIVATIONS, Batch, call_hf, embeddings_forward, first, layer_forward
 from bert_fast.model.masks import key_padding_mask
-from bert_fast.ops import torch_impl
-from bert_fast.model.padding import Unpadded, pad, unpad
+from bert_fast.model.padding import pad, unpad
 
 logger = logging.getLogger("bert_fast")
 
-# transformers' hidden_act names -> our fused activation.
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def check_config(config) -> None:
@@ -61,222 +56,6 @@ def check_config(config) -> None:
     # implementation of the same op, with one warning (bert_fast/ops/attention.py).
 
 
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
-_FROZEN_QKV = "_bert_fast_frozen_qkv"    # attribute set on a BertSelfAttention by frozen_qkv()
-
-
-def _cat_qkv(self_attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = (self_attn.query, self_attn.key, self_attn.value)
-    return (torch.cat([_cast(p.weight, dtype) for p in parts]),
-            torch.cat([_cast(p.bias, dtype) for p in parts]))
-
-
-def fused_qkv(self_attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cat(Wq, Wk, Wv) [3H, H] and cat(bq, bk, bv) for one BertSelfAttention, in ``dtype``: built
-    from the current weights at every call, except inside ``frozen_qkv``."""
-    frozen = self_attn.__dict__.get(_FROZEN_QKV)
-    if frozen is None:
-        return _cat_qkv(self_attn, dtype)
-    if dtype not in frozen:
-        with torch.no_grad():
-            frozen[dtype] = _cat_qkv(self_attn, dtype)
-    return frozen[dtype]
-
-
-@contextmanager
-def frozen_qkv(model, store: dict):
-    """Within this block every layer of ``model`` (a BertModel) uses one fused QKV weight per
-    dtype, built at its first use and kept in ``store`` (layer index -> {dtype: (w, b)}) for the
-    next block. A captured CUDA graph reads those tensors by address: the caller keeps ``store``
-    alive as long as the graph, and empties it when the weights change (their values are copied,
-    not tracked)."""
-    layers = [layer.attention.self for layer in model.encoder.layer]
-    for i, self_attn in enumerate(layers):
-        self_attn.__dict__[_FROZEN_QKV] = store.setdefault(i, {})   # not a buffer: never saved
-    try:
-        yield store
-    finally:
-        for self_attn in layers:
-            self_attn.__dict__.pop(_FROZEN_QKV, None)
-
-
-@dataclass
-class _Batch:
-    """What every layer needs to know about the batch layout, and which pieces run unfused."""
-    padded: bool
-    unpadded: Optional[Unpadded]         # varlen path
-    mask: Optional[torch.Tensor]         # padded path: [B, S] key-padding mask
-    batch: int
-    seqlen: int
-    # Exact mode (some piece runs through its module's forward): per layer index, the blocks
-    # ("attention", "attention.self", "attention.output", "intermediate", "output") that do, and
-    # the attention mask in the form transformers' own attention modules take.
-    unfused: Dict[int, FrozenSet[str]] = field(default_factory=dict)
-    hf_mask: Optional[torch.Tensor] = None
-    # Keywords the caller passed down (TransformersKwargs in transformers 5): handed on to the
-    # transformers modules that run unfused, where those take **kwargs, as transformers does.
-    hf_kwargs: dict = field(default_factory=dict)
-    # The ops the layers call: bert_fast.ops (custom ops: autograd, torch.compile), or
-    # bert_fast.model.direct_ops (the same torch implementation without the custom-op overhead, for
-    # inference; see direct_ops.usable).
-    ops: object = ops
-    # The model's packed inference weights (bert_fast/model/frozen.py), when it is frozen and the layers
-    # run on direct_ops: {layer index: packed layer}.
-    frozen: Optional[dict] = None
-
-
-def _lora_delta(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
-    """The LoRA terms of Linear layers as one skinny GEMM pair: returns (u, w_extra) such that
-    u @ w_extra^T = sum_j scaling_j * B_j A_j dropout_j(x) for every output row block. ``terms``:
-    per output block (the query, key and value rows of the fused QKV weight, or a single Linear),
-    (rows, [LoraTerm]).
-
-    u = [A_1 x | A_2 x | ...] is one GEMM for the adapters whose dropout is off (their A's
-    concatenated) plus one per adapter with an active dropout (each draws its own mask, as in
-    peft); w_extra [sum rows, sum r] holds each adapter's scaled B in its block's rows, zeros
-    elsewhere. Returns (None, None) when no term is active."""
-    flat = [(i, t) for i, (_, ts) in enumerate(terms) for t in ts]
-    if not flat:
-        return None, None
-    shared = [(i, t) for i, t in flat if t.dropout is None]
-    own = [(i, t) for i, t in flat if t.dropout is not None]
-    order = shared + own
-    us = []
-    if shared:
-        a = torch.cat([_cast(t.a, dtype) for _, t in shared]) if len(shared) > 1 else _cast(shared[0][1].a, dtype)
-        us.append(o.linear(x, a))
-    for _, t in own:
-        us.append(o.linear(t.dropout(x), _cast(t.a, dtype)))
-    u = torch.cat(us, dim=-1) if len(us) > 1 else us[0]
-    ranks = [t.a.shape[0] for _, t in order]
-    blocks = []
-    for i, (rows, _) in enumerate(terms):
-        row = [(_cast(t.b, dtype) * t.scaling) if owner == i else u.new_zeros((rows, r))
-               for (owner, t), r in zip(order, ranks)]
-        blocks.append(torch.cat(row, dim=1))
-    return u, torch.cat(blocks, dim=0)
-
-
-_APPROX = torch_impl._APPROX   # activation name -> F.gelu(approximate=...)
-
-
-def _plus_lora(y: torch.Tensor, u: torch.Tensor, w_extra: torch.Tensor, activation) -> torch.Tensor:
-    """act(y + u @ w_extra^T): the skinny GEMM accumulates into the base GEMM's output (addmm,
-    beta = 1), so a frozen base weight never gets a weight gradient (folding the LoRA columns into
-    the base GEMM's K would make the whole concatenated weight require one)."""
-    n = y.shape[-1]
-    z = torch.addmm(y.reshape(-1, n), u.reshape(-1, u.shape[-1]).to(y.dtype), w_extra.t().to(y.dtype)).view(y.shape)
-    return z if activation is None else F.gelu(z, approximate=_APPROX[activation])
-
-
-def _linear(x: torch.Tensor, lin: dropin.LinearTerms, dtype: torch.dtype, activation=None, o=ops) -> torch.Tensor:
-    """act(x W^T + b [+ LoRA]); with LoRA the activation follows the low-rank term."""
-    w, b = _cast(lin.weight, dtype), _cast(lin.bias, dtype)
-    u, w_extra = _lora_delta(x, [(w.shape[0], lin.lora)], dtype, o)
-    if u is None:
-        return o.linear(x, w, b, activation=activation)
-    return _plus_lora(o.linear(x, w, b), u, w_extra, activation)
-
-
-def _qkv(self_attn, h: torch.Tensor, dtype: torch.dtype, o=ops) -> torch.Tensor:
-    """The fused QKV projection [.., 3H], LoRA terms of query/key/value included."""
-    wqkv, bqkv = fused_qkv(self_attn, dtype)
-    parts = [dropin.linear_terms(m) for m in (self_attn.query, self_attn.key, self_attn.value)]
-    u, w_extra = _lora_delta(h, [(p.weight.shape[0], p.lora) for p in parts], dtype, o)
-    y = o.linear(h, wqkv, bqkv)
-    return y if u is None else _plus_lora(y, u, w_extra, None)
-
-
-def _first(out):
-    """The hidden states of a transformers block's output (a tensor, or a tuple in 4.x)."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-_VAR_KWARGS: Dict[type, bool] = {}
-
-
-def _call_hf(module, batch: "_Batch", *args, **kwargs):
-    """Call a transformers module that runs unfused as transformers calls it: the caller's
-    forwarded keywords go along where its forward takes **kwargs (transformers 5)."""
-    t = type(module)
-    takes = _VAR_KWARGS.get(t)
-    if takes is None:
-        takes = _VAR_KWARGS[t] = compat.accepts_var_kwargs(t.forward)
-    if takes and batch.hf_kwargs:
-        kwargs = {**batch.hf_kwargs, **kwargs}
-    return module(*args, **kwargs)
-
-
-def _self_attention(sa, h: torch.Tensor, batch: _Batch, dtype: torch.dtype, heads: int,
-                    training: bool) -> torch.Tensor:
-    """Context [.., H] of one BertSelfAttention run by our ops (fused QKV GEMM + flash attention)."""
-    o, u = batch.ops, batch.unpadded
-    hidden = h.shape[-1]
-    if (o is direct_ops and u is not None and h.shape[0] > 0 and u.max_seqlen * u.batch == h.shape[0]
-            and type(sa.query) is type(sa.key) is type(sa.value) is torch.nn.Linear):
-        # Inference on a dense batch (every sequence full length): no QKV weight concatenation.
-        return direct_ops.dense_self_attention(
-            h, _cast(sa.query.weight, dtype), _cast(sa.query.bias, dtype), _cast(sa.key.weight, dtype),
-            _cast(sa.key.bias, dtype), _cast(sa.value.weight, dtype), _cast(sa.value.bias, dtype),
-            u.batch, u.max_seqlen, heads)
-    p_attn = sa.dropout.p if training else 0.0
-    qkv = _qkv(sa, h, dtype, o)
-    if batch.padded:
-        ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
-                          batch.mask, dropout_p=p_attn)
-    else:
-        # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
-        ctx = o.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
-                                 u.max_seqlen, dropout_p=p_attn, validate=False)
-    return ctx.reshape(h.shape)
-
-
-def _layer_forward(layer, h: torch.Tensor, batch: _Batch, config, training: bool) -> torch.Tensor:
-    """One transformers BertLayer, run by our kernels. h: [T, H] (varlen) or [B, S, H] (padded).
-
-    A block listed in ``batch.unfused`` (it holds a hook or a module we cannot reproduce) runs
-    through its own module forward instead, on the same tensors transformers gives it."""
-    dtype = h.dtype
-    heads = config.num_attention_heads
-    unfused = batch.unfused.get(layer.bert_fast_index, frozenset())
-    att = layer.attention
-    o = batch.ops
-    if batch.frozen is not None and o is direct_ops and not unfused:
-        entry = frozen.entry_for(batch.frozen, layer.bert_fast_index, layer, dtype)
-        if entry is not None:
-            return frozen.layer_forward(entry, layer, h, batch, heads, ACTIVATIONS[config.hidden_act])
-
-    if "attention" in unfused:
-        h1 = _cast(_first(_call_hf(att, batch, h, batch.hf_mask)), dtype)
-    else:
-        if "attention.self" in unfused:
-            ctx = _cast(_first(_call_hf(att.self, batch, h, attention_mask=batch.hf_mask)), dtype)
-        else:
-            ctx = _self_attention(att.self, h, batch, dtype, heads, training)
-        if "attention.output" in unfused:
-            h1 = _cast(att.output(ctx, h), dtype)
-        else:
-            so = att.output
-            a = _cast(_linear(ctx, dropin.linear_terms(so.dense), dtype, o=o), dtype)
-            h1 = o.residual_layer_norm(a, h, _cast(so.LayerNorm.weight, dtype), _cast(so.LayerNorm.bias, dtype),
-                                       so.LayerNorm.eps, so.dropout.p if training else 0.0)
-
-    if "intermediate" in unfused:
-        f = _cast(layer.intermediate(h1), dtype)
-    else:
-        f = _linear(h1, dropin.linear_terms(layer.intermediate.dense), dtype,
-                    activation=ACTIVATIONS[config.hidden_act], o=o)
-    if "output" in unfused:
-        return _cast(layer.output(f, h1), dtype)
-    out = layer.output
-    y = _cast(_linear(f, dropin.linear_terms(out.dense), dtype, o=o), dtype)
-    return o.residual_layer_norm(y, h1, _cast(out.LayerNorm.weight, dtype), _cast(out.LayerNorm.bias, dtype),
-                                   out.LayerNorm.eps, out.dropout.p if training else 0.0)
-
-
 class BertLayer(transformers.models.bert.modeling_bert.BertLayer):
     """transformers' BertLayer (same parameters) whose forward is our kernel path.
 
@@ -284,21 +63,21 @@ class BertLayer(transformers.models.bert.modeling_bert.BertLayer):
     hooks (FSDP2's per-layer all-gather, transformers' GradientCheckpointingLayer) keep working.
     """
 
-    def forward(self, hidden_states: torch.Tensor, batch: _Batch, *args, **kwargs) -> torch.Tensor:
-        return _layer_forward(self, hidden_states, batch, self.bert_fast_config, self.training)
+    def forward(self, hidden_states: torch.Tensor, batch: Batch, *args, **kwargs) -> torch.Tensor:
+        return layer_forward(self, self.bert_fast_index, hidden_states, batch, self.bert_fast_config, self.training)
 
 
 class BertEncoder(transformers.models.bert.modeling_bert.BertEncoder):
     """transformers' BertEncoder (class-swapped, same parameters) running our layers, so that hooks
     on the encoder fire as on transformers."""
 
-    def forward(self, hidden_states: torch.Tensor, batch: _Batch, checkpointed: bool = False,
+    def forward(self, hidden_states: torch.Tensor, batch: Batch, checkpointed: bool = False,
                 collect=None) -> BaseModelOutputWithPastAndCrossAttentions:
         h = hidden_states
         for layer in self.layer:
             if not isinstance(layer, BertLayer):
                 # A layer module the user replaced: called as transformers' encoder calls it.
-                h = _cast(_first(_call_hf(layer, batch, h, batch.hf_mask)), h.dtype)
+                h = cast(first(call_hf(layer, batch, h, batch.hf_mask)), h.dtype)
             elif checkpointed:
                 # Dropout seeds come from torch's RNG, which checkpoint restores before recomputing,
                 # so the recomputed masks are the forward's.
@@ -499,20 +278,21 @@ class BertModel(transformers.BertModel):
         embeddings_unfused, unfused = _unfused_blocks(found, len(self.encoder.layer))
         padded = bool(found) or (self.padded if padded is None else bool(padded))
 
-        batch = _Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
+        batch = Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
                        mask=attention_mask if padded else None, batch=b, seqlen=s, unfused=unfused,
                        hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs)
         if embeddings_unfused:
             h = emb(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids,
                     inputs_embeds=inputs_embeds)
         else:
-            h = self._embed(input_ids, inputs_embeds, position_ids, token_type_ids, batch)
+            h = embeddings_forward(emb, input_ids, inputs_embeds, position_ids, token_type_ids, batch,
+                                   self.training)
             if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
                 h.requires_grad_(True)    # what transformers' enable_input_require_grads hook does
         # The residual stream stays in the parameters' dtype, as on transformers: under autocast
         # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
         # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
-        h = _cast(h, emb.word_embeddings.weight.dtype)
+        h = cast(h, emb.word_embeddings.weight.dtype)
         if found:
             batch.hf_mask = compat.attention_mask_for_modules(attention_mask, h.dtype, config)
         if not found and direct_ops.usable(h, self.training):
@@ -536,7 +316,7 @@ class BertModel(transformers.BertModel):
             h = self.encoder(h, batch, checkpointed=encoder_ckpt,
                              collect=collect if selected is not None else None).last_hidden_state
         else:   # a user's own encoder class (reported by unfused_pieces): called as transformers does
-            h = _first(_call_hf(self.encoder, batch, h, attention_mask=batch.hf_mask))
+            h = first(call_hf(self.encoder, batch, h, attention_mask=batch.hf_mask))
             h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h
 
         last = to_bsh(h)
@@ -549,29 +329,6 @@ class BertModel(transformers.BertModel):
             return tuple(v for v in (last, pooled, hidden_states) if v is not None)
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=last, pooler_output=pooled, hidden_states=hidden_states)
-
-    def _embed(self, input_ids, inputs_embeds, position_ids, token_type_ids, batch: _Batch) -> torch.Tensor:
-        """Embedding sum + LayerNorm + dropout, for the real tokens only on the varlen path."""
-        emb = self.embeddings
-        p = emb.dropout.p if self.training else 0.0
-        indices = None if batch.padded else batch.unpadded.indices
-        if inputs_embeds is None:
-            return ops.embedding_layer_norm(
-                input_ids, position_ids, token_type_ids, emb.word_embeddings.weight,
-                emb.position_embeddings.weight, emb.token_type_embeddings.weight, emb.LayerNorm.weight,
-                emb.LayerNorm.bias, eps=emb.LayerNorm.eps, dropout_p=p,
-                padding_idx=emb.word_embeddings.padding_idx, indices=indices)
-        # inputs_embeds: the word vectors are given, so only positions and token types are looked up.
-        b, s = inputs_embeds.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(s, device=inputs_embeds.device).expand(b, s)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros((b, s), dtype=torch.long, device=inputs_embeds.device)
-        x = inputs_embeds + emb.position_embeddings(position_ids) + emb.token_type_embeddings(token_type_ids)
-        if indices is not None:
-            x = x.reshape(b * s, -1).index_select(0, indices)
-        x = emb.LayerNorm(x)
-        return F.dropout(x, p=p, training=self.training)
 
 
 def to_fast_bert(module: transformers.BertModel, padded: bool = False) -> transformers.BertModel:

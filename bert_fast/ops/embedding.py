@@ -142,7 +142,7 @@ def _kernel_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor
 def _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table):
     """(x, |x| terms, ids, position ids, type ids): the embedding sum recomputed in fp32 (float64 for
     float64) and the sum of its terms' magnitudes, [rows, H]."""
-    ids, pos, tt = torch_impl._embedding_rows(input_ids, position_ids, token_type_ids, indices)
+    ids, pos, tt = torch_impl.embedding_rows(input_ids, position_ids, token_type_ids, indices)
     rows = ids.numel()
     if pos is None:                 # rows in order: position = row % S
         pos = torch.arange(rows, device=ids.device) % max(1, input_ids.shape[-1])

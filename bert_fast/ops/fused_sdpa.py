@@ -53,6 +53,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from bert_fast.ops import _verify, attention_bounds
+
 __all__ = ["FusedAttentionWarning", "padded_fwd", "padded_bwd", "varlen_fwd", "varlen_bwd", "reset", "verdicts"]
 
 # The aten ops, looked up at call time through these names (tests substitute CPU emulations).
@@ -309,69 +311,73 @@ def _problem(qkv: Tensor, padded: bool):
     return x, None, cu, s, dout, scale
 
 
-def _compare(direction: str, x, mask, cu, s, dout, scale, fused, ref) -> Optional[str]:
+def _compare(direction: str, x, mask, cu, s, dout, scale, fused, ref, ti) -> Optional[str]:
     """_verify.compare with the attention op's own checks, computed on CPU copies (the bounds of the
     backward run the torch implementation, which must not be the path under check)."""
-    import importlib
-    from bert_fast.ops import _verify
-    attn_mod = importlib.import_module("bert_fast.ops.attention")   # (bert_fast.ops.attention is a function)
     cpu = lambda t: None if t is None else t.detach().cpu()
     fused = tuple(cpu(t) for t in fused) if isinstance(fused, tuple) else cpu(fused)
     ref = tuple(cpu(t) for t in ref) if isinstance(ref, tuple) else cpu(ref)
     _SUSPENDED.on = True
     try:
         if direction == "fwd":
-            checks = attn_mod._fwd_checks(cpu(x), cpu(cu), cpu(mask), s, 0.0, scale, fused, ref)
+            checks = attention_bounds.fwd_checks(cpu(x), cpu(cu), cpu(mask), s, 0.0, scale, fused, ref)
         else:
-            checks = attn_mod._bwd_checks(cpu(dout), cpu(x), cpu(cu), s if cu is not None else None, cpu(mask), s,
-                                          0.0, scale, fused, ref)
+            pt = (ti.attention_fwd, ti.attention_bwd, ti.varlen_attention_fwd, ti.varlen_attention_bwd)
+            checks = attention_bounds.bwd_checks(cpu(dout), cpu(x), cpu(cu), s if cu is not None else None,
+                                                 cpu(mask), s, 0.0, scale, fused, ref, pt)
     finally:
         _SUSPENDED.on = False
     reason, _worst = _verify.compare(checks, x.dtype, x.device)
     return reason
 
 
-def _check(qkv: Tensor, layout: str, direction: str) -> Optional[str]:
-    from bert_fast.ops import torch_impl as ti
+def _check(qkv: Tensor, layout: str, direction: str, ti) -> Optional[str]:
     padded = layout == "padded"
     x, mask, cu, s, dout, scale = _problem(qkv, padded)
     if padded:
-        ref_fwd = ti._materialized_fwd(x, mask, scale)
+        ref_fwd = ti.materialized_fwd(x, mask, scale)
         ref_fwd = (ref_fwd[0].contiguous(), ref_fwd[1].contiguous())
         if direction == "fwd":
-            return _compare("fwd", x, mask, None, s, None, scale, _padded_fwd_raw(x, mask, scale), ref_fwd)
+            return _compare("fwd", x, mask, None, s, None, scale, _padded_fwd_raw(x, mask, scale), ref_fwd, ti)
         fused = _padded_bwd_raw(dout, x, mask, ref_fwd[0], ref_fwd[1], scale)
-        return _compare("bwd", x, mask, None, s, dout, scale, fused, ti._materialized_bwd(dout, x, mask, scale))
-    ref_fwd = ti._varlen_fwd_grouped(x, cu, s, 0.0, scale, None)
+        return _compare("bwd", x, mask, None, s, dout, scale, fused, ti.materialized_bwd(dout, x, mask, scale), ti)
+    ref_fwd = ti.varlen_fwd_grouped(x, cu, s, 0.0, scale, None)
     if direction == "fwd":
-        return _compare("fwd", x, None, cu, s, None, scale, _varlen_fwd_raw(x, cu, s, scale), ref_fwd)
+        return _compare("fwd", x, None, cu, s, None, scale, _varlen_fwd_raw(x, cu, s, scale), ref_fwd, ti)
     fused = _varlen_bwd_raw(dout, x, cu, s, ref_fwd[0], ref_fwd[1], scale)
-    ref = ti._varlen_bwd_grouped(dout, x, cu, s, ref_fwd[0], ref_fwd[1], 0.0, scale, None)
-    return _compare("bwd", x, None, cu, s, dout, scale, fused, ref)
+    ref = ti.varlen_bwd_grouped(dout, x, cu, s, ref_fwd[0], ref_fwd[1], 0.0, scale, None)
+    return _compare("bwd", x, None, cu, s, dout, scale, fused, ref, ti)
 
 
 # ----------------------------------------------------------------------------- entry points
-def padded_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float) -> Optional[Tuple[Tensor, Tensor]]:
+# Each takes ``ti``: the torch implementation its first-use check compares with, i.e. the module
+# bert_fast.ops.torch_impl, which calls these (so this module cannot import it). Used from it:
+# materialized_fwd/bwd and varlen_fwd/bwd_grouped (the references), and attention_fwd/bwd and
+# varlen_attention_fwd/bwd (P^T x in the backward's bounds). Read at call time: a test that
+# wraps one of them sees it wrapped.
+def padded_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float,
+               ti) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) of the fused kernel, or None: the caller runs the materialized path."""
     key = _key(qkv, "padded", "fwd")
-    return _run(key, qkv, lambda: _check(qkv, "padded", "fwd"), lambda: _padded_fwd_raw(qkv, key_mask, scale))
+    return _run(key, qkv, lambda: _check(qkv, "padded", "fwd", ti), lambda: _padded_fwd_raw(qkv, key_mask, scale))
 
 
 def padded_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-               scale: float) -> Optional[Tensor]:
+               scale: float, ti) -> Optional[Tensor]:
     key = _key(qkv, "padded", "bwd")
-    return _run(key, qkv, lambda: _check(qkv, "padded", "bwd"),
+    return _run(key, qkv, lambda: _check(qkv, "padded", "bwd", ti),
                 lambda: _padded_bwd_raw(dout, qkv, key_mask, out, lse, scale))
 
 
-def varlen_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Optional[Tuple[Tensor, Tensor]]:
+def varlen_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float,
+               ti) -> Optional[Tuple[Tensor, Tensor]]:
     key = _key(qkv, "varlen", "fwd")
-    return _run(key, qkv, lambda: _check(qkv, "varlen", "fwd"),
+    return _run(key, qkv, lambda: _check(qkv, "varlen", "fwd", ti),
                 lambda: _varlen_fwd_raw(qkv, cu_seqlens, max_seqlen, scale))
 
 
 def varlen_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor, lse: Tensor,
-               scale: float) -> Optional[Tensor]:
+               scale: float, ti) -> Optional[Tensor]:
     key = _key(qkv, "varlen", "bwd")
-    return _run(key, qkv, lambda: _check(qkv, "varlen", "bwd"),
+    return _run(key, qkv, lambda: _check(qkv, "varlen", "bwd", ti),
                 lambda: _varlen_bwd_raw(dout, qkv, cu_seqlens, max_seqlen, out, lse, scale))

@@ -68,7 +68,6 @@ __all__ = ["linear"]
 
 _DTYPES = _dispatch.FLOAT_DTYPES + (torch.float64,)
 _ACTIVATIONS = {None: "none", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
-_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
 BACKENDS = ("triton", "cublas", "torch", "reference")
 _ENV = "BERT_FAST_LINEAR_BACKEND"
 DISPATCH_TABLE = Path(__file__).resolve().parent.parent / "data" / "linear_dispatch.json"
@@ -286,12 +285,12 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: st
         else:   # cuBLAS GEMM, then our bias+GELU kernel (checked as the bias_gelu op)
             from bert_fast.ops.bias_gelu import verified_fwd
             z = torch.mm(x, weight.t())
-            y = verified_fwd(z, _bias_or_zeros(bias, weight.shape[0], z), _APPROX[act])
+            y = verified_fwd(z, _bias_or_zeros(bias, weight.shape[0], z), torch_impl.GELU_APPROXIMATE[act])
     elif backend == "torch":
         y, z = torch_impl.linear_fwd(x, weight, bias, act, keep_z)
     else:   # reference
         z = F.linear(x, weight, bias)
-        y = z if act is None else F.gelu(z, approximate=_APPROX[act])
+        y = z if act is None else F.gelu(z, approximate=torch_impl.GELU_APPROXIMATE[act])
         y = y.contiguous()
         z = z.contiguous() if act is not None else None
     if not keep_z or z is None:
@@ -358,13 +357,13 @@ def _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, 
     db = None
     if act is not None and fwd_backend == "cublas":
         from bert_fast.kernels.bias_gelu import bias_gelu_bwd
-        dz, db = bias_gelu_bwd(dy, z, _bias_or_zeros(bias, n, dy), _APPROX[act])
+        dz, db = bias_gelu_bwd(dy, z, _bias_or_zeros(bias, n, dy), torch_impl.GELU_APPROXIMATE[act])
     elif fwd_backend == "triton" or (act is None and bwd_backend == "triton"):
         from bert_fast.kernels.linear import linear_bwd_dz
         dz, db = linear_bwd_dz(dy, z if act is not None else None, act, need_dz=need_dz,
                                need_db=need_db)
     else:   # torch / reference (and plain cuBLAS: dz is dy)
-        dz = dy if act is None else torch.ops.aten.gelu_backward(dy, z, approximate=_APPROX[act])
+        dz = dy if act is None else torch.ops.aten.gelu_backward(dy, z, approximate=torch_impl.GELU_APPROXIMATE[act])
         if need_db:
             db = dz.sum(0, dtype=torch.float64 if dz.dtype == torch.float64 else torch.float32)
     # 2. dX = dZ @ W, dW = dZ^T @ X (dZ^T read by strides, never copied)
@@ -437,7 +436,7 @@ def backend(device, dtype) -> str:
     impl = _dispatch.implementation_for(device, dtype, uses_dot=True)
     kernel = "Triton or cuBLAS (auto, per shape)" if device.type == "cuda" else "Triton"
     fused = " (no-grad: oneDNN fused GELU)" if (
-        device.type == "cpu" and dtype == torch.bfloat16 and torch_impl._onednn_bf16()) else ""
+        device.type == "cpu" and dtype == torch.bfloat16 and torch_impl.onednn_bf16()) else ""
     return _dispatch.describe(impl, device, f"F.linear + aten GELU{fused}", kernel)
 
 

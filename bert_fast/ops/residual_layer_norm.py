@@ -149,7 +149,7 @@ def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: T
     if impl == "torch":
         return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed)
     y, mask = _reference_forward(x, residual, weight, bias, eps, dropout_p, seed)
-    h = reference._apply_dropout(x, dropout_p, mask) + residual
+    h = reference.apply_dropout(x, dropout_p, mask) + residual
     h = h.to(_stat_dtype(x.dtype))
     mean = h.mean(dim=-1)
     rstd = torch.rsqrt(h.var(dim=-1, unbiased=False) + eps)
@@ -193,11 +193,11 @@ def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Ten
     # h recomputed from x, residual and the seed's mask. (torch.autograd.grad records nothing here: a
     # custom op's implementation runs below the Autograd key; torch.func.vjp trips opcheck.)
     mask = _dispatch.reference_dropout_mask(x.shape, dropout_p, seed, x.device)
-    h = reference._apply_dropout(x, dropout_p, mask) + residual
+    h = reference.apply_dropout(x, dropout_p, mask) + residual
     n = [x.shape[-1]]
     _, mean_r, rstd_r = torch.ops.aten.native_layer_norm(h, n, weight, bias, eps)
     dres, dw, db = torch.ops.aten.native_layer_norm_backward(dy, h, n, mean_r, rstd_r, weight, bias, [True, True, True])
-    dx = reference._apply_dropout(dres, dropout_p, mask) if mask is not None else dres.clone()
+    dx = reference.apply_dropout(dres, dropout_p, mask) if mask is not None else dres.clone()
     grads = (dx, dres, dw, db)
     return tuple(g.contiguous() for g in grads)
 

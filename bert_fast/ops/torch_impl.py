@@ -53,6 +53,7 @@ What each op does (and why; figures in NOTES.md):
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -68,7 +69,10 @@ __all__ = [
     "embedding_fwd", "embedding_bwd",
 ]
 
-_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+# This module, handed to fused_sdpa's entry points: their first-use check compares with its
+# attention functions (fused_sdpa cannot import this module, which imports it).
+_THIS_MODULE = sys.modules[__name__]
 # In-place GELU through its C binding: torch.ops.aten.gelu_ goes through the Python op dispatcher
 # (~10 us a call measured, against ~1 us), which is a visible share of a batch-1 forward.
 _gelu_ = getattr(torch._C._nn, "gelu_", None) or torch.ops.aten.gelu_
@@ -92,7 +96,7 @@ def _dropout_mask(shape, dropout_p: float, seed: Optional[Tensor], device,
 
 # ----------------------------------------------------------------------------- linear
 @functools.lru_cache(maxsize=None)
-def _onednn_bf16() -> bool:
+def onednn_bf16() -> bool:
     """oneDNN's fused linear + GELU is there and has a bf16 kernel on this CPU."""
     try:
         return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -103,7 +107,7 @@ def _onednn_bf16() -> bool:
 
 def _fused_gelu_ok(x: Tensor, weight: Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] > 0
-            and weight.is_contiguous() and _onednn_bf16())
+            and weight.is_contiguous() and onednn_bf16())
 
 
 def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
@@ -112,7 +116,7 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Op
     ``save_z`` (the backward's input), else None."""
     if activation is None:
         return F.linear(x, weight, bias), None
-    approx = _APPROX[activation]
+    approx = GELU_APPROXIMATE[activation]
     if not save_z and _fused_gelu_ok(x, weight):
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "gelu", [], approx)
         return y, None
@@ -126,7 +130,7 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, z: Optional[Tensor], activ
                need_dx: bool, need_dw: bool, need_db: bool
                ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dx, dw, db) of linear_fwd (None where not needed); dZ^T is read by strides, never copied."""
-    dz = dy if activation is None else torch.ops.aten.gelu_backward(dy, z, approximate=_APPROX[activation])
+    dz = dy if activation is None else torch.ops.aten.gelu_backward(dy, z, approximate=GELU_APPROXIMATE[activation])
     dx = torch.mm(dz, weight) if need_dx else None
     dw = torch.mm(dz.t(), x) if need_dw else None
     db = dz.sum(0) if need_db else None        # bf16/fp16 sums accumulate in fp32 (opmath)
@@ -340,7 +344,7 @@ def _math_bwd(dout, qkv, key_mask, scale, keep, dropout_p):
     return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
 
 
-def _materialized_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor] = None,
+def materialized_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor] = None,
                       dropout_p: float = 0.0) -> Tuple[Tensor, Tensor]:
     """The materialized path of _attn_fwd (chunked on the CPU): the oracle of fused_sdpa's self-check."""
     chunks = _math_chunks(qkv)
@@ -354,7 +358,7 @@ def _materialized_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, kee
     return out, lse
 
 
-def _materialized_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], scale: float,
+def materialized_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], scale: float,
                       keep: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
     """The materialized backward of _attn_bwd (needs neither out nor lse)."""
     chunks = _math_chunks(qkv)
@@ -378,10 +382,10 @@ def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optio
         out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
         return out.transpose(1, 2), lse          # lse fp32 [B, h, S], strided: callers lay it out
     if fused and fused_sdpa.eligible(qkv, keep is not None):
-        res = fused_sdpa.padded_fwd(qkv, key_mask, scale)
+        res = fused_sdpa.padded_fwd(qkv, key_mask, scale, _THIS_MODULE)
         if res is not None:
             return res
-    return _materialized_fwd(qkv, key_mask, scale, keep, dropout_p)
+    return materialized_fwd(qkv, key_mask, scale, keep, dropout_p)
 
 
 def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
@@ -393,10 +397,10 @@ def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor
                                     attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
         return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
     if fused and fused_sdpa.eligible(qkv, keep is not None):
-        res = fused_sdpa.padded_bwd(dout, qkv, key_mask, out, lse, scale)
+        res = fused_sdpa.padded_bwd(dout, qkv, key_mask, out, lse, scale, _THIS_MODULE)
         if res is not None:
             return res
-    return _materialized_bwd(dout, qkv, key_mask, scale, keep, dropout_p)
+    return materialized_bwd(dout, qkv, key_mask, scale, keep, dropout_p)
 
 
 # ----------------------------------------------------------------------------- padded attention
@@ -536,13 +540,13 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
     keep = _dropout_mask((cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed,
                          qkv.device, keep)
     if fused_sdpa.eligible(qkv, keep is not None):
-        res = fused_sdpa.varlen_fwd(qkv, cu_seqlens, max_seqlen, softmax_scale)
+        res = fused_sdpa.varlen_fwd(qkv, cu_seqlens, max_seqlen, softmax_scale, _THIS_MODULE)
         if res is not None:
             return res
-    return _varlen_fwd_grouped(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, keep)
+    return varlen_fwd_grouped(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, keep)
 
 
-def _varlen_fwd_grouped(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
+def varlen_fwd_grouped(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
                         softmax_scale: float, keep: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """The grouped varlen forward (``keep``: the [B, h, max, max] keep-mask or None): the flash CPU
     kernel per group on the CPU, else materialized groups (never fused_sdpa's padded call: off the
@@ -569,13 +573,13 @@ def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seql
     keep = _dropout_mask((cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed,
                          qkv.device, keep)
     if fused_sdpa.eligible(qkv, keep is not None):
-        res = fused_sdpa.varlen_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, softmax_scale)
+        res = fused_sdpa.varlen_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, softmax_scale, _THIS_MODULE)
         if res is not None:
             return res
-    return _varlen_bwd_grouped(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, keep)
+    return varlen_bwd_grouped(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, keep)
 
 
-def _varlen_bwd_grouped(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
+def varlen_bwd_grouped(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
                         lse: Tensor, dropout_p: float, softmax_scale: float, keep: Optional[Tensor]) -> Tensor:
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
@@ -600,7 +604,7 @@ def _varlen_bwd_grouped(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqle
 
 
 # ----------------------------------------------------------------------------- embedding
-def _embedding_rows(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
+def embedding_rows(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
                     indices: Optional[Tensor]):
     """(word ids, position ids or None (= broadcast 0..S-1), type ids or None (= 0)) of every output row."""
     ids = input_ids.reshape(-1)
@@ -638,7 +642,7 @@ def embedding_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_
     if rows == 0:
         stats = torch.empty((0,), dtype=_acc(word.dtype), device=word.device)
         return word.new_empty(out_shape), stats, stats.clone()
-    ids, pos, tt = _embedding_rows(input_ids, position_ids, token_type_ids, indices)
+    ids, pos, tt = embedding_rows(input_ids, position_ids, token_type_ids, indices)
     x = _embedding_sum(ids, pos, tt, word, pos_table, type_table, max(1, input_ids.shape[-1]))
     y, mean, rstd = _layer_norm(x, weight, bias, eps)
     keep = _dropout_mask((rows, hidden), dropout_p, seed, word.device, keep)
@@ -681,7 +685,7 @@ def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Te
         return [torch.zeros(shapes[i], dtype=word.dtype, device=word.device) if need[i] else None
                 for i in range(5)]
     seqlen = max(1, input_ids.shape[-1])
-    ids, pos, tt = _embedding_rows(input_ids, position_ids, token_type_ids, indices)
+    ids, pos, tt = embedding_rows(input_ids, position_ids, token_type_ids, indices)
     x = _embedding_sum(ids, pos, tt, word, pos_table, type_table, seqlen)
     dy = grad_out.reshape(rows, hidden)
     keep = _dropout_mask((rows, hidden), dropout_p, seed, word.device, keep)

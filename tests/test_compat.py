@@ -406,3 +406,29 @@ def test_head_dims_the_kernels_do_not_cover_run_correctly(head_dim):
             ref = hf(ids, attention_mask=mask).last_hidden_state
             out = fast(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(real(out, mask), real(ref, mask), atol=3e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_with_an_unfused_piece_matches_transformers():
+    """transformers' own gradient_checkpointing_enable() on a head model, with a hook that makes a
+    block run unfused (its mask is bert_fast's): loss and gradients equal transformers'. On
+    transformers 5.24 this crashed with a TypeError inside forward before compat.py."""
+    config = tiny_config()
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(config)
+    fast = bert_fast.BertForSequenceClassification(config)
+    fast.load_state_dict(hf.state_dict())
+    ids, mask = inputs(config)
+    labels = torch.tensor([0, 1, 0], device=DEVICE)
+    grads = []
+    for model in (hf, fast):
+        model.to(DEVICE).train()
+        model.gradient_checkpointing_enable()
+        model.bert.encoder.layer[1].attention.register_forward_hook(lambda mod, a, o: None)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l_hf, g_hf), (l_fast, g_fast) = grads
+    torch.testing.assert_close(l_fast, l_hf, atol=1e-5, rtol=1e-5)
+    assert g_fast.keys() == g_hf.keys()
+    for name in g_hf:
+        torch.testing.assert_close(g_fast[name], g_hf[name], atol=1e-4, rtol=1e-4, msg=name)

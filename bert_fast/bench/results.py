@@ -1,4 +1,6 @@
-"""JSON results of the benchmarks: environment, ceilings, arguments and every figure.
+"""JSON results of the benchmarks: environment, ceilings, arguments and every figure; the record
+of one provider in a case (new_record, record_failure, take_timings, fill_speedups) and the table
+cells (flags, speedup_text) that ``bert-fast bench``, ``--encode`` and ``bench-ops`` share.
 
 Schema of ``bert-fast bench --json`` (kind "model") and ``bert-fast bench-ops --json`` (kind "ops"):
 
@@ -44,6 +46,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -171,6 +174,46 @@ def _jsonable(obj):
     return str(obj)
 
 
+def run_document(kind: str, device, args, ceilings: Dict[str, Any], notes: List[str]) -> Dict[str, Any]:
+    """The document of a ``bert-fast bench`` / ``bench-ops`` run: every argument of ``args`` (its
+    defaults filled, the device resolved), the thread count and how the timing was done."""
+    from bert_fast.bench.timing import method_description
+
+    arguments = {k: v for k, v in vars(args).items() if k not in ("func", "handler")}
+    arguments["device"] = str(device)
+    doc = new_document(kind, device, arguments, ceilings, notes)
+    doc["threads"] = args.threads
+    doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
+                                       max_rounds=args.max_rounds, target=args.target, budget_s=args.max_seconds,
+                                       flush_l2=getattr(args, "flush_l2", False))
+    return doc
+
+
+def close_document(doc: Dict[str, Any], interrupted: bool, started: float) -> None:
+    """The run's status ("complete" or "interrupted") and its wall time since ``started``
+    (a time.perf_counter() reading)."""
+    doc["status"] = "interrupted" if interrupted else "complete"
+    doc["wall_seconds"] = time.perf_counter() - started
+
+
+def publish(doc: Dict[str, Any], table: Optional[str], notes: List[str], json_path, plot_path, plot,
+            what: str = "figures") -> None:
+    """Print the table and the notes, write the JSON (``json_path``) and the plot (``plot_path``
+    through ``plot(doc, path) -> bool``), each when asked for."""
+    if table is not None:
+        print(table)
+    for n in notes:
+        print(f"note: {n}")
+    if json_path:
+        write_json(json_path, doc)
+        print(f"wrote {json_path}")
+    if plot_path:
+        if plot(doc, plot_path):
+            print(f"wrote {plot_path}")
+        else:
+            print(f"no successful {what} to plot; {plot_path} not written", file=sys.stderr)
+
+
 def write_json(path, doc: Dict[str, Any]) -> None:
     """Write ``doc`` atomically (a partial run never leaves half a file)."""
     path = Path(path)
@@ -182,6 +225,135 @@ def write_json(path, doc: Dict[str, Any]) -> None:
 
 def read_json(path) -> Dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------- one provider's record
+# The figures of a provider's record, None until measured, by kind of document (the schema above).
+RECORD_FIELDS = {
+    "model": ("median_ms", "p20_ms", "p80_ms", "mean_ms", "min_ms", "max_ms", "ci_low_ms", "ci_high_ms", "ci_level",
+              "ci_rel", "converged", "unstable", "threads", "iters", "method", "tokens_per_s", "padded_tokens_per_s",
+              "tflops", "mfu", "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast", "speedup_ci",
+              "speedup_unstable"),
+    "ops": ("median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel", "unstable", "gbs", "tflops",
+            "pct_of_ceiling", "pct_of_ceiling_ci", "ceiling", "ceiling_unstable", "peak_mem_bytes",
+            "speedup_of_bert_fast", "speedup_ci", "speedup_unstable"),
+}
+
+
+def new_record(provider: str, kind: str = "model") -> Dict[str, Any]:
+    """A provider's record in a case of a ``kind`` ("model" or "ops") document: status "ok" and
+    no figure yet (a model record also carries the provider's notes)."""
+    head: Dict[str, Any] = {"provider": provider, "status": "ok", "error": None}
+    if kind == "model":
+        head["notes"] = []
+    return {**head, **dict.fromkeys(RECORD_FIELDS[kind])}
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as a record's "error": its type and message, at most 2000 characters."""
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's type and the first line of its message (for the log on stderr)."""
+    msg = f"{type(exc).__name__}: {exc}"
+    return msg.splitlines()[0] if msg else msg
+
+
+def record_failure(rec: Dict[str, Any], exc: BaseException, *, where: str = "", log: bool = True,
+                   with_traceback: bool = False) -> None:
+    """Mark ``rec``: "skipped" with the first line of the reason when the provider cannot run here
+    (bert_fast.bench.timing.ProviderUnavailable), else "error" with the exception (and its
+    traceback when asked); ``log``: one line on stderr, after ``where`` (a case's name)."""
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    if isinstance(exc, ProviderUnavailable):
+        rec.update(status="skipped", error=(str(exc).splitlines() or ["unavailable"])[0])
+        what = f"skipped: {rec['error']}"
+    else:
+        rec.update(status="error", error=error_text(exc))
+        if with_traceback:
+            import traceback
+
+            rec["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
+                                                                  limit=6))[-3000:]
+        what = f"FAILED: {one_line(exc)}"
+    if log:
+        print(f"  {where}{rec['provider']}: {what}", file=sys.stderr)
+
+
+def take_timings(m, records: Dict[str, Dict[str, Any]], **failure) -> List[str]:
+    """Copy each provider's figures from ``m`` (a bert_fast.bench.timing.Measurement) into its
+    record, keeping the peak memory measured at its first call; a provider ``m`` skipped or that
+    raised while timed goes through record_failure(rec, exc, **failure). Returns the providers timed."""
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    timed = []
+    for provider, rec in records.items():
+        if provider in m.skipped:
+            record_failure(rec, ProviderUnavailable(m.skipped[provider]), **failure)
+        elif provider in m.errors:
+            record_failure(rec, m.errors[provider], **failure)
+        elif provider in m.timings:
+            peak = rec["peak_mem_bytes"]
+            rec.update(m.timings[provider].to_dict())
+            rec["peak_mem_bytes"] = peak
+            timed.append(provider)
+    return timed
+
+
+def fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", frozen: Optional[str] = None) -> None:
+    """speedup_of_bert_fast = provider median / ``subject``'s median (> 1: the subject is faster),
+    with the interval of the paired rounds (bert_fast.bench.timing.Measurement.speedup), in every
+    record of ``case``, and case["speedups"]; with ``frozen`` (a provider's name) also
+    case["speedups_frozen"]: that provider against every other, from the same rounds."""
+    res = case.get("results", [])
+    bf = next((r for r in res if r["provider"] == subject and r["status"] == "ok"), None)
+    for r in res:
+        ok = r["status"] == "ok" and bf is not None and r.get("median_ms") is not None
+        r["speedup_of_bert_fast"] = r["speedup_ci"] = r["speedup_unstable"] = None
+        if not ok:
+            continue
+        if r is bf:
+            r["speedup_of_bert_fast"] = 1.0
+            continue
+        sp = m.speedup(subject, r["provider"]) if m is not None else None
+        if sp is None:
+            continue
+        r["speedup_of_bert_fast"] = sp.value
+        r["speedup_ci"] = [sp.ci_low, sp.ci_high]
+        r["speedup_unstable"] = sp.unstable
+    case["speedups"] = {r["provider"]: r["speedup_of_bert_fast"] for r in res
+                        if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None}
+    frozen_ok = frozen is not None and any(r["provider"] == frozen and r["status"] == "ok" for r in res)
+    if m is not None and frozen_ok and subject != frozen:
+        case["speedups_frozen"] = {}
+        for r in res:
+            if r["provider"] == frozen or r["status"] != "ok" or r.get("median_ms") is None:
+                continue
+            sp = m.speedup(frozen, r["provider"])
+            if sp is not None:
+                case["speedups_frozen"][r["provider"]] = {"value": sp.value, "ci": [sp.ci_low, sp.ci_high],
+                                                          "unstable": sp.unstable}
+
+
+# ----------------------------------------------------------------------------- table cells
+def flags(r: Dict[str, Any]) -> str:
+    """The flags column of a record: "unstable", "unstable speedup", "ceiling unstable"."""
+    out = []
+    if r.get("unstable"):
+        out.append("unstable")
+    if r.get("speedup_unstable"):
+        out.append("unstable speedup")
+    if r.get("ceiling_unstable"):
+        out.append("ceiling unstable")
+    return ", ".join(out)
+
+
+def speedup_text(r: Dict[str, Any]) -> str:
+    """The speedup column of a record: "1.23x (1.20-1.26)", "1.23x" without an interval, "-"."""
+    sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
+    return "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
 
 
 # ----------------------------------------------------------------------------- pytest counts

@@ -331,6 +331,12 @@ class Measurement:
             return None
         return paired_speedup([p[0] for p in pairs], [p[1] for p in pairs], **kw)
 
+    def summary(self, **extra) -> Dict[str, Any]:
+        """How the rounds went (a case's "timing" entry in the results): rounds, why they stopped,
+        seconds, threads, then ``extra``."""
+        return {"rounds": len(self.rounds), "stop_reason": self.stop_reason, "seconds": self.seconds,
+                "threads": self.threads, **extra}
+
 
 def _fns(v) -> List[Callable[[], Any]]:
     return list(v) if isinstance(v, (list, tuple)) else [v]

@@ -1,0 +1,57 @@
+"""Facts about BERT shapes: the presets of known models and the model FLOPs of a forward.
+
+One place for what the benchmark (bert_fast.bench), the training loop (bert_fast.training) and
+``bert-fast doctor`` say about a model's size and work. Plain arithmetic on numbers: this module
+imports neither torch nor transformers, and nothing of bert_fast. ``config`` arguments are any
+object with BertConfig's attribute names (hidden_size, num_hidden_layers, intermediate_size).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+# Known model shapes, as BertConfig keyword arguments.
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                      vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
+    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                       vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
+    # sentence-transformers/all-MiniLM-L6-v2
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+                   vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
+    # the CPU default: small enough that every provider runs in seconds
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+                 vocab_size=1024, max_position_embeddings=512, type_vocab_size=2),
+}
+
+
+def kernel_shape(preset: str) -> Dict[str, int]:
+    """What one layer's kernels see of a preset: hidden, heads, head_dim, ffn (the FFN width) and
+    vocab (``bert-fast doctor`` checks every kernel at these)."""
+    p = PRESETS[preset]
+    return dict(hidden=p["hidden_size"], heads=p["num_attention_heads"],
+                head_dim=p["hidden_size"] // p["num_attention_heads"], ffn=p["intermediate_size"],
+                vocab=p["vocab_size"])
+
+
+def flops_per_token(hidden: int, layers: int, intermediate: int, seq_len: float) -> float:
+    """Model FLOPs of one forward per real token of a sequence of ``seq_len`` real tokens.
+
+        F = L * ( 2 * (4*H^2 + 2*H*I)   # the matmuls: Q, K, V, output projection (4 H x H)
+                                        #   and the two FFN matmuls (H x I, I x H); 2 FLOPs per MAC
+                  + 4 * S * H )         # attention: Q K^T and P V, each 2*S*H per token per layer
+
+    Embeddings (gathers), LayerNorms, softmax, biases and the pooler (one row per sequence) are
+    left out, as in the usual MFU convention. S is the *real* length of the token's sequence:
+    bert_fast skips pads, so pads are no useful work. bert-base at S=128:
+    12 * (2 * 7,077,888 + 4*128*768) = 174,587,904 ~= 174.6 MFLOP/token. Training (forward +
+    backward) counts 3x the forward.
+    """
+    h, i = float(hidden), float(intermediate)
+    return layers * (2.0 * (4.0 * h * h + 2.0 * h * i) + 4.0 * float(seq_len) * h)
+
+
+def step_flops(config, lengths: Sequence[int], mode: str) -> float:
+    """Model FLOPs of one call over a batch with real ``lengths`` (x3 for training)."""
+    total = sum(n * flops_per_token(config.hidden_size, config.num_hidden_layers,
+                                    config.intermediate_size, n) for n in lengths)
+    return total * (3.0 if mode == "train" else 1.0)

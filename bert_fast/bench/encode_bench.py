@@ -17,11 +17,12 @@ Parity: the largest |difference| and the smallest cosine between the two embeddi
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bert_fast.bench.model_workload import BenchError, flops_per_token
+from bert_fast.bench.model_workload import BenchError
+from bert_fast.bench.results import fill_speedups, new_record, record_failure, take_timings
+from bert_fast.model.facts import step_flops
 
 SUBJECT = "st+optimize"
 FROZEN = "st+optimize+freeze"
@@ -63,7 +64,6 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
     import torch
 
     import bert_fast
-    from bert_fast.bench.model_bench import _fill_speedups, _new_record, _one_line
     from bert_fast.bench.timing import measure
 
     sentences = case["_sentences"]
@@ -75,7 +75,7 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
     can_freeze = (torch.device(device).type == "cpu" and frozen.available()
                   and (dtype is None or frozen.dtype_supported(dtype)))
     for provider in (SUBJECT, FROZEN, BASELINE) if can_freeze else (SUBJECT, BASELINE):
-        rec = recs[provider] = _new_record(provider)
+        rec = recs[provider] = new_record(provider)
         case["results"].append(rec)
         try:
             st = _load(case["model"], device)
@@ -91,8 +91,7 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
         except BenchError:
             raise
         except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the other
-            rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
-            print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+            record_failure(rec, exc)
     # real tokens of one call (after the model's own truncation) and their FLOPs
     st = next(iter(models.values()), None)
     if st is not None:
@@ -100,8 +99,7 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
         lens = [len(ids) for ids in st.tokenizer(sentences, truncation=True, max_length=st.max_seq_length)["input_ids"]]
         cfg = st[0].auto_model.config
         case.update(real_tokens=int(sum(lens)), seq=int(max(lens)), max_seq_length=st.max_seq_length,
-                    flops_per_step=float(sum(n * flops_per_token(cfg.hidden_size, cfg.num_hidden_layers,
-                                                                 cfg.intermediate_size, n) for n in lens)),
+                    flops_per_step=float(step_flops(cfg, lens, "infer")),
                     config={k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers",
                                                          "num_attention_heads", "intermediate_size")})
     outs = {}
@@ -110,8 +108,7 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
             with torch.no_grad():
                 outs[provider] = fn().float().cpu()        # first call: warm, and kept for parity
         except Exception as exc:  # noqa: BLE001
-            recs[provider].update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
-            print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+            record_failure(recs[provider], exc)
             fns.pop(provider)
     for key, who in (("parity", SUBJECT), ("parity_frozen", FROZEN)):
         if BASELINE in outs and who in outs:
@@ -122,23 +119,15 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
     if fns:
         m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
                     budget_s=max_seconds, timer=timer, on_round=on_round)
-        case["timing"] = {"rounds": len(m.rounds), "stop_reason": m.stop_reason, "seconds": m.seconds,
-                          "threads": m.threads, "target_rel": target}
+        case["timing"] = m.summary(target_rel=target)
         rate = ceilings.get("matmul_tflops")
-        for provider in fns:
+        for provider in take_timings(m, recs, log=False):
             rec = recs[provider]
-            if provider in m.errors or provider in m.skipped:
-                exc = m.errors.get(provider)
-                rec.update(status="error" if exc else "skipped",
-                           error=f"{type(exc).__name__}: {exc}"[:2000] if exc else m.skipped[provider])
-                continue
-            t = m.timings[provider]
-            rec.update(t.to_dict())
-            sec = t.median_ms * 1e-3
+            sec = rec["median_ms"] * 1e-3
             rec["tokens_per_s"] = case.get("real_tokens", 0) / sec
             rec["padded_tokens_per_s"] = None
             rec["tflops"] = case.get("flops_per_step", 0.0) / sec / 1e12
             rec["mfu"] = rec["tflops"] / rate if rate else None
-        _fill_speedups(case, m, subject=SUBJECT, frozen=FROZEN)
+        fill_speedups(case, m, subject=SUBJECT, frozen=FROZEN)
     models.clear()
     return case

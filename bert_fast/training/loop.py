@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bert_fast.model import compat
-from bert_fast.bench.model_workload import flops_per_token
+from bert_fast.model.facts import flops_per_token
 from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import collator as coll
 from bert_fast.training import data as data_mod

@@ -43,14 +43,12 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from bert_fast.model.facts import kernel_shape
+
 OPS = ("linear", "bias_gelu", "residual_layer_norm", "attention", "embedding")
 DTYPES = ("fp32", "fp16", "bf16")
-SHAPES = {
-    # hidden, heads, head dim, FFN width, vocabulary
-    "minilm": dict(hidden=384, heads=12, head_dim=32, ffn=1536, vocab=30522),
-    "bert-base": dict(hidden=768, heads=12, head_dim=64, ffn=3072, vocab=30522),
-    "bert-large": dict(hidden=1024, heads=16, head_dim=64, ffn=4096, vocab=30522),
-}
+# hidden, heads, head dim, FFN width, vocabulary of the presets the kernels are checked at
+SHAPES = {name: kernel_shape(name) for name in ("minilm", "bert-base", "bert-large")}
 LAYOUTS = ("dense", "varlen")
 # tokens: dense B x S, varlen B sequences of these lengths (max S); the CPU runs small ones
 GPU_TOKENS = {"batch": 8, "seq": 128, "lengths": [128, 97, 64, 33, 120, 7, 77, 1]}
@@ -344,13 +342,9 @@ def kernel_label(op: str, gpu: bool, dtype_name: str = "fp16") -> str:
     name = {"linear": "linear GEMM", "bias_gelu": "bias_gelu", "residual_layer_norm": "residual_layer_norm",
             "attention": "attention"}[op]
     if op == "linear" and gpu:
-        try:
-            import torch
-            from bert_fast.kernels import linear_tma
-            if linear_tma.enabled_for(torch.device("cuda"), _torch_dtype(dtype_name)):
-                name = "linear TMA GEMM"
-        except Exception:  # noqa: BLE001
-            pass
+        from bert_fast.bench.op_backends import gemm_uses_tma
+        if gemm_uses_tma("cuda", _torch_dtype(dtype_name)):
+            name = "linear TMA GEMM"
     return f"{name} (Triton{'' if gpu else ' interpreter'})"
 
 
@@ -607,7 +601,7 @@ def run(args) -> int:
     import torch
 
     import bert_fast
-    from bert_fast.bench.results import environment
+    from bert_fast.bench.results import environment, write_json
 
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if gpu and not torch.cuda.is_available():
@@ -654,7 +648,6 @@ def run(args) -> int:
                   "device": "cuda" if gpu else "cpu", "environment": environment("cuda" if gpu else "cpu"),
                   "checks": results, "summary": counts, "exit_status": status, "note": note,
                   "seconds": round(time.monotonic() - t0, 1)}
-        from bert_fast.bench.results import write_json
         write_json(args.json, report)
         print(f"wrote {args.json}" + ("" if not bad else " (attach it to an issue of the bert_fast project)"))
     if bad:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from bert_fast.bench import timing as _timing
+from bert_fast.bench import timing
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
@@ -60,9 +60,9 @@ def _ceilings(device_str: str, dtype: torch.dtype, n: int, budget_s: float) -> d
     b = torch.randn(n, n, device=device, dtype=torch.float32, generator=g).to(dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     cuda = device.type == "cuda"
-    m = _timing.measure({"copy": lambda: dst.copy_(src), "matmul": lambda: torch.matmul(a, b, out=c)}, device,
-                warmup=3, min_rounds=10 if cuda else _timing.MIN_ROUNDS, max_rounds=200 if cuda else 60,
-                budget_s=budget_s, catch=False)
+    m = timing.measure({"copy": lambda: dst.copy_(src), "matmul": lambda: torch.matmul(a, b, out=c)}, device,
+               warmup=3, min_rounds=10 if cuda else timing.MIN_ROUNDS, max_rounds=200 if cuda else 60,
+               budget_s=budget_s, catch=False)
     copy_work = 2.0 * src.numel() * src.element_size() / 1e9     # GB read + written per call
     del src, dst, a, b, c
     if cuda:

@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-
-from bert_fast.bench.model_providers import (_hidden, _make_optimizer, bert_fast_model_class,
-                                             build_provider_model, checkpoint_has_weights, make_step,
-                                             reference_state_dict)
-from bert_fast.bench.model_workload import (PRESETS, BenchError, load_config, local_minilm, make_inputs,
-                                            parse_lengths, step_flops)
+from bert_fast.bench.model_providers import (bert_fast_model_class, build_provider_model, checkpoint_has_weights,
+                                             hidden_state, make_optimizer, make_step, reference_state_dict)
+from bert_fast.bench.model_workload import BenchError, load_config, local_minilm, make_inputs, parse_lengths
+from bert_fast.bench.op_backends import cpu_summary
+from bert_fast.bench.results import fill_speedups, flags, new_record, record_failure, speedup_text, take_timings
+from bert_fast.model.facts import PRESETS, step_flops
 
 PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile", "onnxruntime", "bert_fast-frozen")
 FROZEN = "bert_fast-frozen"   # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
@@ -69,20 +69,6 @@ def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
             "ref_max_abs": float(a[m].abs().max()) if diff.numel() else 0.0}
 
 
-def _new_record(provider: str) -> Dict[str, Any]:
-    return {"provider": provider, "status": "ok", "error": None, "notes": [],
-            **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "mean_ms", "min_ms", "max_ms", "ci_low_ms",
-                                 "ci_high_ms", "ci_level", "ci_rel", "converged", "unstable", "threads",
-                                 "iters", "method", "tokens_per_s", "padded_tokens_per_s", "tflops", "mfu",
-                                 "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast", "speedup_ci",
-                                 "speedup_unstable")}}
-
-
-def _one_line(exc: BaseException) -> str:
-    msg = f"{type(exc).__name__}: {exc}"
-    return msg.splitlines()[0] if msg else msg
-
-
 def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, warmup: int, n_inputs: int,
              seed: int, progress: bool, ceilings: Dict[str, Any], min_rounds: int = 6, max_rounds: int = 100,
              target: float = 0.03, max_seconds: Optional[float] = None,
@@ -97,8 +83,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     """
     import torch
 
-    from bert_fast.bench.timing import (ProviderUnavailable, allocated_memory, measure, peak_memory,
-                                        reset_peak_memory, synchronize)
+    from bert_fast.bench.timing import allocated_memory, measure, peak_memory, reset_peak_memory, synchronize
 
     config = case["_config"]
     mode = case["mode"]
@@ -115,7 +100,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     records: Dict[str, Dict[str, Any]] = {}
     try:
         for provider in providers:
-            rec = records[provider] = _new_record(provider)
+            rec = records[provider] = new_record(provider)
             results.append(rec)
             try:
                 if provider in ("bert_fast", FROZEN):
@@ -131,14 +116,14 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                                                             requested, key=case["model"])
                 built[provider] = (model, runner, None)
                 rec["notes"] = notes
-                optimizer = _make_optimizer(model, device) if mode == "train" else None
+                optimizer = make_optimizer(model, device) if mode == "train" else None
                 built[provider] = (model, runner, optimizer)
                 steps = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
                 if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast", "onnxruntime", FROZEN):
                     # the first call, on the first input set, is kept (on the CPU) for the parity check
                     with torch.no_grad():
                         out = runner(**inputs[0])
-                        parity_outs[provider] = _hidden(out).detach().float().cpu()
+                        parity_outs[provider] = hidden_state(out).detach().float().cpu()
                         del out
                 else:
                     steps[0]()
@@ -156,42 +141,23 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                     case["cuda_graphs"] = True
             except BenchError:
                 raise
-            except ProviderUnavailable as exc:
-                rec.update(status="skipped", error=str(exc).splitlines()[0] if str(exc) else "unavailable")
-                print(f"  {provider}: skipped: {rec['error']}", file=sys.stderr)
-                built.pop(provider, None)
             except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others
-                rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
-                print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
+                record_failure(rec, exc)
                 built.pop(provider, None)
             if on_result is not None:
                 on_result()
         if fns:
             m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
                         budget_s=max_seconds, timer=timer, on_round=on_round)
-            case["timing"] = {"rounds": len(m.rounds), "stop_reason": m.stop_reason, "seconds": m.seconds,
-                              "threads": m.threads, "target_rel": target}
-            for provider in fns:
+            case["timing"] = m.summary(target_rel=target)
+            for provider in take_timings(m, records):
                 rec = records[provider]
-                if provider in m.skipped:
-                    rec.update(status="skipped", error=m.skipped[provider])
-                    print(f"  {provider}: skipped: {m.skipped[provider]}", file=sys.stderr)
-                    continue
-                if provider in m.errors:
-                    exc = m.errors[provider]
-                    rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
-                    print(f"  {provider}: FAILED: {_one_line(exc)}", file=sys.stderr)
-                    continue
-                t = m.timings[provider]
-                peak = rec["peak_mem_bytes"]
-                rec.update(t.to_dict())
-                rec["peak_mem_bytes"] = peak
-                sec = t.median_ms * 1e-3
+                sec = rec["median_ms"] * 1e-3
                 rec["tokens_per_s"] = real / sec
                 rec["padded_tokens_per_s"] = case["batch"] * case["seq"] / sec
                 rec["tflops"] = flops / sec / 1e12
                 rec["mfu"] = rec["tflops"] / matmul_rate if matmul_rate else None
-            _fill_speedups(case, m)
+            fill_speedups(case, m, frozen=FROZEN)
     except KeyboardInterrupt:
         for rec in results:
             if rec["status"] == "ok" and rec["median_ms"] is None:
@@ -214,50 +180,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     return case
 
 
-def _fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", frozen: str = FROZEN) -> None:
-    """speedup_of_bert_fast = provider median / bert_fast median (> 1: bert_fast is faster), with the
-    interval of the paired rounds (bert_fast.bench.timing.Measurement.speedup)."""
-    res = case.get("results", [])
-    bf = next((r for r in res if r["provider"] == subject and r["status"] == "ok"), None)
-    for r in res:
-        ok = r["status"] == "ok" and bf is not None and r.get("median_ms") is not None
-        r["speedup_of_bert_fast"] = r["speedup_ci"] = r["speedup_unstable"] = None
-        if not ok:
-            continue
-        if r is bf:
-            r["speedup_of_bert_fast"] = 1.0
-            continue
-        sp = m.speedup(subject, r["provider"]) if m is not None else None
-        if sp is None:
-            continue
-        r["speedup_of_bert_fast"] = sp.value
-        r["speedup_ci"] = [sp.ci_low, sp.ci_high]
-        r["speedup_unstable"] = sp.unstable
-    case["speedups"] = {r["provider"]: r["speedup_of_bert_fast"] for r in res
-                        if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None}
-    # The frozen model (opt-in) against every other provider, from the same paired rounds.
-    frozen_ok = any(r["provider"] == frozen and r["status"] == "ok" for r in res)
-    if m is not None and frozen_ok and subject != frozen:
-        case["speedups_frozen"] = {}
-        for r in res:
-            if r["provider"] == frozen or r["status"] != "ok" or r.get("median_ms") is None:
-                continue
-            sp = m.speedup(frozen, r["provider"])
-            if sp is not None:
-                case["speedups_frozen"][r["provider"]] = {"value": sp.value, "ci": [sp.ci_low, sp.ci_high],
-                                                          "unstable": sp.unstable}
-
-
 # ----------------------------------------------------------------------------- table
-def _flags(r: Dict[str, Any]) -> str:
-    out = []
-    if r.get("unstable"):
-        out.append("unstable")
-    if r.get("speedup_unstable"):
-        out.append("unstable speedup")
-    return ", ".join(out)
-
-
 def _case_label(case: Dict[str, Any]) -> str:
     """"graphs" only where CUDA graphs ran (case["cuda_graphs"]), not where they were asked for."""
     name = case.get("model_name") or case["model"]
@@ -285,8 +208,6 @@ def format_table(doc: Dict[str, Any]) -> str:
                 err = (r.get("error") or "").splitlines()[0][:110] if r.get("error") else ""
                 lines.append(f"{label:<44.44} {r['provider']:<21} {r['status'].upper():>10}  {err}")
                 continue
-            sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
-            sp_text = "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
             mfu = r.get("mfu")
             mem = r.get("peak_mem_mb")
             lines.append(
@@ -295,7 +216,7 @@ def format_table(doc: Dict[str, Any]) -> str:
                 f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
                 f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
                 f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
-                f"{sp_text:>22}  {_flags(r)}".rstrip())
+                f"{speedup_text(r):>22}  {flags(r)}".rstrip())
         for r in case.get("results", []):
             for note in r.get("notes") or []:
                 lines.append(f"  {r['provider']}: {note}")
@@ -443,20 +364,6 @@ def resolve_device(name: Optional[str]):
     return dev
 
 
-def _cpu_ops() -> str:
-    """Which implementation each op runs on CPU fp32 tensors (as `bert-fast info` reports it)."""
-    try:
-        import torch
-
-        import bert_fast
-        from bert_fast.cli import OP_KERNELS, op_backend
-
-        build = bert_fast.build_info()
-        return "; ".join(f"{op}: {op_backend(op, 'cpu', torch.float32, build)}" for op in OP_KERNELS)
-    except Exception as exc:  # noqa: BLE001 - a note must not stop the benchmark
-        return f"per-op implementations unknown: {exc}"
-
-
 def apply_defaults(args) -> Tuple[Any, List[str]]:
     """Fill the device-dependent defaults in ``args``; returns (device, notes)."""
     from bert_fast.bench.timing import fix_threads
@@ -506,7 +413,7 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         notes.append(CPU_NOTE.format(interp=" (TRITON_INTERPRET=1: the Triton kernels through the "
                                             "interpreter, far slower than the CPU path)" if interp else "",
-                                     ops=_cpu_ops(), dtype=args.dtype, threads=args.threads))
+                                     ops=cpu_summary(), dtype=args.dtype, threads=args.threads))
         if args.cuda_graphs:
             notes.append("--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
                          "case is labelled 'graphs'")
@@ -566,9 +473,9 @@ def run(args) -> int:
     import torch
 
     from bert_fast.bench import ceilings as ceil_mod
+    from bert_fast.bench import plots
     from bert_fast.bench.budget import Progress, estimate_case, fmt_duration
-    from bert_fast.bench.results import new_document, write_json
-    from bert_fast.bench.timing import method_description
+    from bert_fast.bench.results import close_document, publish, run_document, write_json
 
     device, notes = apply_defaults(args)
     dtype = ceil_mod.parse_dtype(args.dtype)
@@ -583,12 +490,7 @@ def run(args) -> int:
     ceilings = ceil_mod.measure(device, dtype)
     print(f"  {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
 
-    arguments = {k: v for k, v in vars(args).items() if k not in ("func", "handler")}
-    arguments["device"] = str(device)
-    doc = new_document("model", device, arguments, ceilings, notes)
-    doc["threads"] = args.threads
-    doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
-                                       max_rounds=args.max_rounds, target=args.target, budget_s=args.max_seconds)
+    doc = run_document("model", device, args, ceilings, notes)
     doc["runs"] = cases
     doc["max_minutes"] = args.max_minutes
 
@@ -607,7 +509,7 @@ def run(args) -> int:
             why = (f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
                    f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it")
             case["skipped"] = why
-            case["results"] = [dict(_new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
+            case["results"] = [dict(new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
             print(f"skipping {_case_label(case)}: {why}", file=sys.stderr)
             estimates.append(None)
         else:
@@ -647,22 +549,9 @@ def run(args) -> int:
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)
-    doc["status"] = "interrupted" if interrupted else "complete"
-    doc["wall_seconds"] = time.perf_counter() - t0
+    close_document(doc, interrupted, t0)
     out = public()
-    print(format_table(out))
-    for n in notes:
-        print(f"note: {n}")
-    if args.json:
-        write_json(args.json, out)
-        print(f"wrote {args.json}")
-    if args.plot:
-        from bert_fast.bench.plots import plot_model
-
-        if plot_model(out, args.plot):
-            print(f"wrote {args.plot}")
-        else:
-            print(f"no successful figures to plot; {args.plot} not written", file=sys.stderr)
+    publish(out, format_table(out), notes, args.json, args.plot, plots.plot_model)
     failed = [(c["model"], r["provider"]) for c in cases for r in c["results"] if r["status"] == "error"]
     if interrupted:
         return 130

@@ -122,7 +122,6 @@ def export_onnxruntime(config, state, key) -> tuple:
     do. Once per model and process, into a temporary directory removed at exit.
     Returns (path of the optimized model, {fused op: count})."""
     import torch
-    from transformers import BertModel as HFBertModel
 
     ckey = (key, config.to_json_string())
     if ckey in _ORT_CACHE:
@@ -251,7 +250,8 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
     return model, runner, notes
 
 
-def _hidden(out):
+def hidden_state(out):
+    """The last hidden state of a provider's output (a model output, a tuple or a tensor)."""
     if hasattr(out, "last_hidden_state"):
         return out.last_hidden_state
     if isinstance(out, (tuple, list)):
@@ -283,7 +283,7 @@ def make_step(runner, model, inputs: Dict[str, Any], mode: str, optimizer=None) 
     def train():
         optimizer.zero_grad(set_to_none=True)
         out = runner(**inputs)
-        h = _hidden(out).float()
+        h = hidden_state(out).float()
         loss = (h.square().mean(-1) * mask).sum() / n_real
         pooled = _pooled(out)
         if pooled is not None:
@@ -294,7 +294,8 @@ def make_step(runner, model, inputs: Dict[str, Any], mode: str, optimizer=None) 
     return train
 
 
-def _make_optimizer(model, device):
+def make_optimizer(model, device):
+    """AdamW over the trainable parameters (fused on CUDA where torch has it), for ``--mode train``."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -304,6 +305,3 @@ def _make_optimizer(model, device):
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, lr=1e-5)
-
-
-# ----------------------------------------------------------------------------- running

@@ -12,10 +12,11 @@ import importlib
 import pkgutil
 import sys
 import time
-import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-OP_NAMES = ("embedding", "linear", "bias_gelu", "residual_layer_norm", "attention")
+from bert_fast.bench.op_backends import OP_KERNELS
+from bert_fast.bench.results import fill_speedups, flags, new_record, record_failure, speedup_text, take_timings
+
 CASES_PACKAGE = "bert_fast.bench.op_cases"
 
 
@@ -29,7 +30,7 @@ def discover_modules(ops: Optional[List[str]] = None) -> Tuple[Dict[str, Any], D
     The known ops come first, in data-flow order, then any other module of the package.
     A module that is absent is skipped silently; one that fails to import is reported.
     """
-    names = list(OP_NAMES)
+    names = list(OP_KERNELS)
     try:
         pkg = importlib.import_module(CASES_PACKAGE)
         for info in pkgutil.iter_modules(pkg.__path__):
@@ -85,17 +86,6 @@ def _summ_provider(case, rec, ceilings):
     rec["ceiling_unstable"] = bool(unstable or rec["pct_of_ceiling"] > 100.0)
 
 
-def _flags(r: Dict[str, Any]) -> str:
-    out = []
-    if r.get("unstable"):
-        out.append("unstable")
-    if r.get("speedup_unstable"):
-        out.append("unstable speedup")
-    if r.get("ceiling_unstable"):
-        out.append("ceiling unstable")
-    return ", ".join(out)
-
-
 def format_table(doc: Dict[str, Any]) -> str:
     header = (f"{'case':<50} {'provider':<24} {'median ms':>10} {'95% CI ms':>19} {'p20-p80 ms':>19} {'GB/s':>9} "
               f"{'TFLOP/s':>8} {'% ceiling':>10} {'speedup of bert_fast':>22}  flags")
@@ -111,17 +101,15 @@ def format_table(doc: Dict[str, Any]) -> str:
             tfl = f"{r['tflops']:.2f}" if r.get("tflops") is not None else "-"
             pct = f"{r['pct_of_ceiling']:.1f}%" if r.get("pct_of_ceiling") is not None else "-"
             tag = {"matmul_tflops": " mm", "copy_bandwidth_gbs": " bw"}.get(r.get("ceiling"), "")
-            sp, ci = r.get("speedup_of_bert_fast"), r.get("speedup_ci")
-            sp_text = "-" if sp is None else (f"{sp:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else f"{sp:.2f}x")
             lines.append(f"{name:<50.50} {r['provider']:<24} {r['median_ms']:>10.4f} "
                          f"{r['ci_low_ms']:>9.4f}-{r['ci_high_ms']:<9.4f} "
                          f"{r['p20_ms']:>9.4f}-{r['p80_ms']:<9.4f} {gbs:>9} {tfl:>8} {pct + tag:>10} "
-                         f"{sp_text:>22}  {_flags(r)}".rstrip())
+                         f"{speedup_text(r):>22}  {flags(r)}".rstrip())
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", default=None, help=f"comma-separated subset of the ops ({', '.join(OP_NAMES)})")
+    p.add_argument("--ops", default=None, help=f"comma-separated subset of the ops ({', '.join(OP_KERNELS)})")
     p.add_argument("--providers", default=None, help="comma-separated subset of the providers of each case "
                                                      "(e.g. bert_fast,torch); default: all")
     p.add_argument("--filter", default=None, help="only cases whose name contains this text")
@@ -155,14 +143,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def _record(provider: str) -> Dict[str, Any]:
-    return {"provider": provider, "status": "ok", "error": None,
-            **{k: None for k in ("median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel", "unstable",
-                                 "gbs", "tflops", "pct_of_ceiling", "pct_of_ceiling_ci", "ceiling",
-                                 "ceiling_unstable", "peak_mem_bytes", "speedup_of_bert_fast", "speedup_ci",
-                                 "speedup_unstable")}}
-
-
 def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args, ceilings, timer=None) -> None:
     """Build every provider's input sets (one untimed call each: compile, autotune, and on CUDA the
     peak memory of its inputs plus one call), then time the providers side by side in interleaved
@@ -170,25 +150,16 @@ def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args,
     reason; one that fails is an error; neither stops the others."""
     import torch
 
-    from bert_fast.bench.op_case import ProviderUnavailable
     from bert_fast.bench.timing import allocated_memory, measure, peak_memory, reset_peak_memory, synchronize
 
     fns: Dict[str, List[Any]] = {}
     recs: Dict[str, Dict[str, Any]] = {}
     cuda = device.type == "cuda"
-
-    def fail(rec, exc):
-        if isinstance(exc, ProviderUnavailable):
-            rec.update(status="skipped", error=(str(exc).splitlines() or ["unavailable"])[0])
-            print(f"  {case.name} {rec['provider']}: skipped: {rec['error']}", file=sys.stderr)
-        else:
-            rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000],
-                       traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=6))[-3000:])
-            print(f"  {case.name} {rec['provider']}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+    failure = dict(where=f"{case.name} ", with_traceback=True)
 
     try:
         for provider in providers:
-            rec = recs[provider] = _record(provider)
+            rec = recs[provider] = new_record(provider, "ops")
             entry["results"].append(rec)
             reason = (getattr(case, "unavailable", None) or {}).get(provider)
             if reason:
@@ -207,40 +178,15 @@ def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args,
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # noqa: BLE001
-                fail(rec, exc)
+                record_failure(rec, exc, **failure)
         if not fns:
             return
         m = measure(fns, device, warmup=args.warmup, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
                     target=args.target, budget_s=args.max_seconds, flush_l2=args.flush_l2, timer=timer)
-        entry["timing"] = {"rounds": len(m.rounds), "stop_reason": m.stop_reason, "seconds": m.seconds,
-                           "threads": m.threads}
-        for provider in fns:
-            rec = recs[provider]
-            if provider in m.skipped:
-                fail(rec, ProviderUnavailable(m.skipped[provider]))
-                continue
-            if provider in m.errors:
-                fail(rec, m.errors[provider])
-                continue
-            peak = rec["peak_mem_bytes"]
-            rec.update(m.timings[provider].to_dict())
-            rec["peak_mem_bytes"] = peak
-            _summ_provider(case, rec, ceilings)
-        speedups = {}
-        bf = recs.get("bert_fast")
-        bf_ok = bf is not None and bf["status"] == "ok" and bf["median_ms"] is not None
-        for provider, rec in recs.items():
-            if not bf_ok or rec["status"] != "ok" or rec["median_ms"] is None:
-                continue
-            if provider == "bert_fast":
-                rec["speedup_of_bert_fast"] = 1.0
-                continue
-            sp = m.speedup("bert_fast", provider)
-            if sp is not None:
-                rec.update(speedup_of_bert_fast=sp.value, speedup_ci=[sp.ci_low, sp.ci_high],
-                           speedup_unstable=sp.unstable)
-                speedups[provider] = sp.value
-        entry["speedups"] = speedups
+        entry["timing"] = m.summary()
+        for provider in take_timings(m, recs, **failure):
+            _summ_provider(case, recs[provider], ceilings)
+        fill_speedups(entry, m)
     except KeyboardInterrupt:
         for rec in recs.values():
             if rec["status"] == "ok" and rec["median_ms"] is None:
@@ -254,12 +200,11 @@ def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args,
 
 def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     """``bert-fast bench-ops``. ``modules`` ({op: module with cases()}) replaces discovery (tests)."""
-    import torch
-
     from bert_fast.bench import ceilings as ceil_mod
+    from bert_fast.bench import plots
     from bert_fast.bench.model_bench import BenchError, resolve_device
-    from bert_fast.bench.results import new_document, write_json
-    from bert_fast.bench.timing import fix_threads, method_description
+    from bert_fast.bench.results import close_document, publish, run_document, write_json
+    from bert_fast.bench.timing import fix_threads
 
     try:
         device = resolve_device(args.device)
@@ -302,7 +247,7 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         notes.append(f"op case module {op} failed to import: {err}")
     if not modules:
         msg = (f"no op case modules found in {CASES_PACKAGE} (expected modules named "
-               f"{', '.join(OP_NAMES)}, each with cases(device, dtype)); nothing to benchmark")
+               f"{', '.join(OP_KERNELS)}, each with cases(device, dtype)); nothing to benchmark")
         notes.append(msg)
         print(f"bert-fast bench-ops: {msg}", file=sys.stderr)
 
@@ -310,13 +255,7 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         print(f"note: {n}", file=sys.stderr)
     ceilings = ceil_mod.measure(device, dtype)
     print(f"ceilings on {device}: {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
-    arguments = {k: v for k, v in vars(args).items() if k not in ("func", "handler")}
-    arguments["device"] = str(device)
-    doc = new_document("ops", device, arguments, ceilings, notes)
-    doc["threads"] = args.threads
-    doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
-                                       max_rounds=args.max_rounds, target=args.target,
-                                       budget_s=args.max_seconds, flush_l2=args.flush_l2)
+    doc = run_document("ops", device, args, ceilings, notes)
     doc["import_errors"] = import_errors
     doc["cases"] = out_cases = []
 
@@ -373,7 +312,7 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
             why = skip_why.get(i)
             if why:
                 entry["skipped"] = why
-                entry["results"] = [dict(_record(p), status="skipped", error=f"case {why}")
+                entry["results"] = [dict(new_record(p, "ops"), status="skipped", error=f"case {why}")
                                     for p in case.providers if selected(p)]
                 print(f"skipping {case.name}: {why}", file=sys.stderr)
             else:
@@ -384,22 +323,8 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)
-    doc["status"] = "interrupted" if interrupted else "complete"
-    doc["wall_seconds"] = time.perf_counter() - t0
-    if out_cases:
-        print(format_table(doc))
-    for n in notes:
-        print(f"note: {n}")
-    if args.json:
-        write_json(args.json, doc)
-        print(f"wrote {args.json}")
-    if args.plot:
-        from bert_fast.bench.plots import plot_ops
-
-        if plot_ops(doc, args.plot):
-            print(f"wrote {args.plot}")
-        else:
-            print(f"no successful op figures to plot; {args.plot} not written", file=sys.stderr)
+    close_document(doc, interrupted, t0)
+    publish(doc, format_table(doc) if out_cases else None, notes, args.json, args.plot, plots.plot_ops, "op figures")
     if interrupted:
         return 130
     failed = [c["name"] for c in out_cases for r in c["results"] if r["status"] == "error"]

@@ -21,7 +21,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 PROG = "bert-fast"
 TRAIN_MODULE = "bert_fast.training.cli"
@@ -32,62 +32,12 @@ class CLIError(Exception):
 
 
 # ----------------------------------------------------------------------------- info
-# The ops whose implementation `bert-fast info` reports, each module's ``backend(device, dtype)``.
-OP_KERNELS = ("embedding", "linear", "bias_gelu", "residual_layer_norm", "attention")
-
-
-def op_backend(op: str, device, dtype, build: Optional[dict] = None) -> str:
-    """Which implementation of ``op`` runs for tensors of ``dtype`` on ``device``: the op module's
-    own ``backend(device, dtype)``, which applies bert_fast.ops._dispatch's rule. (``build`` is
-    accepted for the callers' convenience; the modules read the build themselves.)"""
-    import torch
-
-    try:
-        mod = importlib.import_module(f"bert_fast.ops.{op}")
-        return str(mod.backend(torch.device(device), dtype))
-    except Exception as exc:  # noqa: BLE001 - info must print whatever is broken, not die on it
-        return f"error: {type(exc).__name__}: {exc}"
-
-
-def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:
-    """The backend bert_fast.ops.linear picks (auto) for bert-base's GEMMs at M=8192 tokens, when
-    that module exposes choose_backend(x, n, k, activation, direction)."""
-    import torch
-
-    try:
-        mod = importlib.import_module("bert_fast.ops.linear")
-        choose = getattr(mod, "choose_backend")
-    except Exception:  # noqa: BLE001
-        return None
-    h, m = 768, 8192
-    out = {}
-    for name, n, k, act in (("qkv", 3 * h, h, "none"), ("ffn_up+gelu", 4 * h, h, "gelu"),
-                            ("ffn_down", h, 4 * h, "none")):
-        x = torch.empty(1, device=device, dtype=dtype).expand(m, k)   # shape only, no allocation
-        try:
-            out[name] = str(choose(x, n, k, act, "fwd"))
-        except Exception as exc:  # noqa: BLE001
-            out[name] = f"error: {exc}"
-        if out[name] == "triton":   # which Triton GEMM: BERT's rows are 16-byte aligned
-            out[name] += " (TMA)" if _gemm_uses_tma(device, dtype) else " (pointer)"
-    return out
-
-
-def _gemm_uses_tma(device, dtype) -> bool:
-    import torch
-
-    try:
-        from bert_fast.kernels import linear_tma
-        return linear_tma.enabled_for(torch.device(device), dtype)
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def gather_info(device_name: Optional[str] = None) -> dict:
     import torch
 
     import bert_fast
     from bert_fast.bench.model_bench import BenchError, resolve_device
+    from bert_fast.bench.op_backends import OP_KERNELS, linear_dispatch, op_backend
     from bert_fast.bench.results import environment
 
     try:
@@ -187,68 +137,41 @@ def _run_info(args) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- bench, bench-ops
-def _add_bench(sub) -> None:
-    from bert_fast.bench import model_bench
-
-    p = sub.add_parser("bench", help="model benchmark: bert_fast against transformers (eager, sdpa, compile) "
-                                     "and ONNX Runtime",
-                       description=(model_bench.__doc__ or "").strip() + "\n\nWith no options: a default for "
-                       "the device present (bert-base, bf16, B=32, S=128 on CUDA; on the CPU, fp32, bert-base "
-                       "and all-MiniLM-L6-v2 at dense 8x128, ragged 16x256 and 1x128 against transformers SDPA "
-                       "and ONNX Runtime).",
+# ----------------------------------------------------------------------------- bench, bench-ops, doctor
+def _add_module_command(sub, name: str, module: str, user_error: Callable, help: str, description: str = "") -> None:
+    """A subcommand that is a module's ``add_arguments(parser)`` and ``run(args) -> int``: its
+    docstring (then ``description``) is the command's description, and the exception class
+    ``user_error(module)`` is a user error (exit status 2)."""
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help, description=(mod.__doc__ or "").strip() + description,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_bench.add_arguments(p)
-    p.set_defaults(handler=_run_bench)
+    mod.add_arguments(p)
+
+    def handler(args) -> int:
+        try:
+            return mod.run(args)
+        except user_error(mod) as exc:
+            raise CLIError(str(exc)) from None
+    p.set_defaults(handler=handler)
 
 
-def _run_bench(args) -> int:
-    from bert_fast.bench import model_bench
-
-    try:
-        return model_bench.run(args)
-    except model_bench.BenchError as exc:
-        raise CLIError(str(exc)) from None
+def _add_bench(sub) -> None:
+    _add_module_command(sub, "bench", "bert_fast.bench.model_bench", lambda m: m.BenchError,
+                        help="model benchmark: bert_fast against transformers (eager, sdpa, compile) and ONNX Runtime",
+                        description="\n\nWith no options: a default for the device present (bert-base, bf16, B=32, "
+                        "S=128 on CUDA; on the CPU, fp32, bert-base and all-MiniLM-L6-v2 at dense 8x128, ragged "
+                        "16x256 and 1x128 against transformers SDPA and ONNX Runtime).")
 
 
 def _add_bench_ops(sub) -> None:
-    from bert_fast.bench import ops_bench
-
-    p = sub.add_parser("bench-ops", help="per-op benchmark: GB/s or TFLOP/s and %% of measured ceilings",
-                       description=(ops_bench.__doc__ or "").strip(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ops_bench.add_arguments(p)
-    p.set_defaults(handler=_run_bench_ops)
+    _add_module_command(sub, "bench-ops", "bert_fast.bench.ops_bench", lambda m: m.OpsBenchError,
+                        help="per-op benchmark: GB/s or TFLOP/s and %% of measured ceilings")
 
 
-def _run_bench_ops(args) -> int:
-    from bert_fast.bench import ops_bench
-
-    try:
-        return ops_bench.run(args)
-    except ops_bench.OpsBenchError as exc:
-        raise CLIError(str(exc)) from None
-
-
-# ----------------------------------------------------------------------------- doctor
 def _add_doctor(sub) -> None:
-    from bert_fast import doctor
-
-    p = sub.add_parser("doctor", help="check every kernel on this machine against the float64 oracle and "
-                                      "plain torch; --json writes the report to send back",
-                       description=(doctor.__doc__ or "").strip(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    doctor.add_arguments(p)
-    p.set_defaults(handler=_run_doctor)
-
-
-def _run_doctor(args) -> int:
-    from bert_fast import doctor
-
-    try:
-        return doctor.run(args)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    _add_module_command(sub, "doctor", "bert_fast.doctor", lambda m: ValueError,
+                        help="check every kernel on this machine against the float64 oracle and plain torch; "
+                             "--json writes the report to send back")
 
 
 # ----------------------------------------------------------------------------- train (hook)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from bert_fast import cli
-from bert_fast.bench import model_bench, model_providers, model_workload, ops_bench
+from bert_fast.bench import model_bench, model_providers, model_workload, op_backends, ops_bench
 from bert_fast.bench.op_case import OpCase
+from bert_fast.model import facts
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -200,9 +201,57 @@ def test_inputs_never_zero_at_real_tokens():
 
 def test_flops_formula_bert_base():
     cfg = model_workload.load_config("bert-base")
-    per_token = model_workload.step_flops(cfg, [128] * 4, "infer") / (4 * 128)
+    per_token = facts.step_flops(cfg, [128] * 4, "infer") / (4 * 128)
     assert per_token == pytest.approx(174.6e6, rel=1e-3)
-    assert model_workload.step_flops(cfg, [128], "train") == pytest.approx(3 * 128 * per_token)
+    assert per_token == facts.flops_per_token(768, 12, 3072, 128)
+    assert facts.step_flops(cfg, [128], "train") == pytest.approx(3 * 128 * per_token)
+
+
+def test_kernel_shapes_of_the_presets():
+    assert facts.kernel_shape("bert-base") == dict(hidden=768, heads=12, head_dim=64, ffn=3072, vocab=30522)
+    assert facts.kernel_shape("minilm")["head_dim"] == 32 and facts.kernel_shape("bert-large")["heads"] == 16
+
+
+# ----------------------------------------------------------------------------- imports flow one way
+PACKAGE = ROOT / "bert_fast"
+# Underscore names of the ops that doctor still needs (bert_fast.ops has no public name for them yet).
+PRIVATE_ALLOWED = {("bert_fast/doctor.py", "bert_fast.ops", "_dispatch"),
+                   ("bert_fast/doctor.py", "bert_fast.ops.embedding", "_dropout_keep_mask")}
+
+
+def _imports(path):
+    """(module, name) of every `from M import N` and (M, None) of every `import M` in ``path``."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                yield node.module, alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in
+                                        [*(PACKAGE / "bench").rglob("*.py"), PACKAGE / "cli.py",
+                                         PACKAGE / "doctor.py", PACKAGE / "model" / "facts.py"]))
+def test_imports_flow_one_way(path):
+    """cli -> bench, doctor -> model -> ops: the benches and doctor never import the CLI, the model
+    facts import nothing of bert_fast, and no module takes another module's underscore names."""
+    mods = list(_imports(ROOT / path))
+    pulled = {m if n is None else f"{m}.{n}" for m, n in mods}
+    if path != "bert_fast/cli.py":
+        assert not any(p == "bert_fast.cli" or p.startswith("bert_fast.cli.") for p in pulled), path
+    if path == "bert_fast/model/facts.py":
+        assert not any(p.startswith("bert_fast") for p in pulled), pulled
+    private = {(path, m, n) for m, n in mods if m.startswith("bert_fast") and n and n.startswith("_")}
+    assert private <= PRIVATE_ALLOWED, private - PRIVATE_ALLOWED
+
+
+def test_model_facts_import_neither_torch_nor_transformers():
+    code = "import sys, bert_fast.model.facts; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 # ----------------------------------------------------------------------------- info
@@ -221,7 +270,7 @@ def test_info_output(capsys, tmp_path):
 
 def test_op_backend_reference_forced(monkeypatch):
     monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
-    assert cli.op_backend("linear", "cpu", torch.float32).startswith("reference")
+    assert op_backends.op_backend("linear", "cpu", torch.float32).startswith("reference")
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
@@ -231,7 +280,7 @@ def test_op_backend_embedding_cpu_says_what_runs(monkeypatch, interpret):
     from bert_fast.ops import embedding
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     import bert_fast
-    label = cli.op_backend("embedding", "cpu", torch.float32, bert_fast.build_info())
+    label = op_backends.op_backend("embedding", "cpu", torch.float32, bert_fast.build_info())
     runs = embedding._backend(torch.empty(0))
     # "torch": the CPU path built from torch's own ops (bert_fast.ops.torch_impl, issue 14)
     assert label.startswith({"cpu": "C++ CPU twin", "reference": "reference", "torch": "torch"}[runs]), (label, runs)

@@ -131,7 +131,8 @@ class _Linear(_Op):
     def setup(self):
         d = self.dims
         h, f = d["hidden"], d["ffn"]
-        n, k, act = {"qkv": (3 * h, h, None), "ffn_up+gelu": (f, h, "gelu"), "ffn_down": (h, f, None)}[self.check["case"]]
+        gemms = {"qkv": (3 * h, h, None), "ffn_up+gelu": (f, h, "gelu"), "ffn_down": (h, f, None)}
+        n, k, act = gemms[self.check["case"]]
         if not self.check["gpu"]:
             n, k = min(n, CPU_LIMITS["linear_n"]), min(k, CPU_LIMITS["linear_k"])
         self.act = act
@@ -298,6 +299,7 @@ class _Embedding(_Op):
 
     def kernel(self, t):
         import torch
+
         from bert_fast.ops import _dispatch, embedding_layer_norm
         from bert_fast.ops.embedding import _dropout_keep_mask
         state = self.gen.get_state()
@@ -491,14 +493,19 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
         proc = subprocess.Popen([sys.executable, "-m", "bert_fast.doctor", "--child"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(gpu))
         stderr_chunks: List[str] = []
-        reader = threading.Thread(target=lambda: stderr_chunks.append(proc.stderr.read()), daemon=True)
+        reader = threading.Thread(target=lambda p=proc, out=stderr_chunks: out.append(p.stderr.read()), daemon=True)
         reader.start()
         proc.stdin.write(json.dumps(pending))
         proc.stdin.close()
         current, deadline = None, time.monotonic() + timeout_s
         timed_out = False
         lines: List[str] = []
-        line_reader = threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True)
+
+        def read_lines(p=proc, out=lines):      # line by line: the loop below watches them arrive
+            for ln in p.stdout:
+                out.append(ln)
+
+        line_reader = threading.Thread(target=read_lines, daemon=True)
         line_reader.start()
         seen = 0
         while True:

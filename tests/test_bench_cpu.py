@@ -92,7 +92,12 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")        # the CPU path, where freeze() applies
     calls = []
     inner = frozen._PackedLinear.__call__
-    monkeypatch.setattr(frozen._PackedLinear, "__call__", lambda self, x, act=None: calls.append(1) or inner(self, x, act))
+
+    def counted(self, x, act=None):
+        calls.append(1)
+        return inner(self, x, act)
+
+    monkeypatch.setattr(frozen._PackedLinear, "__call__", counted)
     out_json = tmp_path / "frozen.json"
     rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5",
                    "--providers", "bert_fast,bert_fast-frozen,hf-sdpa", *FAST, "--json", str(out_json)])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bert_fast import cli
-from bert_fast.bench import model_bench, model_providers, model_workload, op_backends, ops_bench
+from bert_fast.bench import model_bench, model_workload, op_backends, ops_bench
 from bert_fast.bench.op_case import OpCase
 from bert_fast.model import facts
 
@@ -74,7 +74,8 @@ def test_cpu_defaults_measure_real_models_not_a_toy():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["bench", "--providers", "hf-eager,nope"], "valid providers: bert_fast, hf-eager, hf-sdpa, hf-compile, onnxruntime"),
+    (["bench", "--providers", "hf-eager,nope"],
+     "valid providers: bert_fast, hf-eager, hf-sdpa, hf-compile, onnxruntime"),
     (["bench", "--batch", "0"], "--batch"),
     (["bench", "--mode", "serve"], "invalid choice"),
     (["bench", "--dtype", "int8"], "invalid choice"),

@@ -240,7 +240,8 @@ def test_figure_above_its_ceiling_is_flagged(tmp_path, monkeypatch, capsys):
             "matmul_tflops": 1.0, "matmul_tflops_ci": [1.0, 1.0], "matmul_unstable": False, "threads": 1,
             "rounds": 6, "matmul_dtype": "fp32", "matmul_shape": [1, 1, 1]}
     monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(fake))
-    monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({"toy": types.SimpleNamespace(cases=cases)}, {}))
+    toy = {"toy": types.SimpleNamespace(cases=cases)}
+    monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: (toy, {}))
     out_json = tmp_path / "ops.json"
     assert cli.main(["bench-ops", "--device", "cpu", "--warmup", "0", "--max-rounds", "6", "--inputs", "1",
                      "--no-progress", "--json", str(out_json)]) == 0
@@ -279,7 +280,8 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
                   providers={"bert_fast": factory, "torch": factory}, unavailable={"cublas": "needs a GPU"})
     out = load("bench_ops").measure_case(case, torch.device("cpu"), budget_s=0.2, warmup=1)
     assert set(out["providers"]) == {"bert_fast", "torch"} and out["skipped"] == {"cublas": "needs a GPU"}
-    assert out["speedups"]["torch"]["ci_low"] <= out["speedups"]["torch"]["value"] <= out["speedups"]["torch"]["ci_high"]
+    sp = out["speedups"]["torch"]
+    assert sp["ci_low"] <= sp["value"] <= sp["ci_high"]
 
     bm = load("bench_model")
     case = bm.make_case("tiny", 1, 8, "full", "infer", "fp32")

@@ -64,7 +64,7 @@ def _ceilings(device_str: str, dtype: torch.dtype, n: int, budget_s: float) -> d
                warmup=3, min_rounds=10 if cuda else timing.MIN_ROUNDS, max_rounds=200 if cuda else 60,
                budget_s=budget_s, catch=False)
     copy_work = 2.0 * src.numel() * src.element_size() / 1e9     # GB read + written per call
-    del src, dst, a, b, c
+    src = dst = a = b = c = None      # free the buffers before anything else is measured
     if cuda:
         torch.cuda.empty_cache()
     mm_work = 2.0 * n ** 3 / 1e12             # TFLOP per call
@@ -137,6 +137,7 @@ def describe(ceilings: dict, dtype_label: str) -> str:
     def one(value, ci, unit, fmt, unstable):
         text = f"{value:{fmt}} {unit} ({ci[0]:{fmt}}-{ci[1]:{fmt}})"
         return text + (" UNSTABLE" if unstable else "")
-    return (f"copy {one(ceilings['copy_bandwidth_gbs'], ceilings['copy_bandwidth_ci_gbs'], 'GB/s', '.1f', ceilings['copy_unstable'])}, "
-            f"{dtype_label} GEMM {one(ceilings['matmul_tflops'], ceilings['matmul_tflops_ci'], 'TFLOP/s', '.3g', ceilings['matmul_unstable'])}"
-            f"; {ceilings['threads']} threads")
+    copy = one(ceilings["copy_bandwidth_gbs"], ceilings["copy_bandwidth_ci_gbs"], "GB/s", ".1f",
+               ceilings["copy_unstable"])
+    gemm = one(ceilings["matmul_tflops"], ceilings["matmul_tflops_ci"], "TFLOP/s", ".3g", ceilings["matmul_unstable"])
+    return f"copy {copy}, {dtype_label} GEMM {gemm}; {ceilings['threads']} threads"

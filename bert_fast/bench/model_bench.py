@@ -24,8 +24,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bert_fast.bench.model_providers import (bert_fast_model_class, build_provider_model, checkpoint_has_weights,
-                                             hidden_state, make_optimizer, make_step, reference_state_dict)
+from bert_fast.bench.model_providers import (
+    bert_fast_model_class,
+    build_provider_model,
+    checkpoint_has_weights,
+    hidden_state,
+    make_optimizer,
+    make_step,
+    reference_state_dict,
+)
 from bert_fast.bench.model_workload import BenchError, load_config, local_minilm, make_inputs, parse_lengths
 from bert_fast.bench.op_backends import cpu_summary
 from bert_fast.bench.results import fill_speedups, flags, new_record, record_failure, speedup_text, take_timings
@@ -302,7 +309,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="infer: forward under no_grad; train: forward + backward + AdamW step")
     p.add_argument("--providers", type=_providers, default=None,
                    help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
-                        "hf-compile on CUDA; bert_fast,bert_fast-frozen,hf-sdpa,onnxruntime on the CPU). onnxruntime: the "
+                        "hf-compile on CUDA; bert_fast,bert_fast-frozen,hf-sdpa,onnxruntime on the CPU). "
+                        "onnxruntime: the "
                         "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
                         "(CPU, fp32, inference; needs pip install -e \".[ort]\"). bert_fast-frozen: bert_fast "
                         "after BertModel.freeze() (packed weights, CPU inference only)")

@@ -11,9 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-from bert_fast.model import compat
 from bert_fast.bench.model_workload import BenchError
-
+from bert_fast.model import compat
 
 _STATE_CACHE: Dict[str, Dict[str, Any]] = {}
 
@@ -215,8 +214,8 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
     elif provider == "bert_fast":
         model = _bert_fast_model(config, state, device, dtype)
     elif provider == "bert_fast-frozen":
-        from bert_fast.model import frozen
         from bert_fast.bench.timing import ProviderUnavailable
+        from bert_fast.model import frozen
 
         if mode != "infer" or torch.device(device).type != "cpu":
             raise ProviderUnavailable("bert_fast-frozen (BertModel.freeze()) is CPU inference only")

@@ -41,7 +41,7 @@ def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:
 
     try:
         mod = importlib.import_module("bert_fast.ops.linear")
-        choose = getattr(mod, "choose_backend")
+        choose = mod.choose_backend
     except Exception:  # noqa: BLE001
         return None
     h, m = 768, 8192

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from bert_fast.bench.op_case import OpCase, with_env
 
+
 # (name, N, K, activation) per hidden size H
 def _shapes(h: int):
     return [("qkv", 3 * h, h, None), ("ffn_up", 4 * h, h, "gelu"), ("ffn_down", h, 4 * h, None)]

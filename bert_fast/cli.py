@@ -15,6 +15,7 @@ its ``main(argv: list[str]) -> int`` with ARGS (the training CLI owns its parser
 Alternatively that module may define ``add_arguments(parser)`` and ``run(args) -> int``.
 Without that module ``train`` exits 2 saying it is not available.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,14 +50,20 @@ def gather_info(device_name: Optional[str] = None) -> dict:
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     ops = {op: {name: op_backend(op, device, dt, build) for name, dt in dtypes.items()} for op in OP_KERNELS}
     lin = {name: linear_dispatch(device, dt) for name, dt in dtypes.items()}
-    info = {"bert_fast": getattr(bert_fast, "__version__", None), "environment": env, "kernels": ops,
-            "linear_dispatch": lin if any(lin.values()) else None,
-            "cuda_available": torch.cuda.is_available(),
-            "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "model_available": _model_available()}
+    info = {
+        "bert_fast": getattr(bert_fast, "__version__", None),
+        "environment": env,
+        "kernels": ops,
+        "linear_dispatch": lin if any(lin.values()) else None,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "model_available": _model_available(),
+    }
     if device.type != "cuda":
-        info["note"] = ("No CUDA GPU visible: bert_fast's Triton and CUDA kernels need a CUDA GPU; on this "
-                        "machine every op runs its CPU path shown above.")
+        info["note"] = (
+            "No CUDA GPU visible: bert_fast's Triton and CUDA kernels need a CUDA GPU; on this "
+            "machine every op runs its CPU path shown above."
+        )
     return info
 
 
@@ -115,9 +122,12 @@ def format_info(info: dict) -> str:
 
 
 def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="build, device, driver, versions and the kernel that runs for each op",
-                       description="Print how bert_fast was built, the device, driver and versions, and "
-                                   "which implementation of each op runs on this device.")
+    p = sub.add_parser(
+        "info",
+        help="build, device, driver, versions and the kernel that runs for each op",
+        description="Print how bert_fast was built, the device, driver and versions, and "
+        "which implementation of each op runs on this device.",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the information as JSON ('-': stdout only)")
     p.set_defaults(handler=_run_info)
@@ -143,8 +153,12 @@ def _add_module_command(sub, name: str, module: str, user_error: Callable, help:
     docstring (then ``description``) is the command's description, and the exception class
     ``user_error(module)`` is a user error (exit status 2)."""
     mod = importlib.import_module(module)
-    p = sub.add_parser(name, help=help, description=(mod.__doc__ or "").strip() + description,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=(mod.__doc__ or "").strip() + description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     mod.add_arguments(p)
 
     def handler(args) -> int:
@@ -152,26 +166,42 @@ def _add_module_command(sub, name: str, module: str, user_error: Callable, help:
             return mod.run(args)
         except user_error(mod) as exc:
             raise CLIError(str(exc)) from None
+
     p.set_defaults(handler=handler)
 
 
 def _add_bench(sub) -> None:
-    _add_module_command(sub, "bench", "bert_fast.bench.model_bench", lambda m: m.BenchError,
-                        help="model benchmark: bert_fast against transformers (eager, sdpa, compile) and ONNX Runtime",
-                        description="\n\nWith no options: a default for the device present (bert-base, bf16, B=32, "
-                        "S=128 on CUDA; on the CPU, fp32, bert-base and all-MiniLM-L6-v2 at dense 8x128, ragged "
-                        "16x256 and 1x128 against transformers SDPA and ONNX Runtime).")
+    _add_module_command(
+        sub,
+        "bench",
+        "bert_fast.bench.model_bench",
+        lambda m: m.BenchError,
+        help="model benchmark: bert_fast against transformers (eager, sdpa, compile) and ONNX Runtime",
+        description="\n\nWith no options: a default for the device present (bert-base, bf16, B=32, "
+        "S=128 on CUDA; on the CPU, fp32, bert-base and all-MiniLM-L6-v2 at dense 8x128, ragged "
+        "16x256 and 1x128 against transformers SDPA and ONNX Runtime).",
+    )
 
 
 def _add_bench_ops(sub) -> None:
-    _add_module_command(sub, "bench-ops", "bert_fast.bench.ops_bench", lambda m: m.OpsBenchError,
-                        help="per-op benchmark: GB/s or TFLOP/s and %% of measured ceilings")
+    _add_module_command(
+        sub,
+        "bench-ops",
+        "bert_fast.bench.ops_bench",
+        lambda m: m.OpsBenchError,
+        help="per-op benchmark: GB/s or TFLOP/s and %% of measured ceilings",
+    )
 
 
 def _add_doctor(sub) -> None:
-    _add_module_command(sub, "doctor", "bert_fast.doctor", lambda m: ValueError,
-                        help="check every kernel on this machine against the float64 oracle and plain torch; "
-                             "--json writes the report to send back")
+    _add_module_command(
+        sub,
+        "doctor",
+        "bert_fast.doctor",
+        lambda m: ValueError,
+        help="check every kernel on this machine against the float64 oracle and plain torch; "
+        "--json writes the report to send back",
+    )
 
 
 # ----------------------------------------------------------------------------- train (hook)
@@ -185,8 +215,11 @@ def _load_train_module():
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", add_help=False, help="train / fine-tune (from bert_fast.training.cli; "
-                                                     "'bert-fast train --help' for its options)")
+    p = sub.add_parser(
+        "train",
+        add_help=False,
+        help="train / fine-tune (from bert_fast.training.cli; 'bert-fast train --help' for its options)",
+    )
     p.add_argument("train_argv", nargs=argparse.REMAINDER)
     p.set_defaults(handler=lambda args: _run_train(args.train_argv))
 
@@ -212,8 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     import bert_fast
 
     parser = argparse.ArgumentParser(
-        prog=PROG, description="bert_fast: a fast BERT encoder for NVIDIA GPUs (Triton + CUDA kernels).",
-        epilog="Run 'bert-fast COMMAND --help' for the options of a command.")
+        prog=PROG,
+        description="bert_fast: a fast BERT encoder for NVIDIA GPUs (Triton + CUDA kernels).",
+        epilog="Run 'bert-fast COMMAND --help' for the options of a command.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {bert_fast.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:

@@ -29,6 +29,7 @@ and run on a GPU: a GPU verdict needs a GPU.
 ``BERT_FAST_DOCTOR_PRELOAD=file.py``: each check process runs that file first (to instrument or
 patch kernels while debugging; the tests use it to plant failures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ LAYOUTS = ("dense", "varlen")
 GPU_TOKENS = {"batch": 8, "seq": 128, "lengths": [128, 97, 64, 33, 120, 7, 77, 1]}
 CPU_TOKENS = {"batch": 2, "seq": 16, "lengths": [16, 9, 1]}
 CPU_LIMITS = {"heads": 2, "linear_n": 64, "linear_k": 256, "vocab": 512}
-DOT_OPS = ("linear", "attention")          # kernels on tl.dot: the interpreter's bf16 dot is wrong
+DOT_OPS = ("linear", "attention")  # kernels on tl.dot: the interpreter's bf16 dot is wrong
 DROPOUT_OPS = ("residual_layer_norm", "attention", "embedding")
 DROPOUT_P = 0.1
 PRELOAD_ENV = "BERT_FAST_DOCTOR_PRELOAD"
@@ -72,10 +73,20 @@ def plan(gpu: bool, ops=OPS, dtypes=DTYPES, shapes=tuple(SHAPES), layouts=LAYOUT
             for shape in shapes:
                 for layout in layouts:
                     for case in cases:
-                        for p in ((0.0, DROPOUT_P) if op in DROPOUT_OPS else (0.0,)):
+                        for p in (0.0, DROPOUT_P) if op in DROPOUT_OPS else (0.0,):
                             for direction in ("fwd", "bwd"):
-                                checks.append(dict(op=op, case=case, dtype=dtype, shape=shape, layout=layout,
-                                                   dropout=p, direction=direction, gpu=gpu))
+                                checks.append(
+                                    dict(
+                                        op=op,
+                                        case=case,
+                                        dtype=dtype,
+                                        shape=shape,
+                                        layout=layout,
+                                        dropout=p,
+                                        direction=direction,
+                                        gpu=gpu,
+                                    )
+                                )
     for i, c in enumerate(checks):
         c["id"] = i
     return checks
@@ -83,8 +94,10 @@ def plan(gpu: bool, ops=OPS, dtypes=DTYPES, shapes=tuple(SHAPES), layouts=LAYOUT
 
 def skip_reason(check: dict) -> Optional[str]:
     if not check["gpu"] and check["dtype"] == "bf16" and check["op"] in DOT_OPS:
-        return ("the Triton interpreter's bf16 tl.dot is wrong (triton 3.6/3.9): this kernel is checked in "
-                "bf16 on a GPU only")
+        return (
+            "the Triton interpreter's bf16 tl.dot is wrong (triton 3.6/3.9): this kernel is checked in "
+            "bf16 on a GPU only"
+        )
     return None
 
 
@@ -96,23 +109,30 @@ def _dims(check: dict) -> dict:
         s["heads"] = min(s["heads"], CPU_LIMITS["heads"])
         s["vocab"] = CPU_LIMITS["vocab"]
     lengths = tok["lengths"] if check["layout"] == "varlen" else [tok["seq"]] * tok["batch"]
-    s.update(lengths=lengths, seq=max(lengths) if check["layout"] == "varlen" else tok["seq"],
-             batch=len(lengths), tokens=sum(lengths))
+    s.update(
+        lengths=lengths,
+        seq=max(lengths) if check["layout"] == "varlen" else tok["seq"],
+        batch=len(lengths),
+        tokens=sum(lengths),
+    )
     return s
 
 
 def _torch_dtype(name: str):
     import torch
+
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 class _Op:
     """One op's check: inputs, the kernel (through the op), the torch implementation and the oracle.
     ``leaves``: the float inputs gradients flow to; ``reductions``: those summed over rows."""
+
     reductions: tuple = ()
 
     def __init__(self, check: dict, device):
         import torch
+
         self.check, self.device = check, device
         self.dtype = _torch_dtype(check["dtype"])
         self.dims = _dims(check)
@@ -122,6 +142,7 @@ class _Op:
 
     def randn(self, *shape, scale=1.0):
         import torch
+
         return (torch.randn(*shape, generator=self.gen) * scale).to(self.device, self.dtype)
 
 
@@ -137,24 +158,31 @@ class _Linear(_Op):
             n, k = min(n, CPU_LIMITS["linear_n"]), min(k, CPU_LIMITS["linear_k"])
         self.act = act
         self.label = f"M={d['tokens']} N={n} K={k}"
-        self.inputs = {"x": self.randn(d["tokens"], k), "weight": self.randn(n, k, scale=k ** -0.5),
-                       "bias": self.randn(n, scale=0.1)}
+        self.inputs = {
+            "x": self.randn(d["tokens"], k),
+            "weight": self.randn(n, k, scale=k**-0.5),
+            "bias": self.randn(n, scale=0.1),
+        }
 
     def kernel(self, t):
         from bert_fast.ops import linear
+
         return linear(t["x"], t["weight"], t["bias"], self.act, backend="triton")
 
     def torch_fwd(self, t):
         from bert_fast.ops import torch_impl
+
         y, z = torch_impl.linear_fwd(t["x"], t["weight"], t["bias"], self.act, True)
         return y, z
 
     def torch_bwd(self, t, dy, saved):
         from bert_fast.ops import torch_impl
+
         return list(torch_impl.linear_bwd(dy, t["x"], t["weight"], saved, self.act, True, True, True))
 
     def oracle(self, t):
         from bert_fast import reference
+
         return reference.linear(t["x"], t["weight"], t["bias"], self.act)
 
 
@@ -168,18 +196,22 @@ class _BiasGelu(_Op):
 
     def kernel(self, t):
         from bert_fast.ops import bias_gelu
+
         return bias_gelu(t["x"], t["bias"])
 
     def torch_fwd(self, t):
         from bert_fast.ops import torch_impl
+
         return torch_impl.bias_gelu_fwd(t["x"], t["bias"], "none"), None
 
     def torch_bwd(self, t, dy, saved):
         from bert_fast.ops import torch_impl
+
         return list(torch_impl.bias_gelu_bwd(dy, t["x"], t["bias"], "none"))
 
     def oracle(self, t):
         from bert_fast import reference
+
         return reference.bias_gelu(t["x"], t["bias"])
 
 
@@ -190,40 +222,53 @@ class _ResidualLayerNorm(_Op):
         d = self.dims
         h = d["hidden"]
         self.label = f"M={d['tokens']} N={h}"
-        self.inputs = {"x": self.randn(d["tokens"], h), "residual": self.randn(d["tokens"], h),
-                       "weight": 1.0 + self.randn(h, scale=0.1), "bias": self.randn(h, scale=0.1)}
+        self.inputs = {
+            "x": self.randn(d["tokens"], h),
+            "residual": self.randn(d["tokens"], h),
+            "weight": 1.0 + self.randn(h, scale=0.1),
+            "bias": self.randn(h, scale=0.1),
+        }
 
     def kernel(self, t):
         from bert_fast.ops import residual_layer_norm
-        y, self.mask = residual_layer_norm(t["x"], t["residual"], t["weight"], t["bias"], 1e-12, self.p,
-                                           generator=self.gen, return_dropout_mask=True)
+
+        y, self.mask = residual_layer_norm(
+            t["x"], t["residual"], t["weight"], t["bias"], 1e-12, self.p, generator=self.gen, return_dropout_mask=True
+        )
         if self.p == 0.0:
             self.mask = None
         return y
 
     def torch_fwd(self, t):
         from bert_fast.ops import torch_impl
-        y, mean, rstd = torch_impl.residual_layer_norm_fwd(t["x"], t["residual"], t["weight"], t["bias"], 1e-12,
-                                                           self.p, None, keep=self.mask)
+
+        y, mean, rstd = torch_impl.residual_layer_norm_fwd(
+            t["x"], t["residual"], t["weight"], t["bias"], 1e-12, self.p, None, keep=self.mask
+        )
         return y, (mean, rstd)
 
     def torch_bwd(self, t, dy, saved):
         from bert_fast.ops import torch_impl
-        return list(torch_impl.residual_layer_norm_bwd(dy, t["x"], t["residual"], t["weight"], t["bias"],
-                                                       saved[0], saved[1], self.p, None, keep=self.mask))
+
+        return list(
+            torch_impl.residual_layer_norm_bwd(
+                dy, t["x"], t["residual"], t["weight"], t["bias"], saved[0], saved[1], self.p, None, keep=self.mask
+            )
+        )
 
     def oracle(self, t):
         from bert_fast import reference
-        return reference.residual_layer_norm(t["x"], t["residual"], t["weight"], t["bias"], 1e-12, self.p,
-                                             self.mask)
+
+        return reference.residual_layer_norm(t["x"], t["residual"], t["weight"], t["bias"], 1e-12, self.p, self.mask)
 
 
 class _Attention(_Op):
     def setup(self):
         import torch
+
         d = self.dims
         h, hd = d["heads"], d["head_dim"]
-        self.scale = hd ** -0.5
+        self.scale = hd**-0.5
         self.varlen = self.check["layout"] == "varlen"
         if self.varlen:
             cu = [0]
@@ -232,46 +277,56 @@ class _Attention(_Op):
             self.cu = torch.tensor(cu, dtype=torch.int32, device=self.device)
             self.key_mask = None
             self.inputs = {"qkv": self.randn(d["tokens"], 3, h, hd)}
-        else:           # padded, with a ragged key-padding mask (the last row without keys)
+        else:  # padded, with a ragged key-padding mask (the last row without keys)
             b, s = d["batch"], d["seq"]
             lens = [max(0, s - (i * s) // b) for i in range(b)]
             lens[-1] = 0
             self.key_mask = torch.arange(s)[None, :] < torch.tensor(lens)[:, None]
             self.key_mask = self.key_mask.to(self.device)
             self.inputs = {"qkv": self.randn(b, s, 3, h, hd)}
-        self.label = (f"T={d['tokens']} max={d['seq']}" if self.varlen else f"B={d['batch']} S={d['seq']}") + \
-            f" h={h} d={hd}"
+        self.label = (
+            f"T={d['tokens']} max={d['seq']}" if self.varlen else f"B={d['batch']} S={d['seq']}"
+        ) + f" h={h} d={hd}"
 
     def kernel(self, t):
         from bert_fast.ops import attention, varlen_attention
+
         if self.varlen:
-            out, self.mask = varlen_attention(t["qkv"], self.cu, self.dims["seq"], self.p, generator=self.gen,
-                                              return_dropout_mask=True)
+            out, self.mask = varlen_attention(
+                t["qkv"], self.cu, self.dims["seq"], self.p, generator=self.gen, return_dropout_mask=True
+            )
         else:
-            out, self.mask = attention(t["qkv"], self.key_mask, self.p, generator=self.gen,
-                                       return_dropout_mask=True)
+            out, self.mask = attention(t["qkv"], self.key_mask, self.p, generator=self.gen, return_dropout_mask=True)
         return out
 
     def torch_fwd(self, t):
         from bert_fast.ops import torch_impl
+
         if self.varlen:
-            out, lse = torch_impl.varlen_attention_fwd(t["qkv"], self.cu, self.dims["seq"], self.p, self.scale,
-                                                       None, keep=self.mask)
+            out, lse = torch_impl.varlen_attention_fwd(
+                t["qkv"], self.cu, self.dims["seq"], self.p, self.scale, None, keep=self.mask
+            )
         else:
             out, lse = torch_impl.attention_fwd(t["qkv"], self.key_mask, self.p, self.scale, None, keep=self.mask)
         return out, (out, lse)
 
     def torch_bwd(self, t, dy, saved):
         from bert_fast.ops import torch_impl
+
         out, lse = saved
         if self.varlen:
-            return [torch_impl.varlen_attention_bwd(dy, t["qkv"], self.cu, self.dims["seq"], out, lse, self.p,
-                                                    self.scale, None, keep=self.mask)]
-        return [torch_impl.attention_bwd(dy, t["qkv"], self.key_mask, out, lse, self.p, self.scale, None,
-                                         keep=self.mask)]
+            return [
+                torch_impl.varlen_attention_bwd(
+                    dy, t["qkv"], self.cu, self.dims["seq"], out, lse, self.p, self.scale, None, keep=self.mask
+                )
+            ]
+        return [
+            torch_impl.attention_bwd(dy, t["qkv"], self.key_mask, out, lse, self.p, self.scale, None, keep=self.mask)
+        ]
 
     def oracle(self, t):
         from bert_fast import reference
+
         if self.varlen:
             return reference.varlen_attention(t["qkv"], self.cu, self.dims["seq"], self.p, self.scale, self.mask)
         return reference.attention(t["qkv"], self.key_mask, self.p, self.scale, self.mask)
@@ -282,31 +337,51 @@ class _Embedding(_Op):
 
     def setup(self):
         import torch
+
         d = self.dims
         h, v = d["hidden"], d["vocab"]
         b, s = d["batch"], d["seq"]
         self.ids = torch.randint(1, v, (b, s), generator=self.gen).to(self.device)
-        self.ids[:, -1] = 0                                  # a padding-index token in every row
+        self.ids[:, -1] = 0  # a padding-index token in every row
         self.tt = torch.randint(0, 2, (b, s), generator=self.gen).to(self.device)
         self.indices = None
-        if self.check["layout"] == "varlen":                 # unpadding fused into the gather
+        if self.check["layout"] == "varlen":  # unpadding fused into the gather
             keep = torch.arange(s)[None, :] < torch.tensor(d["lengths"])[:, None]
             self.indices = keep.reshape(-1).nonzero().reshape(-1).to(self.device)
         self.rows = d["tokens"]
         self.label = f"{'T' if self.indices is not None else 'B x S'}={self.rows} H={h} V={v}"
-        self.inputs = {"word": self.randn(v, h), "position": self.randn(512, h), "token_type": self.randn(2, h),
-                       "weight": 1.0 + self.randn(h, scale=0.1), "bias": self.randn(h, scale=0.1)}
+        self.inputs = {
+            "word": self.randn(v, h),
+            "position": self.randn(512, h),
+            "token_type": self.randn(2, h),
+            "weight": 1.0 + self.randn(h, scale=0.1),
+            "bias": self.randn(h, scale=0.1),
+        }
 
     def kernel(self, t):
         import torch
 
         from bert_fast.ops import _dispatch, embedding_layer_norm
         from bert_fast.ops.embedding import _dropout_keep_mask
+
         state = self.gen.get_state()
-        out = embedding_layer_norm(self.ids, None, self.tt, t["word"], t["position"], t["token_type"], t["weight"],
-                                   t["bias"], 1e-12, self.p, padding_idx=0, indices=self.indices, generator=self.gen)
+        out = embedding_layer_norm(
+            self.ids,
+            None,
+            self.tt,
+            t["word"],
+            t["position"],
+            t["token_type"],
+            t["weight"],
+            t["bias"],
+            1e-12,
+            self.p,
+            padding_idx=0,
+            indices=self.indices,
+            generator=self.gen,
+        )
         self.mask = None
-        if self.p > 0.0:       # the seed the op drew, again: the kernel's mask for it
+        if self.p > 0.0:  # the seed the op drew, again: the kernel's mask for it
             g = torch.Generator()
             g.set_state(state)
             seed = _dispatch.draw_seed(self.p, g)
@@ -315,36 +390,89 @@ class _Embedding(_Op):
 
     def torch_fwd(self, t):
         from bert_fast.ops import torch_impl
-        out, mean, rstd = torch_impl.embedding_fwd(self.ids, None, self.tt, self.indices, t["word"], t["position"],
-                                                   t["token_type"], t["weight"], t["bias"], 1e-12, self.p, None,
-                                                   keep=self.mask)
+
+        out, mean, rstd = torch_impl.embedding_fwd(
+            self.ids,
+            None,
+            self.tt,
+            self.indices,
+            t["word"],
+            t["position"],
+            t["token_type"],
+            t["weight"],
+            t["bias"],
+            1e-12,
+            self.p,
+            None,
+            keep=self.mask,
+        )
         return out, (mean, rstd)
 
     def torch_bwd(self, t, dy, saved):
         from bert_fast.ops import torch_impl
-        return torch_impl.embedding_bwd(dy, self.ids, None, self.tt, self.indices, t["word"], t["position"],
-                                        t["token_type"], t["weight"], saved[0], saved[1], self.p, None, 0,
-                                        [True] * 5, keep=self.mask)
+
+        return torch_impl.embedding_bwd(
+            dy,
+            self.ids,
+            None,
+            self.tt,
+            self.indices,
+            t["word"],
+            t["position"],
+            t["token_type"],
+            t["weight"],
+            saved[0],
+            saved[1],
+            self.p,
+            None,
+            0,
+            [True] * 5,
+            keep=self.mask,
+        )
 
     def oracle(self, t):
         from bert_fast import reference
+
         rows_shape = (self.rows,) if self.indices is not None else tuple(self.ids.shape)
         mask = None if self.mask is None else self.mask.reshape(*rows_shape, -1)
-        return reference.embedding_layer_norm(self.ids, None, self.tt, t["word"], t["position"], t["token_type"],
-                                              t["weight"], t["bias"], 1e-12, self.p, 0, self.indices, mask)
+        return reference.embedding_layer_norm(
+            self.ids,
+            None,
+            self.tt,
+            t["word"],
+            t["position"],
+            t["token_type"],
+            t["weight"],
+            t["bias"],
+            1e-12,
+            self.p,
+            0,
+            self.indices,
+            mask,
+        )
 
 
-_OPS = {"linear": _Linear, "bias_gelu": _BiasGelu, "residual_layer_norm": _ResidualLayerNorm,
-        "attention": _Attention, "embedding": _Embedding}
+_OPS = {
+    "linear": _Linear,
+    "bias_gelu": _BiasGelu,
+    "residual_layer_norm": _ResidualLayerNorm,
+    "attention": _Attention,
+    "embedding": _Embedding,
+}
 
 
 def kernel_label(op: str, gpu: bool, dtype_name: str = "fp16") -> str:
     if op == "embedding":
         return "embedding (CUDA)" if gpu else "embedding (C++ twin)"
-    name = {"linear": "linear GEMM", "bias_gelu": "bias_gelu", "residual_layer_norm": "residual_layer_norm",
-            "attention": "attention"}[op]
+    name = {
+        "linear": "linear GEMM",
+        "bias_gelu": "bias_gelu",
+        "residual_layer_norm": "residual_layer_norm",
+        "attention": "attention",
+    }[op]
     if op == "linear" and gpu:
         from bert_fast.bench.op_backends import gemm_uses_tma
+
         if gemm_uses_tma("cuda", _torch_dtype(dtype_name)):
             name = "linear TMA GEMM"
     return f"{name} (Triton{'' if gpu else ' interpreter'})"
@@ -352,6 +480,7 @@ def kernel_label(op: str, gpu: bool, dtype_name: str = "fp16") -> str:
 
 def _sync(device):
     import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -403,9 +532,10 @@ def run_check(check: dict) -> dict:
         grads_t = op.torch_bwd(plain, dy, saved)
         grads_o = torch.autograd.grad(out_o, [wide[n] for n in names], dy.double(), allow_unused=True)
         rows = op.dims["tokens"]
-        pairs = [(f"d{n}", gk, gt, go if go is not None else torch.zeros_like(wide[n]),
-                  rows if n in op.reductions else None)
-                 for n, gk, gt, go in zip(names, grads_k, grads_t, grads_o)]
+        pairs = [
+            (f"d{n}", gk, gt, go if go is not None else torch.zeros_like(wide[n]), rows if n in op.reductions else None)
+            for n, gk, gt, go in zip(names, grads_k, grads_t, grads_o)
+        ]
     worst, verdict, why = None, "pass", []
     for name, k, tt, o, rows in pairs:
         k, tt, o = k.reshape(o.shape), tt.reshape(o.shape), o
@@ -434,8 +564,9 @@ def run_check(check: dict) -> dict:
                 result["torch_ms"] = _time_ms(lambda: op.torch_fwd(plain), device, reps)
         else:
             params = [leaves[n] for n in names]
-            result["kernel_ms"] = _time_ms(lambda: torch.autograd.grad(out_k, params, dy, retain_graph=True),
-                                           device, reps)
+            result["kernel_ms"] = _time_ms(
+                lambda: torch.autograd.grad(out_k, params, dy, retain_graph=True), device, reps
+            )
             result["torch_ms"] = _time_ms(lambda: op.torch_bwd(plain, dy, saved), device, reps)
     except Exception as exc:  # noqa: BLE001 - timing is informative only
         result["timing_error"] = f"{type(exc).__name__}: {exc}"
@@ -448,6 +579,7 @@ def _child_main(argv: List[str]) -> int:
     preload = os.environ.get(PRELOAD_ENV)
     if preload:
         import runpy
+
         runpy.run_path(preload, run_name="__bert_fast_doctor_preload__")
     checks = json.loads(sys.stdin.read())
     for check in checks:
@@ -456,9 +588,12 @@ def _child_main(argv: List[str]) -> int:
             res = run_check(check)
         except Exception as exc:  # noqa: BLE001 - the check itself broke (not the kernel): say so, go on
             res = {k: check[k] for k in ("id", "op", "case", "dtype", "shape", "layout", "dropout", "direction")}
-            res.update(verdict="error", kernel=kernel_label(check["op"], check["gpu"], check["dtype"]),
-                       reason=f"the check itself raised (after the kernel ran): {type(exc).__name__}: "
-                              f"{str(exc).strip()[:500]}")
+            res.update(
+                verdict="error",
+                kernel=kernel_label(check["op"], check["gpu"], check["dtype"]),
+                reason=f"the check itself raised (after the kernel ran): {type(exc).__name__}: "
+                f"{str(exc).strip()[:500]}",
+            )
         print(PROTOCOL + json.dumps({"result": res}, default=float), flush=True)
     return 0
 
@@ -475,7 +610,7 @@ def _signal_name(rc: int) -> str:
 
 def _child_env(gpu: bool) -> dict:
     env = dict(os.environ)
-    env["BERT_FAST_VERIFY"] = "off"            # the doctor checks the kernels themselves
+    env["BERT_FAST_VERIFY"] = "off"  # the doctor checks the kernels themselves
     env.pop("BERT_FAST_BACKEND", None)
     env["PYTHONUNBUFFERED"] = "1"
     if gpu:
@@ -490,8 +625,14 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
     results: Dict[int, dict] = {}
     pending = [c for c in checks]
     while pending:
-        proc = subprocess.Popen([sys.executable, "-m", "bert_fast.doctor", "--child"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(gpu))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bert_fast.doctor", "--child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(gpu),
+        )
         stderr_chunks: List[str] = []
         reader = threading.Thread(target=lambda p=proc, out=stderr_chunks: out.append(p.stderr.read()), daemon=True)
         reader.start()
@@ -501,7 +642,7 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
         timed_out = False
         lines: List[str] = []
 
-        def read_lines(p=proc, out=lines):      # line by line: the loop below watches them arrive
+        def read_lines(p=proc, out=lines):  # line by line: the loop below watches them arrive
             for ln in p.stdout:
                 out.append(ln)
 
@@ -514,7 +655,7 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
                 seen += 1
                 if not ln.startswith(PROTOCOL):
                     continue
-                msg = json.loads(ln[len(PROTOCOL):])
+                msg = json.loads(ln[len(PROTOCOL) :])
                 if "start" in msg:
                     current, deadline = msg["start"], time.monotonic() + timeout_s
                 elif "result" in msg:
@@ -539,11 +680,17 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
         # the process ended with checks left: the one it was running (or the first) is a fault
         culprit = next((c for c in pending if c["id"] == current), pending[0])
         tail = "".join(stderr_chunks).strip().splitlines()[-6:]
-        why = (f"the check's process timed out after {timeout_s:.0f} s" if timed_out
-               else f"the check's process died ({_signal_name(proc.returncode)})")
+        why = (
+            f"the check's process timed out after {timeout_s:.0f} s"
+            if timed_out
+            else f"the check's process died ({_signal_name(proc.returncode)})"
+        )
         res = {k: culprit[k] for k in ("id", "op", "case", "dtype", "shape", "layout", "dropout", "direction")}
-        res.update(verdict="fault", kernel=kernel_label(culprit["op"], gpu, culprit["dtype"]),
-                   reason=why + (": " + " | ".join(t.strip() for t in tail) if tail else ""))
+        res.update(
+            verdict="fault",
+            kernel=kernel_label(culprit["op"], gpu, culprit["dtype"]),
+            reason=why + (": " + " | ".join(t.strip() for t in tail) if tail else ""),
+        )
         results[culprit["id"]] = res
         if on_result:
             on_result(res)
@@ -562,8 +709,18 @@ def _row(r: dict) -> List[str]:
     if r.get("dropout"):
         case = (case + " " if case else "") + f"dropout {r['dropout']:g}"
     ms = lambda v: "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
-    return [r.get("kernel", r["op"]), r["dtype"], f"{r['shape']} {r.get('size', '')}".strip(), r["layout"],
-            case or "-", r["direction"], r["verdict"], ratio_s, ms(r.get("kernel_ms")), ms(r.get("torch_ms"))]
+    return [
+        r.get("kernel", r["op"]),
+        r["dtype"],
+        f"{r['shape']} {r.get('size', '')}".strip(),
+        r["layout"],
+        case or "-",
+        r["direction"],
+        r["verdict"],
+        ratio_s,
+        ms(r.get("kernel_ms")),
+        ms(r.get("torch_ms")),
+    ]
 
 
 def format_table(results: List[dict]) -> str:
@@ -593,15 +750,23 @@ def _csv(value: Optional[str], allowed, what: str) -> tuple:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON (attach it to an issue)")
-    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
-                   help="cuda (default when a GPU is visible) or cpu (the Triton interpreter, small shapes)")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=("cuda", "cpu"),
+        help="cuda (default when a GPU is visible) or cpu (the Triton interpreter, small shapes)",
+    )
     p.add_argument("--ops", default=None, help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--dtypes", default=None, help=f"comma-separated subset of {','.join(DTYPES)}")
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     p.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(LAYOUTS)}")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="seconds one check may run before its process is killed and the check reported as "
-                        "a fault (default 600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds one check may run before its process is killed and the check reported as a fault (default 600)",
+    )
 
 
 def run(args) -> int:
@@ -614,10 +779,18 @@ def run(args) -> int:
     if gpu and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible")
     ops = _csv(args.ops, OPS, "ops")
-    checks = plan(gpu, ops, _csv(args.dtypes, DTYPES, "dtypes"), _csv(args.shapes, SHAPES, "shapes"),
-                  _csv(args.layouts, LAYOUTS, "layouts"))
-    where = ("on " + torch.cuda.get_device_name(0)) if gpu else \
-        "on the CPU, through the Triton interpreter (the C++ twin for the embedding), at small shapes"
+    checks = plan(
+        gpu,
+        ops,
+        _csv(args.dtypes, DTYPES, "dtypes"),
+        _csv(args.shapes, SHAPES, "shapes"),
+        _csv(args.layouts, LAYOUTS, "layouts"),
+    )
+    where = (
+        ("on " + torch.cuda.get_device_name(0))
+        if gpu
+        else "on the CPU, through the Triton interpreter (the C++ twin for the embedding), at small shapes"
+    )
     print(f"bert-fast doctor: {len(checks)} checks {where}; each op's checks in their own process", flush=True)
     t0 = time.monotonic()
     results: List[dict] = []
@@ -627,8 +800,11 @@ def run(args) -> int:
         results += run_group(group, gpu, args.timeout)
         done = [r for r in results if r["op"] == op]
         s = summarize(done)
-        print(f"  {op}: {len(done)} checks in {time.monotonic() - t_op:.1f} s "
-              f"({', '.join(f'{v} {k}' for k, v in s.items() if v)})", flush=True)
+        print(
+            f"  {op}: {len(done)} checks in {time.monotonic() - t_op:.1f} s "
+            f"({', '.join(f'{v} {k}' for k, v in s.items() if v)})",
+            flush=True,
+        )
     print()
     print(format_table(results))
     bad = [r for r in results if r["verdict"] in ("fail", "error", "fault")]
@@ -636,30 +812,46 @@ def run(args) -> int:
     if bad:
         print("\nproblems:")
         for r in bad:
-            print(f"  [{r['verdict']}] {r['kernel']} {r['dtype']} {r['shape']} {r['layout']} "
-                  f"{r.get('case') or ''} dropout={r['dropout']:g} {r['direction']}: {r.get('reason')}")
+            print(
+                f"  [{r['verdict']}] {r['kernel']} {r['dtype']} {r['shape']} {r['layout']} "
+                f"{r.get('case') or ''} dropout={r['dropout']:g} {r['direction']}: {r.get('reason')}"
+            )
     for reason in sorted(skipped):
         print(f"\nskipped: {reason}")
     counts = summarize(results)
-    print(f"\n{len(results)} checks: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-          + f" ({time.monotonic() - t0:.0f} s)")
+    print(
+        f"\n{len(results)} checks: "
+        + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+        + f" ({time.monotonic() - t0:.0f} s)"
+    )
     note = None
     if not gpu:
-        note = ("No GPU here: the kernels ran through the Triton interpreter at small shapes. This says their "
-                "logic is right with this Triton; a GPU verdict (compile, launch, speed on real hardware) needs "
-                "a GPU: run `bert-fast doctor` there.")
+        note = (
+            "No GPU here: the kernels ran through the Triton interpreter at small shapes. This says their "
+            "logic is right with this Triton; a GPU verdict (compile, launch, speed on real hardware) needs "
+            "a GPU: run `bert-fast doctor` there."
+        )
         print("note: " + note)
     status = EXIT_FAIL if bad else 0
     if args.json:
-        report = {"bert_fast": getattr(bert_fast, "__version__", None), "gpu_verdict": gpu,
-                  "device": "cuda" if gpu else "cpu", "environment": environment("cuda" if gpu else "cpu"),
-                  "checks": results, "summary": counts, "exit_status": status, "note": note,
-                  "seconds": round(time.monotonic() - t0, 1)}
+        report = {
+            "bert_fast": getattr(bert_fast, "__version__", None),
+            "gpu_verdict": gpu,
+            "device": "cuda" if gpu else "cpu",
+            "environment": environment("cuda" if gpu else "cpu"),
+            "checks": results,
+            "summary": counts,
+            "exit_status": status,
+            "note": note,
+            "seconds": round(time.monotonic() - t0, 1),
+        }
         write_json(args.json, report)
         print(f"wrote {args.json}" + ("" if not bad else " (attach it to an issue of the bert_fast project)"))
     if bad:
-        print("some kernels failed their checks: bert_fast's first-use check falls back to the torch "
-              "implementation for them on this machine; please send the JSON report (--json) with an issue.")
+        print(
+            "some kernels failed their checks: bert_fast's first-use check falls back to the torch "
+            "implementation for them on this machine; please send the JSON report (--json) with an issue."
+        )
     return status
 
 
@@ -667,8 +859,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
         return _child_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m bert_fast.doctor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bert_fast.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -2,6 +2,7 @@
 with its own weights, the ONNX Runtime provider, and --encode. Tiny configurations and a few
 rounds, so each test takes seconds; no figure here is a timing claim.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,7 @@ import torch
 from bert_fast import cli
 from bert_fast.bench import model_bench, model_providers, model_workload
 
-FAST = ["--device", "cpu", "--warmup", "0", "--min-rounds", "3", "--max-rounds", "3", "--inputs", "1",
-        "--no-progress"]
+FAST = ["--device", "cpu", "--warmup", "0", "--min-rounds", "3", "--max-rounds", "3", "--inputs", "1", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,14 @@ def tiny_folder(tmp_path_factory):
     vocab += list("abcdefghijklmnopqrstuvwxyz.,")
     (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizerFast(vocab_file=str(d / "vocab.txt")).save_pretrained(d)
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                     vocab_size=len(vocab), max_position_embeddings=64)
+    cfg = BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=len(vocab),
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     BertModel(cfg).save_pretrained(d)
     return d
@@ -50,7 +56,10 @@ def test_cpu_defaults_measure_real_models():
     assert any(n.startswith("This measures the CPU path") and f"{args.threads} thread(s)" in n for n in notes)
     cases = model_bench.build_cases(args)
     assert [(c["model_name"], c["batch"], c["seq"], c["lengths"]) for c in cases][:3] == [
-        ("bert-base", 8, 128, "full"), ("bert-base", 16, 256, "random:0.2"), ("bert-base", 1, 128, "full")]
+        ("bert-base", 8, 128, "full"),
+        ("bert-base", 16, 256, "random:0.2"),
+        ("bert-base", 1, 128, "full"),
+    ]
     assert len(cases) == 6 and cases[0]["weights"] == "random"
 
 
@@ -69,8 +78,24 @@ def test_checkpoint_folder_weights_are_its_own():
 def test_model_folder_with_onnxruntime(tiny_folder, tmp_path, capsys):
     pytest.importorskip("onnxruntime")
     out_json = tmp_path / "ort.json"
-    rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5",
-                   "--providers", "hf-sdpa,onnxruntime", *FAST, "--json", str(out_json)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            str(tiny_folder),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--lengths",
+            "random:0.5",
+            "--providers",
+            "hf-sdpa,onnxruntime",
+            *FAST,
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out
     assert "This measures the CPU path" in out and "fused:" in out
@@ -89,7 +114,7 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
 
     if not frozen.available():
         pytest.skip("no oneDNN linear ops in this torch")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")        # the CPU path, where freeze() applies
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU path, where freeze() applies
     calls = []
     inner = frozen._PackedLinear.__call__
 
@@ -99,8 +124,24 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(frozen._PackedLinear, "__call__", counted)
     out_json = tmp_path / "frozen.json"
-    rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5",
-                   "--providers", "bert_fast,bert_fast-frozen,hf-sdpa", *FAST, "--json", str(out_json)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            str(tiny_folder),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--lengths",
+            "random:0.5",
+            "--providers",
+            "bert_fast,bert_fast-frozen,hf-sdpa",
+            *FAST,
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err[-2000:]
     run = json.loads(out_json.read_text())["runs"][0]
     fr = next(r for r in run["results"] if r["provider"] == "bert_fast-frozen")
@@ -108,17 +149,43 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
     assert run["parity_frozen"]["max_abs_diff"] < 1e-4
     assert set(run["speedups_frozen"]) == {"bert_fast", "hf-sdpa"}
     assert "parity bert_fast-frozen vs hf-sdpa" in capsys.readouterr().out
-    rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "8", "--mode", "train",
-                   "--providers", "bert_fast,bert_fast-frozen", *FAST])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            str(tiny_folder),
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--mode",
+            "train",
+            "--providers",
+            "bert_fast,bert_fast-frozen",
+            *FAST,
+        ]
+    )
     assert rc == 0
     row = next(ln for ln in capsys.readouterr().out.splitlines() if " bert_fast-frozen " in ln)
     assert "SKIPPED" in row and "CPU inference only" in row
 
 
 def test_onnxruntime_missing_is_a_one_line_skip(tiny_folder, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "onnxruntime", None)          # import onnxruntime -> ImportError
-    rc = cli.main(["bench", "--model", str(tiny_folder), "--batch", "1", "--seq", "8",
-                   "--providers", "hf-eager,onnxruntime", *FAST])
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime -> ImportError
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            str(tiny_folder),
+            "--batch",
+            "1",
+            "--seq",
+            "8",
+            "--providers",
+            "hf-eager,onnxruntime",
+            *FAST,
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     row = next(ln for ln in captured.out.splitlines() if " onnxruntime " in ln)
@@ -131,8 +198,19 @@ def test_encode_with_and_without_optimize(tiny_folder, tmp_path, capsys):
     sentences = tmp_path / "s.txt"
     sentences.write_text("the river\nthe farmer and the boat on the water\nit was the sun and the rain in the valley\n")
     out_json = tmp_path / "enc.json"
-    rc = cli.main(["bench", "--encode", "--model", str(tiny_folder), "--encode-sentences", str(sentences), *FAST,
-                   "--json", str(out_json)])
+    rc = cli.main(
+        [
+            "bench",
+            "--encode",
+            "--model",
+            str(tiny_folder),
+            "--encode-sentences",
+            str(sentences),
+            *FAST,
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out
     assert "encode 3 sentences" in out and "min cosine" in out

@@ -2,6 +2,7 @@
 
 Runs on the CPU in CI (tiny configs, few iterations); main(argv) is called in-process to keep it fast.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,16 +26,65 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # The documented JSON schema (bert_fast/bench/results.py docstring).
 TOP_KEYS = {"schema", "kind", "created", "status", "environment", "arguments", "ceilings", "notes"}
-ENV_KEYS = {"device", "device_type", "device_name", "driver_version", "python", "torch", "triton",
-            "transformers", "bert_fast", "git_commit", "build_info"}
+ENV_KEYS = {
+    "device",
+    "device_type",
+    "device_name",
+    "driver_version",
+    "python",
+    "torch",
+    "triton",
+    "transformers",
+    "bert_fast",
+    "git_commit",
+    "build_info",
+}
 CEILING_KEYS = {"copy_bandwidth_gbs", "matmul_tflops", "matmul_dtype", "matmul_shape"}
-RUN_KEYS = {"model", "config", "batch", "seq", "lengths", "real_tokens", "padded_tokens", "mode", "dtype",
-            "cuda_graphs", "flops_per_token", "flops_per_step", "parity", "results"}
-RESULT_KEYS = {"provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "tokens_per_s", "tflops", "mfu",
-               "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast", "iters", "method"}
+RUN_KEYS = {
+    "model",
+    "config",
+    "batch",
+    "seq",
+    "lengths",
+    "real_tokens",
+    "padded_tokens",
+    "mode",
+    "dtype",
+    "cuda_graphs",
+    "flops_per_token",
+    "flops_per_step",
+    "parity",
+    "results",
+}
+RESULT_KEYS = {
+    "provider",
+    "status",
+    "error",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_bytes",
+    "peak_mem_mb",
+    "speedup_of_bert_fast",
+    "iters",
+    "method",
+}
 OPS_CASE_KEYS = {"name", "op", "label", "direction", "bound", "flops", "bytes", "params", "dtype", "results"}
-OPS_RESULT_KEYS = {"provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "gbs", "tflops",
-                   "pct_of_ceiling", "peak_mem_bytes"}
+OPS_RESULT_KEYS = {
+    "provider",
+    "status",
+    "error",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "gbs",
+    "tflops",
+    "pct_of_ceiling",
+    "peak_mem_bytes",
+}
 
 FAST = ["--device", "cpu", "--warmup", "1", "--iters", "2", "--inputs", "2", "--no-progress"]
 
@@ -45,8 +95,14 @@ def tiny_ckpt(tmp_path_factory):
     from transformers import BertConfig
 
     d = tmp_path_factory.mktemp("tiny_bert")
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               vocab_size=128, max_position_embeddings=64).save_pretrained(d)
+    BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=64,
+    ).save_pretrained(d)
     return d
 
 
@@ -73,14 +129,19 @@ def test_cpu_defaults_measure_real_models_not_a_toy():
     assert any("This measures the CPU path" in n for n in notes)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["bench", "--providers", "hf-eager,nope"],
-     "valid providers: bert_fast, hf-eager, hf-sdpa, hf-compile, onnxruntime"),
-    (["bench", "--batch", "0"], "--batch"),
-    (["bench", "--mode", "serve"], "invalid choice"),
-    (["bench", "--dtype", "int8"], "invalid choice"),
-    (["frobnicate"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["bench", "--providers", "hf-eager,nope"],
+            "valid providers: bert_fast, hf-eager, hf-sdpa, hf-compile, onnxruntime",
+        ),
+        (["bench", "--batch", "0"], "--batch"),
+        (["bench", "--mode", "serve"], "invalid choice"),
+        (["bench", "--dtype", "int8"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
 def test_bad_arguments_exit_nonzero(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
@@ -112,16 +173,32 @@ def test_bench_ops_default_providers_exit_0_on_the_cpu(tmp_path, monkeypatch, ca
     and the command exits 0 (it exited 1)."""
     from bert_fast.bench.op_cases import attention, bias_gelu, embedding, linear, residual_layer_norm
 
-    for mod, values in ((attention, dict(TOKENS=64, SEQLENS=(32,), PADDED_SEQLEN=32, HEADS=2, HEAD_DIM=16)),
-                        (linear, dict(HIDDEN=(32,), TOKENS=(16,))),
-                        (bias_gelu, dict(HIDDEN=(32,), TOKENS=(16,))),
-                        (residual_layer_norm, dict(HIDDEN=(32,), TOKENS=(16,))),
-                        (embedding, dict(TOKENS=64, SEQ=32, HIDDEN=(32,), VOCAB=100))):
+    for mod, values in (
+        (attention, dict(TOKENS=64, SEQLENS=(32,), PADDED_SEQLEN=32, HEADS=2, HEAD_DIM=16)),
+        (linear, dict(HIDDEN=(32,), TOKENS=(16,))),
+        (bias_gelu, dict(HIDDEN=(32,), TOKENS=(16,))),
+        (residual_layer_norm, dict(HIDDEN=(32,), TOKENS=(16,))),
+        (embedding, dict(TOKENS=64, SEQ=32, HIDDEN=(32,), VOCAB=100)),
+    ):
         for name, value in values.items():
             monkeypatch.setattr(mod, name, value)
     out_json = tmp_path / "ops.json"
-    rc = cli.main(["bench-ops", "--device", "cpu", "--warmup", "0", "--max-rounds", "6", "--inputs", "1",
-                   "--no-progress", "--json", str(out_json)])
+    rc = cli.main(
+        [
+            "bench-ops",
+            "--device",
+            "cpu",
+            "--warmup",
+            "0",
+            "--max-rounds",
+            "6",
+            "--inputs",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-3000:]
     doc = json.loads(out_json.read_text())
@@ -179,7 +256,7 @@ def test_train_hook_forwards_argv(monkeypatch):
 def test_lengths(tmp_path):
     assert model_workload.parse_lengths("full", 3, 16) == [16, 16, 16]
     r = model_workload.parse_lengths("random:0.25", 64, 100)
-    assert r == model_workload.parse_lengths("random:0.25", 64, 100)       # fixed seed
+    assert r == model_workload.parse_lengths("random:0.25", 64, 100)  # fixed seed
     assert min(r) >= 25 and max(r) <= 100 and len(set(r)) > 1
     f = tmp_path / "lens.txt"
     f.write_text("3, 5\n7")
@@ -216,8 +293,10 @@ def test_kernel_shapes_of_the_presets():
 # ----------------------------------------------------------------------------- imports flow one way
 PACKAGE = ROOT / "bert_fast"
 # Underscore names of the ops that doctor still needs (bert_fast.ops has no public name for them yet).
-PRIVATE_ALLOWED = {("bert_fast/doctor.py", "bert_fast.ops", "_dispatch"),
-                   ("bert_fast/doctor.py", "bert_fast.ops.embedding", "_dropout_keep_mask")}
+PRIVATE_ALLOWED = {
+    ("bert_fast/doctor.py", "bert_fast.ops", "_dispatch"),
+    ("bert_fast/doctor.py", "bert_fast.ops.embedding", "_dropout_keep_mask"),
+}
 
 
 def _imports(path):
@@ -233,9 +312,18 @@ def _imports(path):
                 yield alias.name, None
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in
-                                        [*(PACKAGE / "bench").rglob("*.py"), PACKAGE / "cli.py",
-                                         PACKAGE / "doctor.py", PACKAGE / "model" / "facts.py"]))
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        str(p.relative_to(ROOT))
+        for p in [
+            *(PACKAGE / "bench").rglob("*.py"),
+            PACKAGE / "cli.py",
+            PACKAGE / "doctor.py",
+            PACKAGE / "model" / "facts.py",
+        ]
+    ),
+)
 def test_imports_flow_one_way(path):
     """cli -> bench, doctor -> model -> ops: the benches and doctor never import the CLI, the model
     facts import nothing of bert_fast, and no module takes another module's underscore names."""
@@ -260,8 +348,20 @@ def test_info_output(capsys, tmp_path):
     out_json = tmp_path / "info.json"
     assert cli.main(["info", "--device", "cpu", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    for needle in ("build_info", "cuda_compiled", "torch", "triton", "transformers", "driver",
-                   "embedding", "linear", "bias_gelu", "residual_layer_norm", "attention", "need a CUDA GPU"):
+    for needle in (
+        "build_info",
+        "cuda_compiled",
+        "torch",
+        "triton",
+        "transformers",
+        "driver",
+        "embedding",
+        "linear",
+        "bias_gelu",
+        "residual_layer_norm",
+        "attention",
+        "need a CUDA GPU",
+    ):
         assert needle in out, needle
     info = json.loads(out_json.read_text())
     assert set(info["kernels"]) == {"embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"}
@@ -279,8 +379,10 @@ def test_op_backend_embedding_cpu_says_what_runs(monkeypatch, interpret):
     """`bert-fast info` names the implementation the embedding op really takes on CPU tensors: the
     C++ twin whenever the extension loaded, with or without the Triton interpreter."""
     from bert_fast.ops import embedding
+
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     import bert_fast
+
     label = op_backends.op_backend("embedding", "cpu", torch.float32, bert_fast.build_info())
     runs = embedding._backend(torch.empty(0))
     # "torch": the CPU path built from torch's own ops (bert_fast.ops.torch_impl, issue 14)
@@ -307,8 +409,26 @@ def _check_model_doc(doc, providers):
 
 def test_bench_hf_eager_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    rc = cli.main(["bench", "--model", "tiny", "--batch", "2", "--seq", "16,32", "--lengths", "random:0.5",
-                   "--providers", "hf-eager,hf-sdpa", *FAST, "--json", str(out_json), "--plot", str(out_png)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16,32",
+            "--lengths",
+            "random:0.5",
+            "--providers",
+            "hf-eager,hf-sdpa",
+            *FAST,
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "hf-eager" in out and "median ms" in out and "This measures the CPU path" in out
@@ -321,8 +441,27 @@ def test_bench_hf_eager_json_and_plot(tmp_path, capsys):
 
 def test_bench_train_mode(tmp_path, tiny_ckpt):
     out_json = tmp_path / "train.json"
-    assert cli.main(["bench", "--model", str(tiny_ckpt), "--batch", "2", "--seq", "8", "--mode", "train",
-                     "--providers", "hf-sdpa", *FAST, "--json", str(out_json)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--model",
+                str(tiny_ckpt),
+                "--batch",
+                "2",
+                "--seq",
+                "8",
+                "--mode",
+                "train",
+                "--providers",
+                "hf-sdpa",
+                *FAST,
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
     _check_model_doc(doc, ["hf-sdpa"])
     run = doc["runs"][0]
@@ -333,9 +472,35 @@ def test_bench_bert_fast_provider(tmp_path, tiny_ckpt):
     # No skip: bert_fast.BertModel must run here (a skip on any exception, as this test once had,
     # hid every failure of the model behind "not runnable yet").
     out_json = tmp_path / "bf.json"
-    assert cli.main(["bench", "--model", str(tiny_ckpt), "--batch", "2", "--seq", "8", "--lengths", "random:0.5",
-                     "--providers", "bert_fast,hf-eager", "--device", "cpu", "--warmup", "0", "--iters", "1",
-                     "--inputs", "1", "--no-progress", "--json", str(out_json)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--model",
+                str(tiny_ckpt),
+                "--batch",
+                "2",
+                "--seq",
+                "8",
+                "--lengths",
+                "random:0.5",
+                "--providers",
+                "bert_fast,hf-eager",
+                "--device",
+                "cpu",
+                "--warmup",
+                "0",
+                "--iters",
+                "1",
+                "--inputs",
+                "1",
+                "--no-progress",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
     _check_model_doc(doc, ["bert_fast", "hf-eager"])
     run = doc["runs"][0]
@@ -358,19 +523,51 @@ def _tiny_cases(device, dtype):
         raise RuntimeError("kernel exploded")
 
     n = 64 * 64 * torch.tensor([], dtype=dtype).element_size()
-    return [OpCase(op="toy", label="N=4096", direction="fwd", bound="memory", bytes=2 * n,
-                   providers={"torch": copy_factory, "bert_fast": copy_factory}, params={"N": 4096}),
-            OpCase(op="toy", label="M=N=K=32", direction="fwd", bound="compute", flops=2 * 32 ** 3,
-                   bytes=3 * 32 * 32 * 4, providers={"torch": mm_factory, "bert_fast": broken_factory})]
+    return [
+        OpCase(
+            op="toy",
+            label="N=4096",
+            direction="fwd",
+            bound="memory",
+            bytes=2 * n,
+            providers={"torch": copy_factory, "bert_fast": copy_factory},
+            params={"N": 4096},
+        ),
+        OpCase(
+            op="toy",
+            label="M=N=K=32",
+            direction="fwd",
+            bound="compute",
+            flops=2 * 32**3,
+            bytes=3 * 32 * 32 * 4,
+            providers={"torch": mm_factory, "bert_fast": broken_factory},
+        ),
+    ]
 
 
 def test_bench_ops_tiny_cases(tmp_path, monkeypatch, capsys):
     fake = types.SimpleNamespace(cases=_tiny_cases)
     monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({"toy": fake}, {}))
     out_json, out_png = tmp_path / "ops.json", tmp_path / "ops.png"
-    rc = cli.main(["bench-ops", "--device", "cpu", "--max-cases", "5", "--warmup", "1", "--iters", "3",
-                   "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
-    assert rc == 1                                   # the broken provider is reported, not hidden
+    rc = cli.main(
+        [
+            "bench-ops",
+            "--device",
+            "cpu",
+            "--max-cases",
+            "5",
+            "--warmup",
+            "1",
+            "--iters",
+            "3",
+            "--no-progress",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
+    assert rc == 1  # the broken provider is reported, not hidden
     captured = capsys.readouterr()
     assert "kernel exploded" in captured.err + captured.out and "This measures the CPU path" in captured.out
     doc = json.loads(out_json.read_text())
@@ -391,12 +588,17 @@ def test_attention_op_cases_providers_run(monkeypatch):
     """The attention bench cases at a toy size: every bert_fast provider builds and runs, forward and
     backward (dropout 0.1; the separate-dQ one sets BERT_FAST_ATTN_DQ for its call only)."""
     from bert_fast.bench.op_cases import attention as cases_mod
+
     for name, value in (("TOKENS", 64), ("SEQLENS", (32,)), ("PADDED_SEQLEN", 32), ("HEADS", 2), ("HEAD_DIM", 16)):
         monkeypatch.setattr(cases_mod, name, value)
     monkeypatch.delenv("BERT_FAST_ATTN_DQ", raising=False)
     cases = cases_mod.cases("cpu", torch.float32)
-    assert [(c.direction, c.params["padded"]) for c in cases] == [("fwd", False), ("bwd", False),
-                                                                   ("fwd", True), ("bwd", True)]
+    assert [(c.direction, c.params["padded"]) for c in cases] == [
+        ("fwd", False),
+        ("bwd", False),
+        ("fwd", True),
+        ("bwd", True),
+    ]
     assert "bert_fast-dq-separate" in cases[1].providers and "bert_fast-dq-separate" not in cases[0].providers
     seen = set()
     for case in cases:
@@ -411,8 +613,10 @@ def test_attention_op_cases_providers_run(monkeypatch):
     assert seen == {"bert_fast", "bert_fast-padded", "bert_fast-dropout", "bert_fast-dq-separate"}
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="runs the Triton kernels: the interpreter or a GPU")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="runs the Triton kernels: the interpreter or a GPU",
+)
 def test_linear_op_cases_providers_run(monkeypatch):
     """The linear bench cases at a toy size: every bert_fast provider runs forward and backward,
     and "bert_fast-triton-pointer" really keeps the TMA GEMM out (forced on with
@@ -471,14 +675,36 @@ def test_merge_and_readme(tmp_path):
 
     run_dir = tmp_path / "results" / "run"
     run_dir.mkdir(parents=True)
-    assert cli.main(["bench", "--model", "tiny", "--batch", "1", "--seq", "8", "--providers", "hf-eager",
-                     *FAST, "--json", str(run_dir / "model-a.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--model",
+                "tiny",
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--providers",
+                "hf-eager",
+                *FAST,
+                "--json",
+                str(run_dir / "model-a.json"),
+            ]
+        )
+        == 0
+    )
     (run_dir / "pytest.log").write_text("....s\n=== 4 passed, 1 skipped, 2 failed in 3.2s ===\n")
     (run_dir / "stages.tsv").write_text("tests\t1\t3.5\tfailed\nbench\t0\t9.0\tok\n")
     out = tmp_path / "results" / "20250101-000000-h100-abc.json"
-    doc = results.merge(out, run_dir=run_dir, stages_file=run_dir / "stages.tsv",
-                        model_jsons=[run_dir / "model-a.json"], pytest_log=run_dir / "pytest.log",
-                        plot=run_dir / "summary.png")
+    doc = results.merge(
+        out,
+        run_dir=run_dir,
+        stages_file=run_dir / "stages.tsv",
+        model_jsons=[run_dir / "model-a.json"],
+        pytest_log=run_dir / "pytest.log",
+        plot=run_dir / "summary.png",
+    )
     assert doc["schema"] == "bert_fast.gpu_check/1"
     assert (doc["tests"]["passed"], doc["tests"]["failed"], doc["tests"]["skipped"]) == (4, 2, 1)
     assert [s["status"] for s in doc["stages"]] == ["failed", "ok"]
@@ -493,7 +719,7 @@ def test_merge_and_readme(tmp_path):
     text = readme.read_text()
     assert mk.START in text and mk.END in text and "No GPU results exist yet" in text
     assert mk.main(["--results-dir", str(out.parent), "--readme", str(readme)]) == 0
-    assert "No GPU results exist yet" in readme.read_text()       # a CPU run is not a GPU result
+    assert "No GPU results exist yet" in readme.read_text()  # a CPU run is not a GPU result
     assert mk.main(["--results-dir", str(out.parent), "--readme", str(readme), "--allow-cpu"]) == 0
     text = readme.read_text()
     assert "No GPU results" not in text and "hf-eager" in text and "4 passed, 2 failed" in text
@@ -528,10 +754,12 @@ def test_pytest_counts_parse_xdist_output():
     worker and -rs reasons must not hide the final summary."""
     from bert_fast.bench.results import parse_pytest_counts
 
-    log = ("created: 4/4 workers\n4 workers [812 items]\n\n...s..F. [  8%]\n"
-           "[gw2] node down: Not properly terminated\nreplacing crashed worker gw2\n"
-           "SKIPPED [2] tests/test_attention.py:554: needs 2 passed GPUs\n"
-           "1 failed, 800 passed, 11 skipped, 2 warnings in 312.54s (0:05:12)\n")
+    log = (
+        "created: 4/4 workers\n4 workers [812 items]\n\n...s..F. [  8%]\n"
+        "[gw2] node down: Not properly terminated\nreplacing crashed worker gw2\n"
+        "SKIPPED [2] tests/test_attention.py:554: needs 2 passed GPUs\n"
+        "1 failed, 800 passed, 11 skipped, 2 warnings in 312.54s (0:05:12)\n"
+    )
     c = parse_pytest_counts(log)
     assert (c["passed"], c["failed"], c["skipped"]) == (800, 1, 11)
 
@@ -550,8 +778,14 @@ def test_gpu_check_detached_mode(tmp_path):
     shutil.copy(ROOT / "README.md", repo / "README.md")
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, OUT=str(out), BERT_FAST_CHECK_LOG=str(tmp_path / "check.log"),
-               BERT_FAST_CHECK_SKIP_INSTALL="1", BERT_FAST_CHECK_BUDGET_S="70", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        BERT_FAST_CHECK_LOG=str(tmp_path / "check.log"),
+        BERT_FAST_CHECK_SKIP_INSTALL="1",
+        BERT_FAST_CHECK_BUDGET_S="70",
+        PYTHONPATH=str(ROOT),
+    )
     script = str(repo / "benchmarks" / "gpu_check.sh")
     r = subprocess.run(["bash", script, "--detach"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "started detached" in r.stdout, r.stdout + r.stderr

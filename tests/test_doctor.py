@@ -4,6 +4,7 @@ exit status, and a check whose process dies reported as a fault while the rest g
 Failures are planted in the check processes with BERT_FAST_DOCTOR_PRELOAD (a file each check
 process runs first), at the smallest subset of checks that shows each behaviour.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ from bert_fast import doctor
 
 cpu_only = pytest.mark.skipif(
     os.environ.get("BERT_FAST_TEST_DEVICE", "cuda" if __import__("torch").cuda.is_available() else "cpu") != "cpu",
-    reason="the CPU run of the doctor (through the interpreter); a GPU session runs `bert-fast doctor` itself")
+    reason="the CPU run of the doctor (through the interpreter); a GPU session runs `bert-fast doctor` itself",
+)
 
 
 def _doctor(args, tmp_path, preload=None, timeout=300):
@@ -29,8 +31,14 @@ def _doctor(args, tmp_path, preload=None, timeout=300):
         f.write_text(textwrap.dedent(preload))
         env[doctor.PRELOAD_ENV] = str(f)
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "bert_fast", "doctor", "--device", "cpu", "--json", str(report)]
-                          + args, capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bert_fast", "doctor", "--device", "cpu", "--json", str(report)] + args,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
     return proc, json.loads(report.read_text()) if report.exists() else None
 
 
@@ -42,7 +50,7 @@ def test_plan_covers_every_kernel_dtype_shape_layout_direction_and_dropout():
     assert {c["dtype"] for c in checks} == {"fp32", "fp16", "bf16"}
     assert {c["shape"] for c in checks} == {"minilm", "bert-base", "bert-large"}
     assert {c["dropout"] for c in checks if c["op"] in doctor.DROPOUT_OPS} == {0.0, doctor.DROPOUT_P}
-    assert not any(doctor.skip_reason(c) for c in checks)                  # on a GPU nothing is skipped
+    assert not any(doctor.skip_reason(c) for c in checks)  # on a GPU nothing is skipped
     cpu = doctor.plan(gpu=False)
     skipped = {(c["op"], c["dtype"]) for c in cpu if doctor.skip_reason(c)}
     assert skipped == {("linear", "bf16"), ("attention", "bf16")}
@@ -50,8 +58,9 @@ def test_plan_covers_every_kernel_dtype_shape_layout_direction_and_dropout():
 
 @cpu_only
 def test_doctor_cpu_prints_its_table(tmp_path):
-    proc, report = _doctor(["--ops", "linear,bias_gelu", "--dtypes", "bf16", "--shapes", "minilm",
-                            "--layouts", "dense"], tmp_path)
+    proc, report = _doctor(
+        ["--ops", "linear,bias_gelu", "--dtypes", "bf16", "--shapes", "minilm", "--layouts", "dense"], tmp_path
+    )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     for column in doctor.COLUMNS:
@@ -92,8 +101,11 @@ PLANTED = """
 
 @cpu_only
 def test_doctor_reports_fail_error_and_fault_and_exits_nonzero(tmp_path):
-    proc, report = _doctor(["--ops", "bias_gelu,residual_layer_norm", "--dtypes", "fp32", "--shapes", "minilm",
-                            "--layouts", "dense"], tmp_path, preload=PLANTED)
+    proc, report = _doctor(
+        ["--ops", "bias_gelu,residual_layer_norm", "--dtypes", "fp32", "--shapes", "minilm", "--layouts", "dense"],
+        tmp_path,
+        preload=PLANTED,
+    )
     assert proc.returncode == doctor.EXIT_FAIL, proc.stdout + proc.stderr
     by = {(c["op"], c["dropout"], c["direction"]): c for c in report["checks"]}
     assert len(by) == 6 and report["exit_status"] == doctor.EXIT_FAIL
@@ -129,9 +141,17 @@ def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     bad = {"id": 3, "op": "attention", "verdict": "fault", "reason": "the check's process died (killed by SIGSEGV)"}
-    (run_dir / "doctor.json").write_text(json.dumps({
-        "gpu_verdict": True, "exit_status": 1, "summary": {"pass": 1, "fault": 1},
-        "checks": [{"id": 2, "op": "linear", "verdict": "pass"}, bad], "environment": {"device": "cuda"}}))
+    (run_dir / "doctor.json").write_text(
+        json.dumps(
+            {
+                "gpu_verdict": True,
+                "exit_status": 1,
+                "summary": {"pass": 1, "fault": 1},
+                "checks": [{"id": 2, "op": "linear", "verdict": "pass"}, bad],
+                "environment": {"device": "cuda"},
+            }
+        )
+    )
     doc = results.merge(tmp_path / "out.json", run_dir=run_dir, doctor_json=run_dir / "doctor.json")
     assert doc["doctor"]["summary"] == {"pass": 1, "fault": 1} and doc["doctor"]["problems"] == [bad]
     assert doc["doctor"]["file"] == "run/doctor.json"

@@ -3,6 +3,7 @@
 Every test feeds a synthetic timer and clock (no real timing: the machine is shared, and timings
 live in benchmarks, never in tests), so each runs in milliseconds.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,13 +30,14 @@ class SyntheticTimer:
 
     def __init__(self, dists, clock, seed=0):
         self.dists, self.clock, self.rng = dists, clock, random.Random(seed)
-        self.order = []          # provider names, call by call (timed rounds only)
+        self.order = []  # provider names, call by call (timed rounds only)
         self.last = None
         self.round = 0
 
     def provider(self, name):
         def call():
             self.last = name
+
         return call
 
     def time_round(self, calls):
@@ -72,8 +74,9 @@ def test_median_ci_order_statistics():
 
 def test_stable_timer_converges_before_the_budget():
     """1% noise: the interval shrinks under +-3% and the rounds stop early, not at max_rounds."""
-    t, clock, providers = _setup({"a": lambda r, i: 10.0 * (1 + 0.01 * r.gauss(0, 1)),
-                                  "b": lambda r, i: 20.0 * (1 + 0.01 * r.gauss(0, 1))})
+    t, clock, providers = _setup(
+        {"a": lambda r, i: 10.0 * (1 + 0.01 * r.gauss(0, 1)), "b": lambda r, i: 20.0 * (1 + 0.01 * r.gauss(0, 1))}
+    )
     m = timing.measure(providers, warmup=1, min_rounds=6, max_rounds=500, budget_s=60, timer=t, clock=clock)
     assert m.stop_reason == "converged" and len(m.rounds) < 500
     for name, med in (("a", 10.0), ("b", 20.0)):
@@ -90,8 +93,7 @@ def test_stable_timer_converges_before_the_budget():
 def test_noisy_timer_is_flagged_unstable_and_stops_at_the_budget():
     """Heavy-tailed noise (lognormal, sigma 1): the budget runs out before +-3%; the interval is
     wider than +-10%, so the figure is flagged unstable rather than reported as if precise."""
-    t, clock, providers = _setup({"noisy": lambda r, i: 10.0 * math.exp(r.gauss(0, 1.0)),
-                                  "calm": lambda r, i: 10.0})
+    t, clock, providers = _setup({"noisy": lambda r, i: 10.0 * math.exp(r.gauss(0, 1.0)), "calm": lambda r, i: 10.0})
     m = timing.measure(providers, warmup=0, min_rounds=6, max_rounds=10_000, budget_s=0.5, timer=t, clock=clock)
     assert m.stop_reason == "budget"
     noisy = m.timings["noisy"]
@@ -110,7 +112,7 @@ def test_rounds_interleave_in_rotating_order():
 def test_paired_rounds_cancel_shared_drift():
     """Each round the machine is 1x..3x slower for both providers alike: the medians' own intervals
     are wide, but the paired speedup is exactly 2 with a zero-width interval."""
-    drift = lambda i: 1.0 + (i % 3)                                        # noqa: E731
+    drift = lambda i: 1.0 + (i % 3)  # noqa: E731
     t, clock, providers = _setup({"fast": lambda r, i: 5.0 * drift(i), "slow": lambda r, i: 10.0 * drift(i)})
     m = timing.measure(providers, warmup=0, min_rounds=30, max_rounds=30, timer=t, clock=clock)
     assert m.timings["fast"].unstable
@@ -202,9 +204,32 @@ def test_noisy_timer_flags_unstable_in_table_json_and_plot(tmp_path, monkeypatch
 
     monkeypatch.setattr(timing, "default_timer", lambda device, flush_l2=False: NoisyTimer())
     out_json = tmp_path / "b.json"
-    rc = cli.main(["bench", "--model", "tiny", "--batch", "1", "--seq", "8", "--providers", "hf-eager,hf-sdpa",
-                   "--device", "cpu", "--warmup", "0", "--min-rounds", "6", "--max-rounds", "8", "--inputs", "1",
-                   "--no-progress", "--json", str(out_json)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--batch",
+            "1",
+            "--seq",
+            "8",
+            "--providers",
+            "hf-eager,hf-sdpa",
+            "--device",
+            "cpu",
+            "--warmup",
+            "0",
+            "--min-rounds",
+            "6",
+            "--max-rounds",
+            "8",
+            "--inputs",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("tiny infer")]
@@ -233,18 +258,53 @@ def test_figure_above_its_ceiling_is_flagged(tmp_path, monkeypatch, capsys):
         def factory():
             x = torch.randn(256, device=device, dtype=dtype)
             return lambda: x.clone()
-        return [OpCase(op="toy", label="N=256", direction="fwd", bound="memory", bytes=2048.0,
-                       providers={"torch": factory, "bert_fast": factory})]
 
-    fake = {"copy_bandwidth_gbs": 1e-6, "copy_bandwidth_ci_gbs": [1e-6, 1e-6], "copy_unstable": False,
-            "matmul_tflops": 1.0, "matmul_tflops_ci": [1.0, 1.0], "matmul_unstable": False, "threads": 1,
-            "rounds": 6, "matmul_dtype": "fp32", "matmul_shape": [1, 1, 1]}
+        return [
+            OpCase(
+                op="toy",
+                label="N=256",
+                direction="fwd",
+                bound="memory",
+                bytes=2048.0,
+                providers={"torch": factory, "bert_fast": factory},
+            )
+        ]
+
+    fake = {
+        "copy_bandwidth_gbs": 1e-6,
+        "copy_bandwidth_ci_gbs": [1e-6, 1e-6],
+        "copy_unstable": False,
+        "matmul_tflops": 1.0,
+        "matmul_tflops_ci": [1.0, 1.0],
+        "matmul_unstable": False,
+        "threads": 1,
+        "rounds": 6,
+        "matmul_dtype": "fp32",
+        "matmul_shape": [1, 1, 1],
+    }
     monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(fake))
     toy = {"toy": types.SimpleNamespace(cases=cases)}
     monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: (toy, {}))
     out_json = tmp_path / "ops.json"
-    assert cli.main(["bench-ops", "--device", "cpu", "--warmup", "0", "--max-rounds", "6", "--inputs", "1",
-                     "--no-progress", "--json", str(out_json)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench-ops",
+                "--device",
+                "cpu",
+                "--warmup",
+                "0",
+                "--max-rounds",
+                "6",
+                "--inputs",
+                "1",
+                "--no-progress",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("toy/fwd")]
     assert len(rows) == 2 and all("ceiling unstable" in ln for ln in rows), out
@@ -276,8 +336,15 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
         x = torch.randn(64)
         return lambda: x.clone()
 
-    case = OpCase(op="toy", label="N=64", direction="fwd", bound="memory", bytes=512.0,
-                  providers={"bert_fast": factory, "torch": factory}, unavailable={"cublas": "needs a GPU"})
+    case = OpCase(
+        op="toy",
+        label="N=64",
+        direction="fwd",
+        bound="memory",
+        bytes=512.0,
+        providers={"bert_fast": factory, "torch": factory},
+        unavailable={"cublas": "needs a GPU"},
+    )
     out = load("bench_ops").measure_case(case, torch.device("cpu"), budget_s=0.2, warmup=1)
     assert set(out["providers"]) == {"bert_fast", "torch"} and out["skipped"] == {"cublas": "needs a GPU"}
     sp = out["speedups"]["torch"]
@@ -285,16 +352,26 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
 
     bm = load("bench_model")
     case = bm.make_case("tiny", 1, 8, "full", "infer", "fp32")
-    out = bm.measure_case(case, torch.device("cpu"), torch.float32, providers=["hf-eager", "hf-sdpa"],
-                          budget_s=0.5, warmup=0)
+    out = bm.measure_case(
+        case, torch.device("cpu"), torch.float32, providers=["hf-eager", "hf-sdpa"], budget_s=0.5, warmup=0
+    )
     assert [p["status"] for p in out["providers"].values()] == ["ok", "ok"] and out["timing"]["rounds"] >= 1
     assert out["providers"]["hf-sdpa"]["speedup_ci"] is None or len(out["providers"]["hf-sdpa"]["speedup_ci"]) == 2
 
 
 # ----------------------------------------------------------------------------- bounded time (budget)
-FAKE_CEILINGS = {"copy_bandwidth_gbs": 10.0, "copy_bandwidth_ci_gbs": [9.9, 10.1], "copy_unstable": False,
-                 "matmul_tflops": 0.1, "matmul_tflops_ci": [0.099, 0.101], "matmul_unstable": False,
-                 "threads": 2, "rounds": 6, "matmul_dtype": "fp32", "matmul_shape": [1024] * 3}
+FAKE_CEILINGS = {
+    "copy_bandwidth_gbs": 10.0,
+    "copy_bandwidth_ci_gbs": [9.9, 10.1],
+    "copy_unstable": False,
+    "matmul_tflops": 0.1,
+    "matmul_tflops_ci": [0.099, 0.101],
+    "matmul_unstable": False,
+    "threads": 2,
+    "rounds": 6,
+    "matmul_dtype": "fp32",
+    "matmul_shape": [1024] * 3,
+}
 
 
 def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys):
@@ -309,17 +386,43 @@ def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(FAKE_CEILINGS))
     built = []
     real_build = model_bench.build_provider_model
-    monkeypatch.setattr(model_bench, "build_provider_model",
-                        lambda *a, **k: (built.append(a[1].hidden_size), real_build(*a, **k))[1])
+    monkeypatch.setattr(
+        model_bench, "build_provider_model", lambda *a, **k: (built.append(a[1].hidden_size), real_build(*a, **k))[1]
+    )
     out_json = tmp_path / "b.json"
-    rc = cli.main(["bench", "--model", "bert-large,tiny", "--batch", "16", "--seq", "512", "--lengths", "random:0.2",
-                   "--providers", "hf-sdpa", "--device", "cpu", "--max-minutes", "3", "--warmup", "0",
-                   "--max-rounds", "2", "--inputs", "1", "--no-progress", "--json", str(out_json)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            "bert-large,tiny",
+            "--batch",
+            "16",
+            "--seq",
+            "512",
+            "--lengths",
+            "random:0.2",
+            "--providers",
+            "hf-sdpa",
+            "--device",
+            "cpu",
+            "--max-minutes",
+            "3",
+            "--warmup",
+            "0",
+            "--max-rounds",
+            "2",
+            "--inputs",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     err = capsys.readouterr().err
     assert "skipping bert-large infer B=16 S=512" in err and "over the budget of --max-minutes 3" in err
     assert " min at least" in err and "GFLOP/s" in err
-    assert built == [128]                        # only the tiny model was ever built
+    assert built == [128]  # only the tiny model was ever built
     big, tiny = json.loads(out_json.read_text())["runs"]
     assert big["skipped"] and big["results"][0]["status"] == "skipped"
     assert not tiny.get("skipped") and tiny["results"][0]["status"] == "ok"
@@ -331,7 +434,7 @@ def test_estimate_and_eta():
     from bert_fast.bench.budget import Progress, estimate_case
 
     est = estimate_case(["a", "b"], 1e12, 0.1, "cpu", warmup=1, min_rounds=6, max_rounds=100, max_seconds=30)
-    assert est.call_s == pytest.approx(20.0)                     # 1 TFLOP at 0.5 x 0.1 TFLOP/s
+    assert est.call_s == pytest.approx(20.0)  # 1 TFLOP at 0.5 x 0.1 TFLOP/s
     assert est.min_s == pytest.approx(2 * (1 + 1 + 6) * 20.0) and est.expected_s >= est.min_s
     compiled = estimate_case(["hf-compile"], 1e12, 0.1, "cpu", warmup=1, min_rounds=6, max_rounds=100, max_seconds=30)
     assert compiled.fixed_s > 0 and compiled.min_s > est.min_s / 2
@@ -342,11 +445,11 @@ def test_estimate_and_eta():
     p = Progress([40.0, None, 40.0], stream=out, clock=clock, every_s=5)
     p.start_case(0, "first")
     clock.now = 3.0
-    p.on_round(1)                                   # throttled: nothing within 5 s
+    p.on_round(1)  # throttled: nothing within 5 s
     clock.now = 20.0
     p.on_round(2)
-    p.end_case()                                    # took half its estimate...
-    p.start_case(2, "third")                        # ...so the rest is expected in half the time
+    p.end_case()  # took half its estimate...
+    p.start_case(2, "third")  # ...so the rest is expected in half the time
     text = out.getvalue().splitlines()
     assert text[0] == "[1/3] first: estimated 40 s, ETA for the run 80 s"
     assert text[1] == "    round 2, 20 s into this case, ETA for the run 60 s"
@@ -361,9 +464,34 @@ def test_cuda_graphs_on_the_cpu_are_not_labelled_graphs(tmp_path, capsys):
     from bert_fast import cli
 
     out_json = tmp_path / "g.json"
-    assert cli.main(["bench", "--model", "tiny", "--batch", "1", "--seq", "8", "--cuda-graphs", "--providers",
-                     "hf-eager", "--device", "cpu", "--warmup", "0", "--max-rounds", "2", "--inputs", "1",
-                     "--no-progress", "--json", str(out_json)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--model",
+                "tiny",
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--cuda-graphs",
+                "--providers",
+                "hf-eager",
+                "--device",
+                "cpu",
+                "--warmup",
+                "0",
+                "--max-rounds",
+                "2",
+                "--inputs",
+                "1",
+                "--no-progress",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     rows = [ln for ln in captured.out.splitlines() if ln.startswith("tiny infer")]
     assert rows and not any("graphs" in ln for ln in rows), rows

@@ -13,6 +13,7 @@ While cases run, ``Progress`` prints one line per case and, at most every few se
 count and an ETA for the rest of the run: the remaining estimates, scaled by how the finished
 cases compared with theirs.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,17 +33,19 @@ FIXED_SECONDS: Dict[str, Dict[str, float]] = {
 
 @dataclass
 class Estimate:
-    call_s: float          # one call of one provider
-    fixed_s: float         # compile / export before the first call
-    min_s: float           # what the case costs at the least: first calls, warm-up, min rounds
-    expected_s: float      # with the rounds the budget allows
-    calls: int             # calls counted in min_s
+    call_s: float  # one call of one provider
+    fixed_s: float  # compile / export before the first call
+    min_s: float  # what the case costs at the least: first calls, warm-up, min rounds
+    expected_s: float  # with the rounds the budget allows
+    calls: int  # calls counted in min_s
 
     def describe(self, n_providers: int, rate_tflops: float) -> str:
         fixed = f", plus ~{fmt_duration(self.fixed_s)} of compile/export" if self.fixed_s else ""
-        return (f"{fmt_duration(self.min_s)} at least ({n_providers} provider(s) x {self.calls // max(1, n_providers)} "
-                f"calls of ~{fmt_duration(self.call_s)} each at {MODEL_EFFICIENCY:g} x the measured "
-                f"{rate_tflops * 1e3:.0f} GFLOP/s{fixed})")
+        return (
+            f"{fmt_duration(self.min_s)} at least ({n_providers} provider(s) x {self.calls // max(1, n_providers)} "
+            f"calls of ~{fmt_duration(self.call_s)} each at {MODEL_EFFICIENCY:g} x the measured "
+            f"{rate_tflops * 1e3:.0f} GFLOP/s{fixed})"
+        )
 
 
 def fmt_duration(seconds: float) -> str:
@@ -57,15 +60,30 @@ def fmt_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def estimate_case(providers: Sequence[str], flops_per_call: float, rate_tflops: Optional[float],
-                  device_type: str, *, warmup: int, min_rounds: int, max_rounds: int,
-                  max_seconds: Optional[float]) -> Optional[Estimate]:
+def estimate_case(
+    providers: Sequence[str],
+    flops_per_call: float,
+    rate_tflops: Optional[float],
+    device_type: str,
+    *,
+    warmup: int,
+    min_rounds: int,
+    max_rounds: int,
+    max_seconds: Optional[float],
+) -> Optional[Estimate]:
     """None without a measured rate (nothing to estimate from)."""
     if not rate_tflops or rate_tflops <= 0:
         return None
     call = flops_per_call / (MODEL_EFFICIENCY * rate_tflops * 1e12)
-    return estimate_calls(providers, call, device_type, warmup=warmup, min_rounds=min_rounds,
-                          max_rounds=max_rounds, max_seconds=max_seconds)
+    return estimate_calls(
+        providers,
+        call,
+        device_type,
+        warmup=warmup,
+        min_rounds=min_rounds,
+        max_rounds=max_rounds,
+        max_seconds=max_seconds,
+    )
 
 
 def estimate_op_case(case, providers: Sequence[str], ceilings: Dict, device_type: str, **kw) -> Optional[Estimate]:
@@ -78,12 +96,20 @@ def estimate_op_case(case, providers: Sequence[str], ceilings: Dict, device_type
         times.append(case.bytes / (MODEL_EFFICIENCY * ceilings["copy_bandwidth_gbs"] * 1e9))
     if not times:
         return None
-    fixed_names = ["hf-compile" if "compile" in p else p for p in providers]   # torch.compile providers
+    fixed_names = ["hf-compile" if "compile" in p else p for p in providers]  # torch.compile providers
     return estimate_calls(fixed_names, max(times), device_type, **kw)
 
 
-def estimate_calls(providers: Sequence[str], call: float, device_type: str, *, warmup: int, min_rounds: int,
-                   max_rounds: int, max_seconds: Optional[float]) -> Estimate:
+def estimate_calls(
+    providers: Sequence[str],
+    call: float,
+    device_type: str,
+    *,
+    warmup: int,
+    min_rounds: int,
+    max_rounds: int,
+    max_seconds: Optional[float],
+) -> Estimate:
     p = len(providers)
     fixed = sum(FIXED_SECONDS.get(name, {}).get(device_type, 0.0) for name in providers)
     calls = p * (1 + warmup + min_rounds)
@@ -99,15 +125,21 @@ def estimate_calls(providers: Sequence[str], call: float, device_type: str, *, w
 class Progress:
     """One line per case and a throttled round/ETA line on stderr (nothing when disabled)."""
 
-    def __init__(self, estimates: List[Optional[float]], enabled: bool = True, every_s: float = 5.0,
-                 stream=None, clock=time.monotonic):
+    def __init__(
+        self,
+        estimates: List[Optional[float]],
+        enabled: bool = True,
+        every_s: float = 5.0,
+        stream=None,
+        clock=time.monotonic,
+    ):
         self.estimates = [e or 0.0 for e in estimates]
         self.enabled = enabled
         self.every_s = every_s
         self.stream = stream or sys.stderr
         self.clock = clock
-        self.done_est = 0.0      # estimates of the finished cases
-        self.done_real = 0.0     # their real durations
+        self.done_est = 0.0  # estimates of the finished cases
+        self.done_real = 0.0  # their real durations
         self.case = -1
         self.t_case = self.t_last = clock()
 
@@ -116,7 +148,7 @@ class Progress:
         return self.done_real / self.done_est if self.done_est > 0 and self.done_real > 0 else 1.0
 
     def eta(self, elapsed_in_case: float = 0.0) -> float:
-        rest = sum(self.estimates[self.case + 1:]) if self.case >= 0 else sum(self.estimates)
+        rest = sum(self.estimates[self.case + 1 :]) if self.case >= 0 else sum(self.estimates)
         cur = self.estimates[self.case] if 0 <= self.case < len(self.estimates) else 0.0
         return max(0.0, self._scale() * (rest + cur) - elapsed_in_case)
 
@@ -128,8 +160,10 @@ class Progress:
         self.case = index
         self.t_case = self.t_last = self.clock()
         est = self.estimates[index] if index < len(self.estimates) else 0.0
-        self._print(f"[{index + 1}/{len(self.estimates)}] {label}: estimated {fmt_duration(self._scale() * est)}"
-                    f", ETA for the run {fmt_duration(self.eta())}")
+        self._print(
+            f"[{index + 1}/{len(self.estimates)}] {label}: estimated {fmt_duration(self._scale() * est)}"
+            f", ETA for the run {fmt_duration(self.eta())}"
+        )
 
     def on_round(self, rounds: int) -> None:
         now = self.clock()
@@ -137,8 +171,10 @@ class Progress:
             return
         self.t_last = now
         elapsed = now - self.t_case
-        self._print(f"    round {rounds}, {fmt_duration(elapsed)} into this case, "
-                    f"ETA for the run {fmt_duration(self.eta(elapsed))}")
+        self._print(
+            f"    round {rounds}, {fmt_duration(elapsed)} into this case, "
+            f"ETA for the run {fmt_duration(self.eta(elapsed))}"
+        )
 
     def end_case(self, skipped: bool = False) -> None:
         if 0 <= self.case < len(self.estimates) and not skipped:

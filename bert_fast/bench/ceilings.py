@@ -15,6 +15,7 @@ one whose interval is wider than +-10% is flagged unstable, and so is every figu
 was busier, or the op's data stayed in a cache the large copy cannot use). Measured once per
 process and device (cached).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -23,9 +24,16 @@ import torch
 
 from bert_fast.bench import timing
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
-           "float32": torch.float32, "float": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -38,8 +46,9 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-            torch.float64: "fp64"}.get(dtype, str(dtype).replace("torch.", ""))
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
+        dtype, str(dtype).replace("torch.", "")
+    )
 
 
 def _copy_bytes(device: torch.device) -> int:
@@ -60,24 +69,37 @@ def _ceilings(device_str: str, dtype: torch.dtype, n: int, budget_s: float) -> d
     b = torch.randn(n, n, device=device, dtype=torch.float32, generator=g).to(dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     cuda = device.type == "cuda"
-    m = timing.measure({"copy": lambda: dst.copy_(src), "matmul": lambda: torch.matmul(a, b, out=c)}, device,
-               warmup=3, min_rounds=10 if cuda else timing.MIN_ROUNDS, max_rounds=200 if cuda else 60,
-               budget_s=budget_s, catch=False)
-    copy_work = 2.0 * src.numel() * src.element_size() / 1e9     # GB read + written per call
-    src = dst = a = b = c = None      # free the buffers before anything else is measured
+    m = timing.measure(
+        {"copy": lambda: dst.copy_(src), "matmul": lambda: torch.matmul(a, b, out=c)},
+        device,
+        warmup=3,
+        min_rounds=10 if cuda else timing.MIN_ROUNDS,
+        max_rounds=200 if cuda else 60,
+        budget_s=budget_s,
+        catch=False,
+    )
+    copy_work = 2.0 * src.numel() * src.element_size() / 1e9  # GB read + written per call
+    src = dst = a = b = c = None  # free the buffers before anything else is measured
     if cuda:
         torch.cuda.empty_cache()
-    mm_work = 2.0 * n ** 3 / 1e12             # TFLOP per call
+    mm_work = 2.0 * n**3 / 1e12  # TFLOP per call
     tc, tm = m.timings["copy"], m.timings["matmul"]
 
-    def rate(work, t):   # the rate at the median time; the interval follows the times' interval
+    def rate(work, t):  # the rate at the median time; the interval follows the times' interval
         return work / (t.median_ms * 1e-3), [work / (t.ci_high_ms * 1e-3), work / (t.ci_low_ms * 1e-3)]
 
     gbs, gbs_ci = rate(copy_work, tc)
     tfl, tfl_ci = rate(mm_work, tm)
-    return {"copy_bandwidth_gbs": gbs, "copy_bandwidth_ci_gbs": gbs_ci, "copy_unstable": tc.unstable,
-            "matmul_tflops": tfl, "matmul_tflops_ci": tfl_ci, "matmul_unstable": tm.unstable,
-            "rounds": len(m.rounds), "threads": m.threads}
+    return {
+        "copy_bandwidth_gbs": gbs,
+        "copy_bandwidth_ci_gbs": gbs_ci,
+        "copy_unstable": tc.unstable,
+        "matmul_tflops": tfl,
+        "matmul_tflops_ci": tfl_ci,
+        "matmul_unstable": tm.unstable,
+        "rounds": len(m.rounds),
+        "threads": m.threads,
+    }
 
 
 _CACHE: dict = {}
@@ -128,16 +150,19 @@ def measure(device, dtype) -> dict:
         "copy_bytes_per_buffer": _copy_bytes(torch.device(device)),
         "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if torch.device(device).type == "cuda" else None,
         "method": "rate at the median time of dst.copy_(src) and torch.matmul, interleaved in rounds "
-                  "(bert_fast.bench.timing.measure); *_ci: 95% interval; *_unstable: interval wider than +-10%",
+        "(bert_fast.bench.timing.measure); *_ci: 95% interval; *_unstable: interval wider than +-10%",
     }
 
 
 def describe(ceilings: dict, dtype_label: str) -> str:
     """One line for the console: both ceilings with their intervals and flags."""
+
     def one(value, ci, unit, fmt, unstable):
         text = f"{value:{fmt}} {unit} ({ci[0]:{fmt}}-{ci[1]:{fmt}})"
         return text + (" UNSTABLE" if unstable else "")
-    copy = one(ceilings["copy_bandwidth_gbs"], ceilings["copy_bandwidth_ci_gbs"], "GB/s", ".1f",
-               ceilings["copy_unstable"])
+
+    copy = one(
+        ceilings["copy_bandwidth_gbs"], ceilings["copy_bandwidth_ci_gbs"], "GB/s", ".1f", ceilings["copy_unstable"]
+    )
     gemm = one(ceilings["matmul_tflops"], ceilings["matmul_tflops_ci"], "TFLOP/s", ".3g", ceilings["matmul_unstable"])
     return f"copy {copy}, {dtype_label} GEMM {gemm}; {ceilings['threads']} threads"

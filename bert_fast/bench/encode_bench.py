@@ -14,6 +14,7 @@ timed side by side in interleaved rounds (bert_fast.bench.timing.measure), one c
 encode() of the whole list at ``--encode-batch`` (default 32, sentence-transformers' own default).
 Parity: the largest |difference| and the smallest cosine between the two embeddings of each sentence.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,26 +42,48 @@ def read_sentences(path: Optional[str]) -> List[str]:
 
 
 def _load(folder: str, device):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")          # a local folder: never reach a hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: never reach a hub
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as exc:
-        raise BenchError(f"--encode needs sentence-transformers (pip install -e \".[test]\"): {exc}") from None
+        raise BenchError(f'--encode needs sentence-transformers (pip install -e ".[test]"): {exc}') from None
     return SentenceTransformer(folder, device=str(device))
 
 
-def make_case(folder: str, sentences: List[str], batch_size: int, dtype_name: str, name: str,
-              sentences_file: Optional[str]) -> Dict[str, Any]:
-    return {"model": folder, "model_name": name, "mode": "encode", "batch": len(sentences), "seq": None,
-            "lengths": f"sentences:{Path(sentences_file).name if sentences_file else DEFAULT_SENTENCES.name}",
-            "encode_batch_size": batch_size, "dtype": dtype_name, "cuda_graphs": False, "subject": SUBJECT,
-            "frozen_provider": FROZEN,
-            "parity": None, "results": [], "_sentences": sentences}
+def make_case(
+    folder: str, sentences: List[str], batch_size: int, dtype_name: str, name: str, sentences_file: Optional[str]
+) -> Dict[str, Any]:
+    return {
+        "model": folder,
+        "model_name": name,
+        "mode": "encode",
+        "batch": len(sentences),
+        "seq": None,
+        "lengths": f"sentences:{Path(sentences_file).name if sentences_file else DEFAULT_SENTENCES.name}",
+        "encode_batch_size": batch_size,
+        "dtype": dtype_name,
+        "cuda_graphs": False,
+        "subject": SUBJECT,
+        "frozen_provider": FROZEN,
+        "parity": None,
+        "results": [],
+        "_sentences": sentences,
+    }
 
 
-def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: int, max_rounds: int,
-                    target: float, max_seconds: Optional[float], ceilings: Dict[str, Any], timer=None,
-                    on_round=None) -> Dict[str, Any]:
+def run_encode_case(
+    case: Dict[str, Any],
+    device,
+    *,
+    warmup: int,
+    min_rounds: int,
+    max_rounds: int,
+    target: float,
+    max_seconds: Optional[float],
+    ceilings: Dict[str, Any],
+    timer=None,
+    on_round=None,
+) -> Dict[str, Any]:
     import torch
 
     import bert_fast
@@ -72,8 +95,9 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
     from bert_fast.model import frozen
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(case["dtype"])
-    can_freeze = (torch.device(device).type == "cpu" and frozen.available()
-                  and (dtype is None or frozen.dtype_supported(dtype)))
+    can_freeze = (
+        torch.device(device).type == "cpu" and frozen.available() and (dtype is None or frozen.dtype_supported(dtype))
+    )
     for provider in (SUBJECT, FROZEN, BASELINE) if can_freeze else (SUBJECT, BASELINE):
         rec = recs[provider] = new_record(provider)
         case["results"].append(rec)
@@ -86,8 +110,9 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
                 bert_fast.optimize(st, freeze=True)
                 rec["notes"] = ["bert_fast.optimize(SentenceTransformer, freeze=True)"]
             models[provider] = st
-            fns[provider] = (lambda m=st: m.encode(sentences, batch_size=bs, convert_to_tensor=True,
-                                                   show_progress_bar=False))
+            fns[provider] = lambda m=st: m.encode(
+                sentences, batch_size=bs, convert_to_tensor=True, show_progress_bar=False
+            )
         except BenchError:
             raise
         except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the other
@@ -98,15 +123,21 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
         # the model's own tokenizer and truncation, as encode() applies them
         lens = [len(ids) for ids in st.tokenizer(sentences, truncation=True, max_length=st.max_seq_length)["input_ids"]]
         cfg = st[0].auto_model.config
-        case.update(real_tokens=int(sum(lens)), seq=int(max(lens)), max_seq_length=st.max_seq_length,
-                    flops_per_step=float(step_flops(cfg, lens, "infer")),
-                    config={k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers",
-                                                         "num_attention_heads", "intermediate_size")})
+        case.update(
+            real_tokens=int(sum(lens)),
+            seq=int(max(lens)),
+            max_seq_length=st.max_seq_length,
+            flops_per_step=float(step_flops(cfg, lens, "infer")),
+            config={
+                k: getattr(cfg, k)
+                for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+            },
+        )
     outs = {}
     for provider, fn in list(fns.items()):
         try:
             with torch.no_grad():
-                outs[provider] = fn().float().cpu()        # first call: warm, and kept for parity
+                outs[provider] = fn().float().cpu()  # first call: warm, and kept for parity
         except Exception as exc:  # noqa: BLE001
             record_failure(recs[provider], exc)
             fns.pop(provider)
@@ -114,11 +145,24 @@ def run_encode_case(case: Dict[str, Any], device, *, warmup: int, min_rounds: in
         if BASELINE in outs and who in outs:
             a, b = outs[BASELINE], outs[who]
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-            case[key] = {"reference": BASELINE, "max_abs_diff": float((a - b).abs().max()),
-                         "min_cosine": float(cos.min()), "ref_max_abs": float(a.abs().max())}
+            case[key] = {
+                "reference": BASELINE,
+                "max_abs_diff": float((a - b).abs().max()),
+                "min_cosine": float(cos.min()),
+                "ref_max_abs": float(a.abs().max()),
+            }
     if fns:
-        m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
-                    budget_s=max_seconds, timer=timer, on_round=on_round)
+        m = measure(
+            fns,
+            device,
+            warmup=warmup,
+            min_rounds=min_rounds,
+            max_rounds=max_rounds,
+            target=target,
+            budget_s=max_seconds,
+            timer=timer,
+            on_round=on_round,
+        )
         case["timing"] = m.summary(target_rel=target)
         rate = ceilings.get("matmul_tflops")
         for provider in take_timings(m, recs, log=False):

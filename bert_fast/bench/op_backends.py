@@ -1,6 +1,7 @@
 """Which implementation of each op runs here: what ``bert-fast info`` prints and what the CPU
 note of ``bert-fast bench`` quotes. Each op module's own ``backend(device, dtype)`` answers; this
 module only asks them, and never fails (a broken op is reported as its error)."""
+
 from __future__ import annotations
 
 import importlib
@@ -29,6 +30,7 @@ def gemm_uses_tma(device, dtype) -> bool:
 
     try:
         from bert_fast.kernels import linear_tma
+
         return linear_tma.enabled_for(torch.device(device), dtype)
     except Exception:  # noqa: BLE001
         return False
@@ -46,14 +48,17 @@ def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:
         return None
     h, m = 768, 8192
     out = {}
-    for name, n, k, act in (("qkv", 3 * h, h, "none"), ("ffn_up+gelu", 4 * h, h, "gelu"),
-                            ("ffn_down", h, 4 * h, "none")):
-        x = torch.empty(1, device=device, dtype=dtype).expand(m, k)   # shape only, no allocation
+    for name, n, k, act in (
+        ("qkv", 3 * h, h, "none"),
+        ("ffn_up+gelu", 4 * h, h, "gelu"),
+        ("ffn_down", h, 4 * h, "none"),
+    ):
+        x = torch.empty(1, device=device, dtype=dtype).expand(m, k)  # shape only, no allocation
         try:
             out[name] = str(choose(x, n, k, act, "fwd"))
         except Exception as exc:  # noqa: BLE001
             out[name] = f"error: {exc}"
-        if out[name] == "triton":   # which Triton GEMM: BERT's rows are 16-byte aligned
+        if out[name] == "triton":  # which Triton GEMM: BERT's rows are 16-byte aligned
             out[name] += " (TMA)" if gemm_uses_tma(device, dtype) else " (pointer)"
     return out
 

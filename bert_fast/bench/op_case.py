@@ -12,6 +12,7 @@ the CPU), and a provider that only finds out by trying raises ``ProviderUnavaila
 SDPA backend that torch reports has no kernel here). Both are reported as skipped, with the
 reason, and do not fail the command.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,15 +26,15 @@ Factory = Callable[[], Callable[[], Any]]
 
 @dataclass
 class OpCase:
-    op: str                    # "embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"
-    label: str                 # shape description, e.g. "T=16384 H=768"
-    direction: str             # "fwd" or "bwd"
-    bound: str                 # "memory" (report GB/s vs copy bandwidth) or "compute" (TFLOP/s vs matrix rate)
-    flops: float = 0.0         # useful FLOPs of one call
-    bytes: float = 0.0         # minimal bytes one call must move (read + write)
-    providers: Dict[str, Factory] = field(default_factory=dict)   # "bert_fast", "torch", "torch.compile", ...
-    params: Dict[str, Any] = field(default_factory=dict)          # shape parameters, for JSON
-    unavailable: Dict[str, str] = field(default_factory=dict)     # provider -> why it cannot run here
+    op: str  # "embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"
+    label: str  # shape description, e.g. "T=16384 H=768"
+    direction: str  # "fwd" or "bwd"
+    bound: str  # "memory" (report GB/s vs copy bandwidth) or "compute" (TFLOP/s vs matrix rate)
+    flops: float = 0.0  # useful FLOPs of one call
+    bytes: float = 0.0  # minimal bytes one call must move (read + write)
+    providers: Dict[str, Factory] = field(default_factory=dict)  # "bert_fast", "torch", "torch.compile", ...
+    params: Dict[str, Any] = field(default_factory=dict)  # shape parameters, for JSON
+    unavailable: Dict[str, str] = field(default_factory=dict)  # provider -> why it cannot run here
 
     @property
     def name(self) -> str:

@@ -5,6 +5,7 @@ A memory-bound case reports GB/s = case.bytes / time and its % of the measured c
 compute-bound case reports TFLOP/s = case.flops / time and its % of the measured GEMM rate (both
 figures are given whenever the case declares bytes / flops).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def discover_modules(ops: Optional[List[str]] = None) -> Tuple[Dict[str, Any], D
     if ops:
         unknown = [o for o in ops if o not in names]
         if unknown:
-            raise OpsBenchError(f"unknown op(s) {', '.join(unknown)}; op case modules present or "
-                                f"expected: {', '.join(names)}")
+            raise OpsBenchError(
+                f"unknown op(s) {', '.join(unknown)}; op case modules present or expected: {', '.join(names)}"
+            )
         names = [n for n in names if n in ops]
     modules, errors = {}, {}
     for name in names:
@@ -81,14 +83,18 @@ def _summ_provider(case, rec, ceilings):
     ceiling = ceilings[rec["ceiling"]]
     rec["pct_of_ceiling"] = 100.0 * work / sec / ceiling
     if rec.get("ci_low_ms") and rec.get("ci_high_ms"):
-        rec["pct_of_ceiling_ci"] = [100.0 * work / (rec["ci_high_ms"] * 1e-3) / ceiling,
-                                    100.0 * work / (rec["ci_low_ms"] * 1e-3) / ceiling]
+        rec["pct_of_ceiling_ci"] = [
+            100.0 * work / (rec["ci_high_ms"] * 1e-3) / ceiling,
+            100.0 * work / (rec["ci_low_ms"] * 1e-3) / ceiling,
+        ]
     rec["ceiling_unstable"] = bool(unstable or rec["pct_of_ceiling"] > 100.0)
 
 
 def format_table(doc: Dict[str, Any]) -> str:
-    header = (f"{'case':<50} {'provider':<24} {'median ms':>10} {'95% CI ms':>19} {'p20-p80 ms':>19} {'GB/s':>9} "
-              f"{'TFLOP/s':>8} {'% ceiling':>10} {'speedup of bert_fast':>22}  flags")
+    header = (
+        f"{'case':<50} {'provider':<24} {'median ms':>10} {'95% CI ms':>19} {'p20-p80 ms':>19} {'GB/s':>9} "
+        f"{'TFLOP/s':>8} {'% ceiling':>10} {'speedup of bert_fast':>22}  flags"
+    )
     lines = [header, "-" * len(header)]
     for c in doc.get("cases", []):
         name = c["name"]
@@ -101,42 +107,84 @@ def format_table(doc: Dict[str, Any]) -> str:
             tfl = f"{r['tflops']:.2f}" if r.get("tflops") is not None else "-"
             pct = f"{r['pct_of_ceiling']:.1f}%" if r.get("pct_of_ceiling") is not None else "-"
             tag = {"matmul_tflops": " mm", "copy_bandwidth_gbs": " bw"}.get(r.get("ceiling"), "")
-            lines.append(f"{name:<50.50} {r['provider']:<24} {r['median_ms']:>10.4f} "
-                         f"{r['ci_low_ms']:>9.4f}-{r['ci_high_ms']:<9.4f} "
-                         f"{r['p20_ms']:>9.4f}-{r['p80_ms']:<9.4f} {gbs:>9} {tfl:>8} {pct + tag:>10} "
-                         f"{speedup_text(r):>22}  {flags(r)}".rstrip())
+            lines.append(
+                f"{name:<50.50} {r['provider']:<24} {r['median_ms']:>10.4f} "
+                f"{r['ci_low_ms']:>9.4f}-{r['ci_high_ms']:<9.4f} "
+                f"{r['p20_ms']:>9.4f}-{r['p80_ms']:<9.4f} {gbs:>9} {tfl:>8} {pct + tag:>10} "
+                f"{speedup_text(r):>22}  {flags(r)}".rstrip()
+            )
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default=None, help=f"comma-separated subset of the ops ({', '.join(OP_KERNELS)})")
-    p.add_argument("--providers", default=None, help="comma-separated subset of the providers of each case "
-                                                     "(e.g. bert_fast,torch); default: all")
+    p.add_argument(
+        "--providers",
+        default=None,
+        help="comma-separated subset of the providers of each case (e.g. bert_fast,torch); default: all",
+    )
     p.add_argument("--filter", default=None, help="only cases whose name contains this text")
     p.add_argument("--direction", choices=("fwd", "bwd", "all"), default="all")
-    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument(
+        "--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="default: bf16 on CUDA, fp32 on the CPU"
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed rounds first, each calling every provider once (default: 10 on CUDA, 1 on the CPU)")
-    p.add_argument("--min-rounds", type=int, default=None,
-                   help="timed rounds at least (default: 10 on CUDA, 6 on the CPU)")
-    p.add_argument("--max-rounds", "--iters", type=int, default=None, dest="max_rounds",
-                   help="timed rounds at most; a round calls every provider of the case once, in rotating "
-                        "order (default: 500 on CUDA, 50 on the CPU)")
-    p.add_argument("--target", type=float, default=0.03,
-                   help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)")
-    p.add_argument("--inputs", type=int, default=3, dest="n_inputs",
-                   help="input sets (factory calls) per provider, rotated among the rounds (default: 3)")
-    p.add_argument("--max-cases", type=int, default=None,
-                   help="at most this many cases per op (default: all on CUDA, 1 on the CPU)")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="time budget of one case's rounds (default: 3 on CUDA, 20 on the CPU)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads, fixed for the run and reported (default: torch's current count)")
-    p.add_argument("--max-minutes", type=float, default=5.0,
-                   help="skip a case whose estimated cost (its FLOPs and bytes at the measured ceilings: first "
-                        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 5)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed rounds first, each calling every provider once (default: 10 on CUDA, 1 on the CPU)",
+    )
+    p.add_argument(
+        "--min-rounds", type=int, default=None, help="timed rounds at least (default: 10 on CUDA, 6 on the CPU)"
+    )
+    p.add_argument(
+        "--max-rounds",
+        "--iters",
+        type=int,
+        default=None,
+        dest="max_rounds",
+        help="timed rounds at most; a round calls every provider of the case once, in rotating "
+        "order (default: 500 on CUDA, 50 on the CPU)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=0.03,
+        help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)",
+    )
+    p.add_argument(
+        "--inputs",
+        type=int,
+        default=3,
+        dest="n_inputs",
+        help="input sets (factory calls) per provider, rotated among the rounds (default: 3)",
+    )
+    p.add_argument(
+        "--max-cases",
+        type=int,
+        default=None,
+        help="at most this many cases per op (default: all on CUDA, 1 on the CPU)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="time budget of one case's rounds (default: 3 on CUDA, 20 on the CPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads, fixed for the run and reported (default: torch's current count)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=5.0,
+        help="skip a case whose estimated cost (its FLOPs and bytes at the measured ceilings: first "
+        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 5)",
+    )
     p.add_argument("--flush-l2", action="store_true", help="flush the L2 cache before each timed call (CUDA)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of the per-op %% of roofline")
@@ -181,8 +229,17 @@ def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args,
                 record_failure(rec, exc, **failure)
         if not fns:
             return
-        m = measure(fns, device, warmup=args.warmup, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
-                    target=args.target, budget_s=args.max_seconds, flush_l2=args.flush_l2, timer=timer)
+        m = measure(
+            fns,
+            device,
+            warmup=args.warmup,
+            min_rounds=args.min_rounds,
+            max_rounds=args.max_rounds,
+            target=args.target,
+            budget_s=args.max_seconds,
+            flush_l2=args.flush_l2,
+            timer=timer,
+        )
         entry["timing"] = m.summary()
         for provider in take_timings(m, recs, **failure):
             _summ_provider(case, recs[provider], ceilings)
@@ -237,17 +294,21 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     if modules is None:
         modules, import_errors = discover_modules(ops)
     if not cuda:
-        notes.append("This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
-                     "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch "
-                     "picks for CPU tensors (the Triton interpreter with TRITON_INTERPRET=1), "
-                     f"{args.threads} thread(s); at most "
-                     f"{args.max_cases} case(s) per op (--max-cases); torch.compile providers are left out "
-                     f"unless named in --providers (compiling C++ on the CPU takes minutes).")
+        notes.append(
+            "This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
+            "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch "
+            "picks for CPU tensors (the Triton interpreter with TRITON_INTERPRET=1), "
+            f"{args.threads} thread(s); at most "
+            f"{args.max_cases} case(s) per op (--max-cases); torch.compile providers are left out "
+            f"unless named in --providers (compiling C++ on the CPU takes minutes)."
+        )
     for op, err in import_errors.items():
         notes.append(f"op case module {op} failed to import: {err}")
     if not modules:
-        msg = (f"no op case modules found in {CASES_PACKAGE} (expected modules named "
-               f"{', '.join(OP_KERNELS)}, each with cases(device, dtype)); nothing to benchmark")
+        msg = (
+            f"no op case modules found in {CASES_PACKAGE} (expected modules named "
+            f"{', '.join(OP_KERNELS)}, each with cases(device, dtype)); nothing to benchmark"
+        )
         notes.append(msg)
         print(f"bert-fast bench-ops: {msg}", file=sys.stderr)
 
@@ -264,10 +325,22 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         try:
             cases = list(mod.cases(device, dtype))
         except Exception as exc:  # noqa: BLE001
-            out_cases.append({"name": f"{op}/cases()", "op": op, "label": "cases()", "direction": "-",
-                              "bound": "-", "flops": 0, "bytes": 0, "params": {}, "dtype": args.dtype,
-                              "results": [{"provider": "-", "status": "error",
-                                           "error": f"cases() raised {type(exc).__name__}: {exc}"}]})
+            out_cases.append(
+                {
+                    "name": f"{op}/cases()",
+                    "op": op,
+                    "label": "cases()",
+                    "direction": "-",
+                    "bound": "-",
+                    "flops": 0,
+                    "bytes": 0,
+                    "params": {},
+                    "dtype": args.dtype,
+                    "results": [
+                        {"provider": "-", "status": "error", "error": f"cases() raised {type(exc).__name__}: {exc}"}
+                    ],
+                }
+            )
             continue
         if args.direction != "all":
             cases = [c for c in cases if c.direction == args.direction]
@@ -288,13 +361,23 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     estimates, skip_why = [], {}
     for i, case in enumerate(todo):
         chosen = [p for p in case.providers if selected(p)]
-        est = estimate_op_case(case, chosen, ceilings, device.type, warmup=args.warmup, min_rounds=args.min_rounds,
-                               max_rounds=args.max_rounds, max_seconds=args.max_seconds)
+        est = estimate_op_case(
+            case,
+            chosen,
+            ceilings,
+            device.type,
+            warmup=args.warmup,
+            min_rounds=args.min_rounds,
+            max_rounds=args.max_rounds,
+            max_seconds=args.max_seconds,
+        )
         over = est is not None and est.min_s > args.max_minutes * 60
         estimates.append(None if over or est is None else est.expected_s)
         if over:
-            skip_why[i] = (f"estimated {est.describe(len(chosen), ceilings['matmul_tflops'])}, over the budget "
-                           f"of --max-minutes {args.max_minutes:g}; raise --max-minutes to run it")
+            skip_why[i] = (
+                f"estimated {est.describe(len(chosen), ceilings['matmul_tflops'])}, over the budget "
+                f"of --max-minutes {args.max_minutes:g}; raise --max-minutes to run it"
+            )
     progress = Progress(estimates, enabled=not args.no_progress, every_s=30.0)
 
     def save():
@@ -305,15 +388,27 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     t0 = time.perf_counter()
     try:
         for i, case in enumerate(todo):
-            entry = {"name": case.name, "op": case.op, "label": case.label, "direction": case.direction,
-                     "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "params": case.params,
-                     "dtype": args.dtype, "results": []}
+            entry = {
+                "name": case.name,
+                "op": case.op,
+                "label": case.label,
+                "direction": case.direction,
+                "bound": case.bound,
+                "flops": case.flops,
+                "bytes": case.bytes,
+                "params": case.params,
+                "dtype": args.dtype,
+                "results": [],
+            }
             out_cases.append(entry)
             why = skip_why.get(i)
             if why:
                 entry["skipped"] = why
-                entry["results"] = [dict(new_record(p, "ops"), status="skipped", error=f"case {why}")
-                                    for p in case.providers if selected(p)]
+                entry["results"] = [
+                    dict(new_record(p, "ops"), status="skipped", error=f"case {why}")
+                    for p in case.providers
+                    if selected(p)
+                ]
                 print(f"skipping {case.name}: {why}", file=sys.stderr)
             else:
                 progress.start_case(i, case.name)
@@ -329,7 +424,10 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         return 130
     failed = [c["name"] for c in out_cases for r in c["results"] if r["status"] == "error"]
     if failed or import_errors:
-        print(f"bert-fast bench-ops: {len(failed)} case/provider run(s) failed"
-              + (f", {len(import_errors)} op module(s) failed to import" if import_errors else ""), file=sys.stderr)
+        print(
+            f"bert-fast bench-ops: {len(failed)} case/provider run(s) failed"
+            + (f", {len(import_errors)} op module(s) failed to import" if import_errors else ""),
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -11,19 +11,53 @@ of a ceiling that is itself unstable (or above 100%) is labelled "ceiling unstab
 outside the axes so that they never hide data.
 Each returns True when it wrote a file (False when there was nothing successful to draw).
 """
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from typing import Any, Dict, List
 
-_RATIO_TICKS = [1 / 64, 1 / 32, 1 / 16, 1 / 8, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0,
-                5.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+_RATIO_TICKS = [
+    1 / 64,
+    1 / 32,
+    1 / 16,
+    1 / 8,
+    0.2,
+    0.25,
+    0.33,
+    0.5,
+    0.67,
+    0.8,
+    0.9,
+    1.0,
+    1.1,
+    1.25,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    5.0,
+    8.0,
+    16.0,
+    32.0,
+    64.0,
+    128.0,
+]
 
-_FIXED = {"bert_fast": "#d62728", "hf-eager": "#7f7f7f", "hf-sdpa": "#1f77b4", "hf-compile": "#2ca02c",
-          "torch": "#1f77b4", "torch.compile": "#2ca02c", "bert_fast-triton": "#ff7f0e",
-          "bert_fast-cublas": "#9467bd", "onnxruntime": "#9467bd", "st+optimize": "#d62728",
-          "sentence-transformers": "#1f77b4"}
+_FIXED = {
+    "bert_fast": "#d62728",
+    "hf-eager": "#7f7f7f",
+    "hf-sdpa": "#1f77b4",
+    "hf-compile": "#2ca02c",
+    "torch": "#1f77b4",
+    "torch.compile": "#2ca02c",
+    "bert_fast-triton": "#ff7f0e",
+    "bert_fast-cublas": "#9467bd",
+    "onnxruntime": "#9467bd",
+    "st+optimize": "#d62728",
+    "sentence-transformers": "#1f77b4",
+}
 _SPARE = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#ff9896", "#c5b0d5", "#c49c94", "#dbdb8d"]
 
 
@@ -58,8 +92,17 @@ def _case_label(c: Dict[str, Any]) -> str:
 
 
 def _sorted_runs(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    return sorted(runs, key=lambda c: (c.get("mode", ""), c.get("model", ""), c.get("seq", 0), c.get("batch", 0),
-                                       str(c.get("lengths")), bool(c.get("cuda_graphs"))))
+    return sorted(
+        runs,
+        key=lambda c: (
+            c.get("mode", ""),
+            c.get("model", ""),
+            c.get("seq", 0),
+            c.get("batch", 0),
+            str(c.get("lengths")),
+            bool(c.get("cuda_graphs")),
+        ),
+    )
 
 
 def _legend_outside(ax) -> None:
@@ -81,8 +124,14 @@ def _draw_model(axes, runs) -> bool:
         return False
     ax_sp, ax_tp = axes
     # the subject of a case's speedups: bert_fast, or "st+optimize" in an --encode case
-    baselines = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"]
-                                   if r["provider"] != c.get("subject", "bert_fast") and r.get("speedup_of_bert_fast")))
+    baselines = list(
+        dict.fromkeys(
+            r["provider"]
+            for c in runs
+            for r in c["results"]
+            if r["provider"] != c.get("subject", "bert_fast") and r.get("speedup_of_bert_fast")
+        )
+    )
     providers = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"] if r.get("status") == "ok"))
     x = list(range(len(runs)))
     labels = [_case_label(c) for c in runs]
@@ -92,22 +141,42 @@ def _draw_model(axes, runs) -> bool:
         for j, p in enumerate(baselines):
             first = True
             for i, c in enumerate(runs):
-                r = next((r for r in c["results"] if r["provider"] == p and r.get("speedup_of_bert_fast")
-                          and p != c.get("subject", "bert_fast")), None)
+                r = next(
+                    (
+                        r
+                        for r in c["results"]
+                        if r["provider"] == p and r.get("speedup_of_bert_fast") and p != c.get("subject", "bert_fast")
+                    ),
+                    None,
+                )
                 if r is None:
                     continue
                 v, ci = r["speedup_of_bert_fast"], r.get("speedup_ci")
                 unstable = bool(r.get("speedup_unstable") or r.get("unstable"))
                 xi = i + (j - (len(baselines) - 1) / 2) * w
-                if first:   # the legend's entry: a filled marker whatever the first point's flag
+                if first:  # the legend's entry: a filled marker whatever the first point's flag
                     ax_sp.plot([], [], "o", ms=7, color=COLORS.get(p), label=f"vs {p}")
-                ax_sp.errorbar([xi], [v], yerr=_err(v, ci), fmt="o", ms=7, capsize=3, color=COLORS.get(p),
-                               mfc="white" if unstable else COLORS.get(p))
+                ax_sp.errorbar(
+                    [xi],
+                    [v],
+                    yerr=_err(v, ci),
+                    fmt="o",
+                    ms=7,
+                    capsize=3,
+                    color=COLORS.get(p),
+                    mfc="white" if unstable else COLORS.get(p),
+                )
                 first = False
                 lo_all.append(ci[0] if ci else v)
                 hi_all.append(ci[1] if ci else v)
-                ax_sp.annotate(f"{v:.2f}x" + ("\nunstable" if unstable else ""), (xi, v), xytext=(4, 4),
-                               textcoords="offset points", fontsize=7, color="black")
+                ax_sp.annotate(
+                    f"{v:.2f}x" + ("\nunstable" if unstable else ""),
+                    (xi, v),
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color="black",
+                )
         from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
         ax_sp.set_yscale("log")
@@ -125,8 +194,9 @@ def _draw_model(axes, runs) -> bool:
         ax_sp.set_ylabel("speedup of bert_fast (x, log scale)")
         _legend_outside(ax_sp)
     else:
-        ax_sp.text(0.5, 0.5, "no speedup: bert_fast or baselines missing", ha="center", va="center",
-                   transform=ax_sp.transAxes)
+        ax_sp.text(
+            0.5, 0.5, "no speedup: bert_fast or baselines missing", ha="center", va="center", transform=ax_sp.transAxes
+        )
     ax_sp.set_title("speedup of bert_fast (ratio of medians; bars: 95% interval; hollow: unstable)")
     ax_sp.set_xticks(x)
     ax_sp.set_xticklabels(labels, fontsize=7)
@@ -141,19 +211,27 @@ def _draw_model(axes, runs) -> bool:
             v = r["tokens_per_s"] / 1e3
             ci = None
             if r.get("ci_low_ms") and r.get("ci_high_ms"):
-                tokens = r["tokens_per_s"] * r["median_ms"]          # tokens per call x 1e3
+                tokens = r["tokens_per_s"] * r["median_ms"]  # tokens per call x 1e3
                 ci = [tokens / r["ci_high_ms"] / 1e3, tokens / r["ci_low_ms"] / 1e3]
             unstable = bool(r.get("unstable"))
             xi = i + (j - (len(providers) - 1) / 2) * w
-            if first:       # the legend's entry: a plain bar whatever the first bar's flag
+            if first:  # the legend's entry: a plain bar whatever the first bar's flag
                 ax_tp.bar([xi], [0], w, label=p, color=COLORS.get(p))
-            ax_tp.bar([xi], [v], w, yerr=_err(v, ci), capsize=2,
-                      color="white" if unstable else COLORS.get(p), edgecolor=COLORS.get(p),
-                      hatch="//" if unstable else None)
+            ax_tp.bar(
+                [xi],
+                [v],
+                w,
+                yerr=_err(v, ci),
+                capsize=2,
+                color="white" if unstable else COLORS.get(p),
+                edgecolor=COLORS.get(p),
+                hatch="//" if unstable else None,
+            )
             first = False
             if unstable:
-                ax_tp.annotate("unstable", (xi, v), xytext=(0, 3), textcoords="offset points", ha="center",
-                               fontsize=6, rotation=90)
+                ax_tp.annotate(
+                    "unstable", (xi, v), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=6, rotation=90
+                )
     ax_tp.set_ylabel("k real tokens / s")
     ax_tp.set_title("throughput on real tokens (bars: 95% interval; hatched: unstable)")
     ax_tp.set_xticks(x)
@@ -182,16 +260,22 @@ def _draw_ops(ax, cases) -> bool:
             y = i + (j - (len(providers) - 1) / 2) * h
             v = r["pct_of_ceiling"]
             unstable = bool(r.get("unstable"))
-            if first:       # the legend's entry: a plain bar whatever the first bar's flag
+            if first:  # the legend's entry: a plain bar whatever the first bar's flag
                 ax.barh([y], [0], h, label=p, color=COLORS.get(p))
-            ax.barh([y], [v], h, xerr=_err(v, r.get("pct_of_ceiling_ci")), capsize=2,
-                    color="white" if unstable else COLORS.get(p), edgecolor=COLORS.get(p),
-                    hatch="//" if unstable else None)
+            ax.barh(
+                [y],
+                [v],
+                h,
+                xerr=_err(v, r.get("pct_of_ceiling_ci")),
+                capsize=2,
+                color="white" if unstable else COLORS.get(p),
+                edgecolor=COLORS.get(p),
+                hatch="//" if unstable else None,
+            )
             first = False
             tags = [t for t, on in (("unstable", unstable), ("ceiling unstable", r.get("ceiling_unstable"))) if on]
             if tags:
-                ax.annotate(", ".join(tags), (v, y), xytext=(4, 0), textcoords="offset points", va="center",
-                            fontsize=6)
+                ax.annotate(", ".join(tags), (v, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=6)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
@@ -209,7 +293,7 @@ def _title(doc: Dict[str, Any]) -> str:
     threads = doc.get("threads") or env.get("cpu_threads")
     if threads:
         title += f" | {threads} threads"
-    if env.get("device_type") == "cpu":   # a CPU figure read out of context must not pass for kernel speed
+    if env.get("device_type") == "cpu":  # a CPU figure read out of context must not pass for kernel speed
         title += "\nCPU: bert_fast runs its CPU path here, not the GPU kernels"
     return title
 
@@ -220,7 +304,7 @@ def _finish(plt, fig, ok: bool, doc: Dict[str, Any], path, dpi: int = 110) -> bo
         fig.suptitle(_title(doc), fontsize=9)
         fig.tight_layout()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=dpi, bbox_inches="tight")   # "tight": keeps the outside legends in
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")  # "tight": keeps the outside legends in
     plt.close(fig)
     return ok
 

@@ -37,6 +37,7 @@ Schema of ``bert-fast bench --json`` (kind "model") and ``bert-fast bench-ops --
 files of one GPU run into benchmarks/results/<date>-<gpu>-<commit>.json (schema
 "bert_fast.gpu_check/1"): environment, tests (pytest counts), stages, ops, model, plots.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -55,16 +56,63 @@ GPU_CHECK_SCHEMA = "bert_fast.gpu_check/1"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-MODEL_RUN_KEYS = ("model", "config", "batch", "seq", "lengths", "real_tokens", "padded_tokens", "mode",
-                  "dtype", "cuda_graphs", "flops_per_token", "flops_per_step", "parity", "results")
-MODEL_RESULT_KEYS = ("provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "tokens_per_s",
-                     "tflops", "mfu", "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast")
+MODEL_RUN_KEYS = (
+    "model",
+    "config",
+    "batch",
+    "seq",
+    "lengths",
+    "real_tokens",
+    "padded_tokens",
+    "mode",
+    "dtype",
+    "cuda_graphs",
+    "flops_per_token",
+    "flops_per_step",
+    "parity",
+    "results",
+)
+MODEL_RESULT_KEYS = (
+    "provider",
+    "status",
+    "error",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_bytes",
+    "peak_mem_mb",
+    "speedup_of_bert_fast",
+)
 OPS_CASE_KEYS = ("name", "op", "label", "direction", "bound", "flops", "bytes", "params", "dtype", "results")
-OPS_RESULT_KEYS = ("provider", "status", "error", "median_ms", "p20_ms", "p80_ms", "gbs", "tflops",
-                   "pct_of_ceiling", "peak_mem_bytes")
+OPS_RESULT_KEYS = (
+    "provider",
+    "status",
+    "error",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "gbs",
+    "tflops",
+    "pct_of_ceiling",
+    "peak_mem_bytes",
+)
 TOP_KEYS = ("schema", "kind", "created", "status", "environment", "arguments", "ceilings", "notes")
-ENV_KEYS = ("device", "device_type", "device_name", "driver_version", "python", "torch", "triton",
-            "transformers", "bert_fast", "git_commit", "build_info")
+ENV_KEYS = (
+    "device",
+    "device_type",
+    "device_name",
+    "driver_version",
+    "python",
+    "torch",
+    "triton",
+    "transformers",
+    "bert_fast",
+    "git_commit",
+    "build_info",
+)
 
 
 def now_iso() -> str:
@@ -75,13 +123,17 @@ def git_commit(root: Optional[Path] = None) -> str:
     """``git rev-parse HEAD`` of the source tree (marked ``+dirty`` with local changes), or "unknown"."""
     root = Path(root or REPO_ROOT)
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if out.returncode != 0:
             return "unknown"
         commit = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if dirty.returncode == 0 and dirty.stdout.strip():
             commit += "+dirty"
         return commit or "unknown"
@@ -92,8 +144,12 @@ def git_commit(root: Optional[Path] = None) -> str:
 def driver_version() -> Optional[str]:
     """The NVIDIA driver version (nvidia-smi, else /proc/driver/nvidia/version), None without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0].strip()
     except (OSError, subprocess.SubprocessError):
@@ -129,33 +185,58 @@ def environment(device=None) -> Dict[str, Any]:
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(idx)
-        env.update(device_name=props.name, device_capability=f"{props.major}.{props.minor}",
-                   device_memory_bytes=int(props.total_memory),
-                   device_sm_count=int(props.multi_processor_count),
-                   driver_version=driver_version(), cuda_runtime=torch.version.cuda)
+        env.update(
+            device_name=props.name,
+            device_capability=f"{props.major}.{props.minor}",
+            device_memory_bytes=int(props.total_memory),
+            device_sm_count=int(props.multi_processor_count),
+            driver_version=driver_version(),
+            cuda_runtime=torch.version.cuda,
+        )
     else:
-        env.update(device_name=platform.processor() or platform.machine() or "cpu",
-                   device_capability=None, device_memory_bytes=None,
-                   driver_version=None, cuda_runtime=torch.version.cuda,
-                   cpu_threads=torch.get_num_threads())
+        env.update(
+            device_name=platform.processor() or platform.machine() or "cpu",
+            device_capability=None,
+            device_memory_bytes=None,
+            driver_version=None,
+            cuda_runtime=torch.version.cuda,
+            cpu_threads=torch.get_num_threads(),
+        )
     try:
         build = bert_fast.build_info()
     except Exception as exc:  # noqa: BLE001
         build = {"error": str(exc)}
-    env.update(python=platform.python_version(), platform=platform.platform(),
-               torch=torch.__version__, triton=_version("triton"),
-               transformers=_version("transformers"), bert_fast=getattr(bert_fast, "__version__", None),
-               git_commit=git_commit(), build_info=build,
-               env={k: os.environ.get(k) for k in ("TRITON_INTERPRET", "BERT_FAST_BACKEND",
-                                                   "CUDA_VISIBLE_DEVICES") if k in os.environ})
+    env.update(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        torch=torch.__version__,
+        triton=_version("triton"),
+        transformers=_version("transformers"),
+        bert_fast=getattr(bert_fast, "__version__", None),
+        git_commit=git_commit(),
+        build_info=build,
+        env={
+            k: os.environ.get(k)
+            for k in ("TRITON_INTERPRET", "BERT_FAST_BACKEND", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
+        },
+    )
     return env
 
 
-def new_document(kind: str, device, arguments: Dict[str, Any], ceilings: Dict[str, Any],
-                 notes: List[str]) -> Dict[str, Any]:
-    return {"schema": SCHEMA, "kind": kind, "created": now_iso(), "status": "running",
-            "environment": environment(device), "arguments": arguments, "ceilings": ceilings,
-            "notes": list(notes)}
+def new_document(
+    kind: str, device, arguments: Dict[str, Any], ceilings: Dict[str, Any], notes: List[str]
+) -> Dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "kind": kind,
+        "created": now_iso(),
+        "status": "running",
+        "environment": environment(device),
+        "arguments": arguments,
+        "ceilings": ceilings,
+        "notes": list(notes),
+    }
 
 
 def _jsonable(obj):
@@ -183,9 +264,15 @@ def run_document(kind: str, device, args, ceilings: Dict[str, Any], notes: List[
     arguments["device"] = str(device)
     doc = new_document(kind, device, arguments, ceilings, notes)
     doc["threads"] = args.threads
-    doc["timing"] = method_description(device, warmup=args.warmup, min_rounds=args.min_rounds,
-                                       max_rounds=args.max_rounds, target=args.target, budget_s=args.max_seconds,
-                                       flush_l2=getattr(args, "flush_l2", False))
+    doc["timing"] = method_description(
+        device,
+        warmup=args.warmup,
+        min_rounds=args.min_rounds,
+        max_rounds=args.max_rounds,
+        target=args.target,
+        budget_s=args.max_seconds,
+        flush_l2=getattr(args, "flush_l2", False),
+    )
     return doc
 
 
@@ -196,8 +283,9 @@ def close_document(doc: Dict[str, Any], interrupted: bool, started: float) -> No
     doc["wall_seconds"] = time.perf_counter() - started
 
 
-def publish(doc: Dict[str, Any], table: Optional[str], notes: List[str], json_path, plot_path, plot,
-            what: str = "figures") -> None:
+def publish(
+    doc: Dict[str, Any], table: Optional[str], notes: List[str], json_path, plot_path, plot, what: str = "figures"
+) -> None:
     """Print the table and the notes, write the JSON (``json_path``) and the plot (``plot_path``
     through ``plot(doc, path) -> bool``), each when asked for."""
     if table is not None:
@@ -230,13 +318,51 @@ def read_json(path) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- one provider's record
 # The figures of a provider's record, None until measured, by kind of document (the schema above).
 RECORD_FIELDS = {
-    "model": ("median_ms", "p20_ms", "p80_ms", "mean_ms", "min_ms", "max_ms", "ci_low_ms", "ci_high_ms", "ci_level",
-              "ci_rel", "converged", "unstable", "threads", "iters", "method", "tokens_per_s", "padded_tokens_per_s",
-              "tflops", "mfu", "peak_mem_bytes", "peak_mem_mb", "speedup_of_bert_fast", "speedup_ci",
-              "speedup_unstable"),
-    "ops": ("median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel", "unstable", "gbs", "tflops",
-            "pct_of_ceiling", "pct_of_ceiling_ci", "ceiling", "ceiling_unstable", "peak_mem_bytes",
-            "speedup_of_bert_fast", "speedup_ci", "speedup_unstable"),
+    "model": (
+        "median_ms",
+        "p20_ms",
+        "p80_ms",
+        "mean_ms",
+        "min_ms",
+        "max_ms",
+        "ci_low_ms",
+        "ci_high_ms",
+        "ci_level",
+        "ci_rel",
+        "converged",
+        "unstable",
+        "threads",
+        "iters",
+        "method",
+        "tokens_per_s",
+        "padded_tokens_per_s",
+        "tflops",
+        "mfu",
+        "peak_mem_bytes",
+        "peak_mem_mb",
+        "speedup_of_bert_fast",
+        "speedup_ci",
+        "speedup_unstable",
+    ),
+    "ops": (
+        "median_ms",
+        "p20_ms",
+        "p80_ms",
+        "ci_low_ms",
+        "ci_high_ms",
+        "ci_rel",
+        "unstable",
+        "gbs",
+        "tflops",
+        "pct_of_ceiling",
+        "pct_of_ceiling_ci",
+        "ceiling",
+        "ceiling_unstable",
+        "peak_mem_bytes",
+        "speedup_of_bert_fast",
+        "speedup_ci",
+        "speedup_unstable",
+    ),
 }
 
 
@@ -260,8 +386,9 @@ def one_line(exc: BaseException) -> str:
     return msg.splitlines()[0] if msg else msg
 
 
-def record_failure(rec: Dict[str, Any], exc: BaseException, *, where: str = "", log: bool = True,
-                   with_traceback: bool = False) -> None:
+def record_failure(
+    rec: Dict[str, Any], exc: BaseException, *, where: str = "", log: bool = True, with_traceback: bool = False
+) -> None:
     """Mark ``rec``: "skipped" with the first line of the reason when the provider cannot run here
     (bert_fast.bench.timing.ProviderUnavailable), else "error" with the exception (and its
     traceback when asked); ``log``: one line on stderr, after ``where`` (a case's name)."""
@@ -275,8 +402,7 @@ def record_failure(rec: Dict[str, Any], exc: BaseException, *, where: str = "", 
         if with_traceback:
             import traceback
 
-            rec["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
-                                                                  limit=6))[-3000:]
+            rec["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=6))[-3000:]
         what = f"FAILED: {one_line(exc)}"
     if log:
         print(f"  {where}{rec['provider']}: {what}", file=sys.stderr)
@@ -323,8 +449,11 @@ def fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", froz
         r["speedup_of_bert_fast"] = sp.value
         r["speedup_ci"] = [sp.ci_low, sp.ci_high]
         r["speedup_unstable"] = sp.unstable
-    case["speedups"] = {r["provider"]: r["speedup_of_bert_fast"] for r in res
-                        if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None}
+    case["speedups"] = {
+        r["provider"]: r["speedup_of_bert_fast"]
+        for r in res
+        if r["provider"] != subject and r.get("speedup_of_bert_fast") is not None
+    }
     frozen_ok = frozen is not None and any(r["provider"] == frozen and r["status"] == "ok" for r in res)
     if m is not None and frozen_ok and subject != frozen:
         case["speedups_frozen"] = {}
@@ -333,8 +462,11 @@ def fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", froz
                 continue
             sp = m.speedup(frozen, r["provider"])
             if sp is not None:
-                case["speedups_frozen"][r["provider"]] = {"value": sp.value, "ci": [sp.ci_low, sp.ci_high],
-                                                          "unstable": sp.unstable}
+                case["speedups_frozen"][r["provider"]] = {
+                    "value": sp.value,
+                    "ci": [sp.ci_low, sp.ci_high],
+                    "unstable": sp.unstable,
+                }
 
 
 # ----------------------------------------------------------------------------- table cells
@@ -386,15 +518,30 @@ def parse_junit_counts(xml_path) -> Optional[Dict[str, int]]:
     for s in suites:
         for k in tot:
             tot[k] += int(s.get(k, 0))
-    return {"passed": tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"],
-            "failed": tot["failures"], "errors": tot["errors"], "skipped": tot["skipped"],
-            "total": tot["tests"]}
+    return {
+        "passed": tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"],
+        "failed": tot["failures"],
+        "errors": tot["errors"],
+        "skipped": tot["skipped"],
+        "total": tot["tests"],
+    }
 
 
 # ----------------------------------------------------------------------------- merge (gpu_check)
-def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None, model_jsons=(),
-          pytest_log=None, pytest_xml=None, pytest_bench_json=None, plot=None,
-          doctor_json=None) -> Dict[str, Any]:
+def merge(
+    out_path,
+    *,
+    run_dir,
+    stages_file=None,
+    info_json=None,
+    ops_json=None,
+    model_jsons=(),
+    pytest_log=None,
+    pytest_xml=None,
+    pytest_bench_json=None,
+    plot=None,
+    doctor_json=None,
+) -> Dict[str, Any]:
     """Combine the files of one GPU-check run into one document (schema bert_fast.gpu_check/1).
     ``doctor_json``: the report of ``bert-fast doctor --json``; its summary and every check that
     did not pass go into the document (the whole report stays in its own file beside it)."""
@@ -405,9 +552,14 @@ def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None,
         for ln in Path(stages_file).read_text().splitlines():
             parts = ln.split("\t")
             if len(parts) >= 3:
-                stages.append({"name": parts[0], "rc": int(parts[1]) if parts[1].lstrip("-").isdigit() else parts[1],
-                               "seconds": float(parts[2]),
-                               "status": parts[3] if len(parts) > 3 else ("ok" if parts[1] == "0" else "failed")})
+                stages.append(
+                    {
+                        "name": parts[0],
+                        "rc": int(parts[1]) if parts[1].lstrip("-").isdigit() else parts[1],
+                        "seconds": float(parts[2]),
+                        "status": parts[3] if len(parts) > 3 else ("ok" if parts[1] == "0" else "failed"),
+                    }
+                )
     doc["stages"] = stages
     env = None
     if info_json and Path(info_json).exists():
@@ -431,11 +583,13 @@ def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None,
     if doctor_json and Path(doctor_json).exists():
         try:
             rep = read_json(doctor_json)
-            doc["doctor"] = {"file": os.path.relpath(doctor_json, Path(out_path).parent),
-                             "gpu_verdict": rep.get("gpu_verdict"), "summary": rep.get("summary"),
-                             "exit_status": rep.get("exit_status"),
-                             "problems": [c for c in rep.get("checks", [])
-                                          if c.get("verdict") in ("fail", "error", "fault")]}
+            doc["doctor"] = {
+                "file": os.path.relpath(doctor_json, Path(out_path).parent),
+                "gpu_verdict": rep.get("gpu_verdict"),
+                "summary": rep.get("summary"),
+                "exit_status": rep.get("exit_status"),
+                "problems": [c for c in rep.get("checks", []) if c.get("verdict") in ("fail", "error", "fault")],
+            }
             env = env or rep.get("environment")
         except (OSError, ValueError) as exc:
             doc["doctor_error"] = str(exc)
@@ -455,8 +609,15 @@ def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None,
             model_docs.append({"file": str(p), "error": str(exc)})
             continue
         env = env or d.get("environment")
-        model_docs.append({"file": os.path.relpath(p, Path(out_path).parent), "arguments": d.get("arguments"),
-                           "status": d.get("status"), "ceilings": d.get("ceilings"), "notes": d.get("notes")})
+        model_docs.append(
+            {
+                "file": os.path.relpath(p, Path(out_path).parent),
+                "arguments": d.get("arguments"),
+                "status": d.get("status"),
+                "ceilings": d.get("ceilings"),
+                "notes": d.get("notes"),
+            }
+        )
         for r in d.get("runs", []):
             runs.append(dict(r, arguments=d.get("arguments")))
     doc["model"] = {"runs": runs, "files": model_docs}
@@ -464,9 +625,15 @@ def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None,
         try:
             pb = read_json(pytest_bench_json)
             doc["pytest_benchmark"] = [
-                {"name": b.get("fullname") or b.get("name"), "median_s": b.get("stats", {}).get("median"),
-                 "iqr_s": b.get("stats", {}).get("iqr"), "rounds": b.get("stats", {}).get("rounds"),
-                 "extra_info": b.get("extra_info")} for b in pb.get("benchmarks", [])]
+                {
+                    "name": b.get("fullname") or b.get("name"),
+                    "median_s": b.get("stats", {}).get("median"),
+                    "iqr_s": b.get("stats", {}).get("iqr"),
+                    "rounds": b.get("stats", {}).get("rounds"),
+                    "extra_info": b.get("extra_info"),
+                }
+                for b in pb.get("benchmarks", [])
+            ]
         except (OSError, ValueError) as exc:
             doc["pytest_benchmark_error"] = str(exc)
     if env is None:
@@ -496,8 +663,10 @@ def merge(out_path, *, run_dir, stages_file=None, info_json=None, ops_json=None,
 def _main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m bert_fast.bench.results",
-                                description="Merge the files of one GPU-check run (benchmarks/gpu_check.sh).")
+    p = argparse.ArgumentParser(
+        prog="python -m bert_fast.bench.results",
+        description="Merge the files of one GPU-check run (benchmarks/gpu_check.sh).",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge")
     m.add_argument("--out", required=True)
@@ -517,16 +686,27 @@ def _main(argv=None) -> int:
     if args.cmd == "counts":
         print(json.dumps(parse_pytest_counts(Path(args.log).read_text(errors="replace"))))
         return 0
-    doc = merge(args.out, run_dir=args.run_dir, stages_file=args.stages, info_json=args.info,
-                ops_json=args.ops, model_jsons=args.model, pytest_log=args.pytest_log,
-                pytest_xml=args.pytest_xml, pytest_bench_json=args.pytest_bench, plot=args.plot,
-                doctor_json=args.doctor)
+    doc = merge(
+        args.out,
+        run_dir=args.run_dir,
+        stages_file=args.stages,
+        info_json=args.info,
+        ops_json=args.ops,
+        model_jsons=args.model,
+        pytest_log=args.pytest_log,
+        pytest_xml=args.pytest_xml,
+        pytest_bench_json=args.pytest_bench,
+        plot=args.plot,
+        doctor_json=args.doctor,
+    )
     t = doc.get("tests", {})
     if doc.get("doctor"):
         print(f"doctor: {doc['doctor'].get('summary')}")
-    print(f"wrote {args.out}: tests passed={t.get('passed')} failed={t.get('failed')} "
-          f"skipped={t.get('skipped')} errors={t.get('errors')}; {len(doc['model']['runs'])} model runs; "
-          f"{len((doc.get('ops') or {}).get('cases', []))} op cases")
+    print(
+        f"wrote {args.out}: tests passed={t.get('passed')} failed={t.get('failed')} "
+        f"skipped={t.get('skipped')} errors={t.get('errors')}; {len(doc['model']['runs'])} model runs; "
+        f"{len((doc.get('ops') or {}).get('cases', []))} op cases"
+    )
     return 0
 
 

@@ -35,6 +35,7 @@ so the host does not stall the GPU between the calls of a round; the optional L2
 over a buffer larger than any L2 of today's GPUs) happens before each call, outside its events.
 Tests pass a synthetic timer and clock to check the stopping rule and the flags in milliseconds.
 """
+
 from __future__ import annotations
 
 import gc
@@ -45,13 +46,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-_L2_FLUSH_BYTES = 256 * 1024 * 1024   # H100 has 50 MB of L2, H200 the same, B200 126 MB
+_L2_FLUSH_BYTES = 256 * 1024 * 1024  # H100 has 50 MB of L2, H200 the same, B200 126 MB
 _flush_buffers: dict = {}
 
 CONFIDENCE = 0.95
-TARGET_REL = 0.03        # stop when every median's interval is within +-3%
-UNSTABLE_REL = 0.10      # flag a figure whose interval is wider than +-10%
-MIN_ROUNDS = 6           # the fewest rounds whose order-statistic interval reaches 95% (96.9%)
+TARGET_REL = 0.03  # stop when every median's interval is within +-3%
+UNSTABLE_REL = 0.10  # flag a figure whose interval is wider than +-10%
+MIN_ROUNDS = 6  # the fewest rounds whose order-statistic interval reaches 95% (96.9%)
 BOOTSTRAP_RESAMPLES = 2000
 
 
@@ -76,9 +77,9 @@ def _binom_half_cdf(n: int, k: int) -> float:
     """P(Bin(n, 1/2) <= k)."""
     if k < 0:
         return 0.0
-    if n > 1000:   # normal approximation with continuity correction (exact sums get slow)
+    if n > 1000:  # normal approximation with continuity correction (exact sums get slow)
         return 0.5 * (1.0 + math.erf((k + 0.5 - n / 2) / math.sqrt(n / 4) / math.sqrt(2.0)))
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
 
 
 def median_ci(values: Sequence[float], confidence: float = CONFIDENCE):
@@ -115,9 +116,18 @@ def summarize(times_ms: Sequence[float], confidence: float = CONFIDENCE) -> dict
         raise ValueError("no timings to summarize")
     med = _percentile(vals, 50)
     lo, hi, level = median_ci(vals, confidence)
-    return {"median_ms": med, "p20_ms": _percentile(vals, 20), "p80_ms": _percentile(vals, 80),
-            "mean_ms": sum(vals) / len(vals), "min_ms": vals[0], "max_ms": vals[-1],
-            "ci_low_ms": lo, "ci_high_ms": hi, "ci_level": level, "ci_rel": ci_rel(med, lo, hi)}
+    return {
+        "median_ms": med,
+        "p20_ms": _percentile(vals, 20),
+        "p80_ms": _percentile(vals, 80),
+        "mean_ms": sum(vals) / len(vals),
+        "min_ms": vals[0],
+        "max_ms": vals[-1],
+        "ci_low_ms": lo,
+        "ci_high_ms": hi,
+        "ci_level": level,
+        "ci_rel": ci_rel(med, lo, hi),
+    }
 
 
 @dataclass
@@ -130,19 +140,19 @@ class Timing:
     mean_ms: float
     min_ms: float
     max_ms: float
-    ci_low_ms: float                  # 95% interval of the median (see median_ci)
+    ci_low_ms: float  # 95% interval of the median (see median_ci)
     ci_high_ms: float
-    ci_level: float                   # its exact coverage (>= 0.95 from 6 rounds on)
-    ci_rel: float                     # larger half-width / median
-    iters: int                        # timed calls = rounds
+    ci_level: float  # its exact coverage (>= 0.95 from 6 rounds on)
+    ci_rel: float  # larger half-width / median
+    iters: int  # timed calls = rounds
     warmup: int
     n_inputs: int
-    method: str                       # "cuda_event", "perf_counter" or a test timer's name
+    method: str  # "cuda_event", "perf_counter" or a test timer's name
     l2_flush: bool
-    peak_mem_bytes: Optional[int]     # None on the CPU
-    converged: bool = False           # ci_rel <= the target
-    unstable: bool = False            # ci_rel > UNSTABLE_REL
-    threads: Optional[int] = None     # torch.get_num_threads() while measured
+    peak_mem_bytes: Optional[int]  # None on the CPU
+    converged: bool = False  # ci_rel <= the target
+    unstable: bool = False  # ci_rel > UNSTABLE_REL
+    threads: Optional[int] = None  # torch.get_num_threads() while measured
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -167,9 +177,14 @@ class Speedup:
         return text + (" unstable" if self.unstable else "")
 
 
-def paired_speedup(baseline_ms: Sequence[float], subject_ms: Sequence[float], *,
-                   confidence: float = CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
-                   seed: int = 0) -> Speedup:
+def paired_speedup(
+    baseline_ms: Sequence[float],
+    subject_ms: Sequence[float],
+    *,
+    confidence: float = CONFIDENCE,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> Speedup:
     """Ratio of medians with a percentile-bootstrap interval over paired rounds (index i of both
     sequences is one round)."""
     import numpy as np
@@ -187,8 +202,14 @@ def paired_speedup(baseline_ms: Sequence[float], subject_ms: Sequence[float], *,
         tail = (1.0 - confidence) / 2.0
         lo, hi = (float(v) for v in np.quantile(ratios, [tail, 1.0 - tail]))
     rel = ci_rel(value, lo, hi)
-    return Speedup(value=value, ci_low=lo, ci_high=hi, ci_rel=rel,
-                   unstable=bool(rel > UNSTABLE_REL or a.size < MIN_ROUNDS), rounds=int(a.size))
+    return Speedup(
+        value=value,
+        ci_low=lo,
+        ci_high=hi,
+        ci_rel=rel,
+        unstable=bool(rel > UNSTABLE_REL or a.size < MIN_ROUNDS),
+        rounds=int(a.size),
+    )
 
 
 # ----------------------------------------------------------------------------- devices
@@ -314,10 +335,10 @@ class Measurement:
 
     timings: Dict[str, Timing] = field(default_factory=dict)
     rounds: List[Dict[str, float]] = field(default_factory=list)
-    errors: Dict[str, BaseException] = field(default_factory=dict)      # real failures
-    skipped: Dict[str, str] = field(default_factory=dict)               # ProviderUnavailable reasons
-    stop_reason: str = ""             # "converged", "budget", "max_rounds"
-    seconds: float = 0.0              # wall time of warm-up + rounds
+    errors: Dict[str, BaseException] = field(default_factory=dict)  # real failures
+    skipped: Dict[str, str] = field(default_factory=dict)  # ProviderUnavailable reasons
+    stop_reason: str = ""  # "converged", "budget", "max_rounds"
+    seconds: float = 0.0  # wall time of warm-up + rounds
     threads: Optional[int] = None
 
     def samples(self, name: str) -> List[float]:
@@ -334,19 +355,34 @@ class Measurement:
     def summary(self, **extra) -> Dict[str, Any]:
         """How the rounds went (a case's "timing" entry in the results): rounds, why they stopped,
         seconds, threads, then ``extra``."""
-        return {"rounds": len(self.rounds), "stop_reason": self.stop_reason, "seconds": self.seconds,
-                "threads": self.threads, **extra}
+        return {
+            "rounds": len(self.rounds),
+            "stop_reason": self.stop_reason,
+            "seconds": self.seconds,
+            "threads": self.threads,
+            **extra,
+        }
 
 
 def _fns(v) -> List[Callable[[], Any]]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def measure(providers: Mapping[str, Any], device="cpu", *, warmup: int = 2,
-            min_rounds: int = MIN_ROUNDS, max_rounds: int = 200, target: float = TARGET_REL,
-            budget_s: Optional[float] = None, timer=None, clock: Callable[[], float] = time.perf_counter,
-            flush_l2: bool = False, on_round: Optional[Callable[["Measurement", int], None]] = None,
-            catch: bool = True) -> Measurement:
+def measure(
+    providers: Mapping[str, Any],
+    device="cpu",
+    *,
+    warmup: int = 2,
+    min_rounds: int = MIN_ROUNDS,
+    max_rounds: int = 200,
+    target: float = TARGET_REL,
+    budget_s: Optional[float] = None,
+    timer=None,
+    clock: Callable[[], float] = time.perf_counter,
+    flush_l2: bool = False,
+    on_round: Optional[Callable[["Measurement", int], None]] = None,
+    catch: bool = True,
+) -> Measurement:
     """Time ``providers`` side by side in interleaved rounds (see the module docstring).
 
     providers: name -> a zero-argument callable, or a list of them (one per prepared input set;
@@ -438,7 +474,7 @@ def measure(providers: Mapping[str, Any], device="cpu", *, warmup: int = 2,
             stop = "budget"
             break
         if budget_s is not None and clock() - t0 >= 4 * budget_s:
-            stop = "budget"        # far over budget (calls much slower than expected): stop early
+            stop = "budget"  # far over budget (calls much slower than expected): stop early
             break
     res.stop_reason = stop if live else "failed"
     res.seconds = clock() - t0
@@ -460,6 +496,7 @@ def _guarded(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
             raise
         except Exception as exc:  # noqa: BLE001
             raise _ProviderError(name, exc) from exc
+
     return call
 
 
@@ -472,34 +509,64 @@ def _finish(res: Measurement, fns, warmup, timer, device, flush_l2, target) -> N
             continue
         stats = summarize(samples)
         res.timings[name] = Timing(
-            iters=len(samples), warmup=warmup, n_inputs=len(fns[name]), method=getattr(timer, "method", "custom"),
-            l2_flush=bool(flush_l2 and device.type == "cuda"), peak_mem_bytes=None,
+            iters=len(samples),
+            warmup=warmup,
+            n_inputs=len(fns[name]),
+            method=getattr(timer, "method", "custom"),
+            l2_flush=bool(flush_l2 and device.type == "cuda"),
+            peak_mem_bytes=None,
             converged=bool(stats["ci_rel"] <= target and stats["ci_level"] >= CONFIDENCE - 1e-9),
             unstable=bool(stats["ci_rel"] > UNSTABLE_REL or stats["ci_level"] < CONFIDENCE - 1e-9),
-            threads=res.threads, **stats)
+            threads=res.threads,
+            **stats,
+        )
 
 
-def method_description(device, *, warmup: int, min_rounds: int, max_rounds: int, target: float,
-                       budget_s: Optional[float], flush_l2: bool = False) -> Dict[str, Any]:
+def method_description(
+    device,
+    *,
+    warmup: int,
+    min_rounds: int,
+    max_rounds: int,
+    target: float,
+    budget_s: Optional[float],
+    flush_l2: bool = False,
+) -> Dict[str, Any]:
     """How the figures of a results file were measured (its "timing" entry)."""
     device = torch.device(device)
-    return {"clock": "cuda_event" if device.type == "cuda" else "perf_counter",
-            "scheme": "providers interleaved in rounds, rotating order, warm-up rounds first",
-            "warmup_rounds": warmup, "min_rounds": min_rounds, "max_rounds": max_rounds,
-            "budget_s": budget_s, "target_rel": target, "unstable_above_rel": UNSTABLE_REL,
-            "confidence": CONFIDENCE, "l2_flush": bool(flush_l2 and device.type == "cuda"),
-            "median_ci": "distribution-free order-statistic (binomial) interval of the median",
-            "speedup_ci": f"percentile bootstrap of the ratio of medians over paired rounds "
-                          f"({BOOTSTRAP_RESAMPLES} resamples)",
-            "threads": torch.get_num_threads()}
+    return {
+        "clock": "cuda_event" if device.type == "cuda" else "perf_counter",
+        "scheme": "providers interleaved in rounds, rotating order, warm-up rounds first",
+        "warmup_rounds": warmup,
+        "min_rounds": min_rounds,
+        "max_rounds": max_rounds,
+        "budget_s": budget_s,
+        "target_rel": target,
+        "unstable_above_rel": UNSTABLE_REL,
+        "confidence": CONFIDENCE,
+        "l2_flush": bool(flush_l2 and device.type == "cuda"),
+        "median_ci": "distribution-free order-statistic (binomial) interval of the median",
+        "speedup_ci": f"percentile bootstrap of the ratio of medians over paired rounds "
+        f"({BOOTSTRAP_RESAMPLES} resamples)",
+        "threads": torch.get_num_threads(),
+    }
 
 
 # ----------------------------------------------------------------------------- one provider
-def time_callables(fns: Sequence[Callable[[], Any]], device, *, warmup: int = 10, iters: int = 50,
-                   flush_l2: bool = False, reset_memory: bool = False,
-                   progress: Optional[Callable[[int], None]] = None,
-                   max_seconds: Optional[float] = None, timer=None,
-                   min_rounds: int = MIN_ROUNDS, target: float = TARGET_REL) -> Timing:
+def time_callables(
+    fns: Sequence[Callable[[], Any]],
+    device,
+    *,
+    warmup: int = 10,
+    iters: int = 50,
+    flush_l2: bool = False,
+    reset_memory: bool = False,
+    progress: Optional[Callable[[int], None]] = None,
+    max_seconds: Optional[float] = None,
+    timer=None,
+    min_rounds: int = MIN_ROUNDS,
+    target: float = TARGET_REL,
+) -> Timing:
     """One provider alone (``measure`` with a single entry): ``fns`` are its input sets, ``iters``
     the most rounds, ``max_seconds`` the budget. Raises what the callables raise."""
     if not fns:
@@ -510,17 +577,36 @@ def time_callables(fns: Sequence[Callable[[], Any]], device, *, warmup: int = 10
     if reset_memory:
         reset_peak_memory(device)
     cb = (lambda _m, _n: progress(1)) if progress is not None else None
-    m = measure({"x": list(fns)}, device, warmup=warmup, min_rounds=min(min_rounds, iters), max_rounds=iters,
-                target=target, budget_s=max_seconds, timer=timer, flush_l2=flush_l2, on_round=cb, catch=False)
+    m = measure(
+        {"x": list(fns)},
+        device,
+        warmup=warmup,
+        min_rounds=min(min_rounds, iters),
+        max_rounds=iters,
+        target=target,
+        budget_s=max_seconds,
+        timer=timer,
+        flush_l2=flush_l2,
+        on_round=cb,
+        catch=False,
+    )
     t = m.timings["x"]
     t.peak_mem_bytes = peak_memory(device)
     return t
 
 
-def time_factory(factory: Callable[[], Callable[[], Any]], device, *, n_inputs: int = 3,
-                 warmup: int = 10, iters: int = 50, flush_l2: bool = False,
-                 progress: Optional[Callable[[int], None]] = None,
-                 max_seconds: Optional[float] = None, timer=None) -> Timing:
+def time_factory(
+    factory: Callable[[], Callable[[], Any]],
+    device,
+    *,
+    n_inputs: int = 3,
+    warmup: int = 10,
+    iters: int = 50,
+    flush_l2: bool = False,
+    progress: Optional[Callable[[int], None]] = None,
+    max_seconds: Optional[float] = None,
+    timer=None,
+) -> Timing:
     """Time an OpCase provider alone: reset the peak-memory counter, call ``factory``
     ``n_inputs`` times (fresh inputs each), then time_callables."""
     if n_inputs < 1:
@@ -529,7 +615,15 @@ def time_factory(factory: Callable[[], Callable[[], Any]], device, *, n_inputs: 
     fns = [factory() for _ in range(n_inputs)]
     synchronize(device)
     try:
-        return time_callables(fns, device, warmup=warmup, iters=iters, flush_l2=flush_l2,
-                              progress=progress, max_seconds=max_seconds, timer=timer)
+        return time_callables(
+            fns,
+            device,
+            warmup=warmup,
+            iters=iters,
+            flush_l2=flush_l2,
+            progress=progress,
+            max_seconds=max_seconds,
+            timer=timer,
+        )
     finally:
         del fns

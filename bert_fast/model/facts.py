@@ -5,22 +5,51 @@ One place for what the benchmark (bert_fast.bench), the training loop (bert_fast
 imports neither torch nor transformers, and nothing of bert_fast. ``config`` arguments are any
 object with BertConfig's attribute names (hidden_size, num_hidden_layers, intermediate_size).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Sequence
 
 # Known model shapes, as BertConfig keyword arguments.
 PRESETS: Dict[str, Dict[str, Any]] = {
-    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                      vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
-    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                       vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
+    "bert-base": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+    ),
+    "bert-large": dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+    ),
     # sentence-transformers/all-MiniLM-L6-v2
-    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
-                   vocab_size=30522, max_position_embeddings=512, type_vocab_size=2),
+    "minilm": dict(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+    ),
     # the CPU default: small enough that every provider runs in seconds
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-                 vocab_size=1024, max_position_embeddings=512, type_vocab_size=2),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+    ),
 }
 
 
@@ -28,9 +57,13 @@ def kernel_shape(preset: str) -> Dict[str, int]:
     """What one layer's kernels see of a preset: hidden, heads, head_dim, ffn (the FFN width) and
     vocab (``bert-fast doctor`` checks every kernel at these)."""
     p = PRESETS[preset]
-    return dict(hidden=p["hidden_size"], heads=p["num_attention_heads"],
-                head_dim=p["hidden_size"] // p["num_attention_heads"], ffn=p["intermediate_size"],
-                vocab=p["vocab_size"])
+    return dict(
+        hidden=p["hidden_size"],
+        heads=p["num_attention_heads"],
+        head_dim=p["hidden_size"] // p["num_attention_heads"],
+        ffn=p["intermediate_size"],
+        vocab=p["vocab_size"],
+    )
 
 
 def flops_per_token(hidden: int, layers: int, intermediate: int, seq_len: float) -> float:
@@ -52,6 +85,7 @@ def flops_per_token(hidden: int, layers: int, intermediate: int, seq_len: float)
 
 def step_flops(config, lengths: Sequence[int], mode: str) -> float:
     """Model FLOPs of one call over a batch with real ``lengths`` (x3 for training)."""
-    total = sum(n * flops_per_token(config.hidden_size, config.num_hidden_layers,
-                                    config.intermediate_size, n) for n in lengths)
+    total = sum(
+        n * flops_per_token(config.hidden_size, config.num_hidden_layers, config.intermediate_size, n) for n in lengths
+    )
     return total * (3.0 if mode == "train" else 1.0)

@@ -20,6 +20,7 @@ Padded case (lengths uniform in [0.2, 1.0] x S, fixed seed): "bert_fast" runs va
 tokens only, "bert_fast-padded" our padded kernel with the key-padding mask, "torch-sdpa-efficient"
 SDPA with a bool key mask [B, 1, 1, S] (the flash backend takes no mask).
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,6 +67,7 @@ def _sdpa(backend_name):
             if "No viable backend" in msg or "No available kernel" in msg:
                 raise ProviderUnavailable(f"torch-sdpa-{backend_name}: {msg.splitlines()[0]}") from exc
             raise
+
     return run
 
 
@@ -99,13 +101,18 @@ def _make_inputs(provider, lengths, seqlen, device, dtype):
         from bert_fast.ops import attention
 
         return (lambda x: attention(x, key_mask)), qkv
-    fn = {"torch-sdpa-flash": _sdpa("flash"), "torch-sdpa-efficient": _sdpa("efficient"),
-          "torch-eager": _eager, "torch.compile": _compiled()}[provider]
+    fn = {
+        "torch-sdpa-flash": _sdpa("flash"),
+        "torch-sdpa-efficient": _sdpa("efficient"),
+        "torch-eager": _eager,
+        "torch.compile": _compiled(),
+    }[provider]
     mask4 = None if key_mask is None else key_mask[:, None, None, :]
 
     def call(x):
-        q, k, v = (u.transpose(1, 2) for u in x.unbind(2))        # [B, heads, S, d] views
+        q, k, v = (u.transpose(1, 2) for u in x.unbind(2))  # [B, heads, S, d] views
         return fn(q, k, v, mask4)
+
     return call, qkv
 
 
@@ -118,9 +125,11 @@ def _factory(provider, direction, lengths, seqlen, device, dtype):
         out = fn(qkv)
         dout = torch.randn_like(out)
         if provider == "bert_fast-dq-separate":
-            return lambda: with_env("BERT_FAST_ATTN_DQ", "separate",
-                                    lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True))
+            return lambda: with_env(
+                "BERT_FAST_ATTN_DQ", "separate", lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+            )
         return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+
     return make
 
 
@@ -134,25 +143,45 @@ def cases(device, dtype) -> list[OpCase]:
         lengths = _lengths(batch, seqlen, padded)
         real = sum(lengths)
         fwd_flops = float(sum(4 * n * n * HEAD_DIM * HEADS for n in lengths))
-        row = HEADS * HEAD_DIM * es                       # bytes of one token's q (or k, v, out)
+        row = HEADS * HEAD_DIM * es  # bytes of one token's q (or k, v, out)
         if padded:
             providers = ("bert_fast", "bert_fast-padded", "torch-sdpa-efficient")
             label = f"B={batch} S={seqlen} padded(0.2-1.0, T={real}) h={HEADS} d={HEAD_DIM}"
         else:
-            providers = ("bert_fast", "torch-sdpa-flash", "torch-sdpa-efficient", "torch-eager", "torch.compile",
-                         "bert_fast-dropout")
+            providers = (
+                "bert_fast",
+                "torch-sdpa-flash",
+                "torch-sdpa-efficient",
+                "torch-eager",
+                "torch.compile",
+                "bert_fast-dropout",
+            )
             label = f"B={batch} S={seqlen} h={HEADS} d={HEAD_DIM}"
         for direction in ("fwd", "bwd"):
             # the dQ kernel choice only exists in the backward
             names = providers + (("bert_fast-dq-separate",) if direction == "bwd" and not padded else ())
-            if direction == "fwd":      # read qkv, write out and the fp32 lse
+            if direction == "fwd":  # read qkv, write out and the fp32 lse
                 flops, nbytes = fwd_flops, real * (4 * row + HEADS * 4)
-            else:                       # read qkv, out, dout, lse; write dqkv
+            else:  # read qkv, out, dout, lse; write dqkv
                 flops, nbytes = 2.5 * fwd_flops, real * (8 * row + HEADS * 4)
-            out.append(OpCase(
-                op="attention", label=label, direction=direction, bound="compute",
-                flops=flops, bytes=float(nbytes),
-                providers={p: _factory(p, direction, lengths, seqlen, device, dtype) for p in names},
-                params={"B": batch, "S": seqlen, "heads": HEADS, "head_dim": HEAD_DIM, "padded": padded,
-                        "real_tokens": real, "dtype": str(dtype).replace("torch.", "")}))
+            out.append(
+                OpCase(
+                    op="attention",
+                    label=label,
+                    direction=direction,
+                    bound="compute",
+                    flops=flops,
+                    bytes=float(nbytes),
+                    providers={p: _factory(p, direction, lengths, seqlen, device, dtype) for p in names},
+                    params={
+                        "B": batch,
+                        "S": seqlen,
+                        "heads": HEADS,
+                        "head_dim": HEAD_DIM,
+                        "padded": padded,
+                        "real_tokens": real,
+                        "dtype": str(dtype).replace("torch.", ""),
+                    },
+                )
+            )
     return out

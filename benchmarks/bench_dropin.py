@@ -15,6 +15,7 @@
    reported as the ratio with its interval: the check is below the noise when it includes 1.00.
 Timing: bert_fast.bench.timing.measure (interleaved rounds, 95% interval of each median).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 import bert_fast  # noqa: E402
 from bert_fast.bench import timing  # noqa: E402
-from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def minilm_folder() -> str:
@@ -41,8 +42,9 @@ def _lora(model):
     import peft
 
     torch.manual_seed(0)
-    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                      target_modules=["query", "value"]))
+    return peft.get_peft_model(
+        model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "value"])
+    )
 
 
 def lora_step_providers(batch: int, seq: int):
@@ -61,10 +63,12 @@ def lora_step_providers(batch: int, seq: int):
             opt.zero_grad(set_to_none=True)
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             opt.step()
+
         return step
 
-    hf = _lora(transformers.BertForSequenceClassification.from_pretrained(
-        folder, num_labels=2, attn_implementation="sdpa"))
+    hf = _lora(
+        transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=2, attn_implementation="sdpa")
+    )
     fast = _lora(bert_fast.BertForSequenceClassification.from_pretrained(folder, num_labels=2))
     plain = bert_fast.BertForSequenceClassification.from_pretrained(folder, num_labels=2)
     for n, p in plain.named_parameters():
@@ -78,24 +82,33 @@ def lora_step_providers(batch: int, seq: int):
 def check_providers(seq: int):
     model = bert_fast.BertModel.from_pretrained(minilm_folder()).eval()
     twin = bert_fast.BertModel.from_pretrained(minilm_folder()).eval()
-    twin.unfused_pieces = lambda: {}          # the same forward without the walk
+    twin.unfused_pieces = lambda: {}  # the same forward without the walk
     ids = torch.randint(1000, 20000, (1, seq), generator=torch.Generator().manual_seed(0))
 
     def fwd(m):
         def call():
             with torch.inference_mode():
                 m(ids)
+
         return call
+
     return {"checked": fwd(model), "unchecked": fwd(twin)}
 
 
 def _report(name, res, pairs):
-    out = {"timings": {k: v.to_dict() for k, v in res.timings.items()}, "stop_reason": res.stop_reason,
-           "skipped": res.skipped, "errors": {k: repr(v) for k, v in res.errors.items()}, "speedups": {}}
+    out = {
+        "timings": {k: v.to_dict() for k, v in res.timings.items()},
+        "stop_reason": res.stop_reason,
+        "skipped": res.skipped,
+        "errors": {k: repr(v) for k, v in res.errors.items()},
+        "speedups": {},
+    }
     print(f"\n{name}  ({res.threads} threads, {len(res.rounds)} rounds, {res.stop_reason})")
     for k, t in res.timings.items():
-        print(f"  {k:16s} median {t.median_ms:9.2f} ms  95% CI [{t.ci_low_ms:.2f}, {t.ci_high_ms:.2f}]"
-              f"{'  unstable' if t.unstable else ''}")
+        print(
+            f"  {k:16s} median {t.median_ms:9.2f} ms  95% CI [{t.ci_low_ms:.2f}, {t.ci_high_ms:.2f}]"
+            f"{'  unstable' if t.unstable else ''}"
+        )
     for subject, baseline in pairs:
         sp = res.speedup(subject, baseline)
         if sp is not None:
@@ -116,11 +129,14 @@ def main(argv=None) -> int:
     results = {"machine": machine(threads), "cases": {}}
     res = timing.measure(lora_step_providers(args.batch, args.seq), warmup=2, budget_s=args.budget)
     results["cases"][f"lora-step-b{args.batch}-s{args.seq}"] = _report(
-        f"LoRA fine-tuning step, MiniLM, b{args.batch} s{args.seq}", res,
-        [("bert_fast-lora", "hf-lora"), ("bert_fast-lora", "bert_fast")])
+        f"LoRA fine-tuning step, MiniLM, b{args.batch} s{args.seq}",
+        res,
+        [("bert_fast-lora", "hf-lora"), ("bert_fast-lora", "bert_fast")],
+    )
     res = timing.measure(check_providers(args.seq), warmup=5, budget_s=args.budget, max_rounds=2000)
     results["cases"][f"check-b1-s{args.seq}"] = _report(
-        f"drop-in check, MiniLM inference b1 s{args.seq}", res, [("checked", "unchecked")])
+        f"drop-in check, MiniLM inference b1 s{args.seq}", res, [("checked", "unchecked")]
+    )
     write_json(args.json, results)
     return 0
 

@@ -12,6 +12,7 @@ bert_fast over each with its interval). pytest-benchmark's own statistics time t
 measurement (one round), not a call. A provider that cannot run here (a pinned SDPA backend this
 GPU lacks) is listed in extra_info["skipped"] with its reason.
 """
+
 import os
 
 import pytest
@@ -33,8 +34,11 @@ def _params():
     modules, errors = discover_modules()
     if errors:
         raise ImportError(f"op case modules failed to import: {errors}")
-    return [pytest.param(case, id=case.name)
-            for module in modules.values() for case in module.cases(torch.device("cuda"), DTYPE)]
+    return [
+        pytest.param(case, id=case.name)
+        for module in modules.values()
+        for case in module.cases(torch.device("cuda"), DTYPE)
+    ]
 
 
 def measure_case(case, device, budget_s=CASE_SECONDS, timer=None, warmup=5):
@@ -45,11 +49,11 @@ def measure_case(case, device, budget_s=CASE_SECONDS, timer=None, warmup=5):
             continue
         try:
             sets = [factory() for _ in range(INPUT_SETS)]
-            sets[0]()                     # compile / autotune before the warm-up rounds
+            sets[0]()  # compile / autotune before the warm-up rounds
             fns[provider] = sets
         except ProviderUnavailable as exc:
             skipped[provider] = str(exc).splitlines()[0]
-        except RuntimeError as exc:       # a provider that breaks here must not hide the others
+        except RuntimeError as exc:  # a provider that breaks here must not hide the others
             errors[provider] = f"{type(exc).__name__}: {exc}"[:500]
     out = {"providers": {}, "speedups": {}, "skipped": skipped, "errors": errors}
     if not fns:
@@ -62,10 +66,23 @@ def measure_case(case, device, budget_s=CASE_SECONDS, timer=None, warmup=5):
             continue
         sec = t.median_ms * 1e-3
         out["providers"][provider] = {
-            **{k: getattr(t, k) for k in ("median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel",
-                                          "unstable", "iters", "method")},
+            **{
+                k: getattr(t, k)
+                for k in (
+                    "median_ms",
+                    "p20_ms",
+                    "p80_ms",
+                    "ci_low_ms",
+                    "ci_high_ms",
+                    "ci_rel",
+                    "unstable",
+                    "iters",
+                    "method",
+                )
+            },
             "TFLOP/s": case.flops / sec / 1e12 if case.flops else None,
-            "GB/s": case.bytes / sec / 1e9 if case.bytes else None}
+            "GB/s": case.bytes / sec / 1e9 if case.bytes else None,
+        }
         if provider != "bert_fast" and "bert_fast" in m.timings:
             sp = m.speedup("bert_fast", provider)
             out["speedups"][provider] = sp.to_dict() if sp is not None else None
@@ -86,5 +103,13 @@ def test_op(benchmark, case):
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     if result.get("errors"):
         pytest.fail(f"{case.name}: {result['errors']}")
-    benchmark.extra_info.update({"op": case.op, "direction": case.direction, "bound": case.bound,
-                                 "device": torch.cuda.get_device_name(), **case.params, **result})
+    benchmark.extra_info.update(
+        {
+            "op": case.op,
+            "direction": case.direction,
+            "bound": case.bound,
+            "device": torch.cuda.get_device_name(),
+            **case.params,
+            **result,
+        }
+    )

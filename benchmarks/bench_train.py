@@ -18,6 +18,7 @@ pytest-benchmark's own statistics time the whole measurement, the figures are in
 extra_info, per provider: median, p20/p80, 95% interval, unstable flag, tokens/s (real tokens), MFU = (6 * params * tokens + 12 * L * H * B * S^2) / time / peak
 (peak: BERT_FAST_PEAK_TFLOPS or the measured bf16 GEMM rate of this GPU), peak memory (GiB).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,9 +52,14 @@ def _config(preset: str):
 
     from bert_fast.training.loop import MODEL_SIZES
 
-    return transformers.BertConfig(vocab_size=30528, max_position_embeddings=512, type_vocab_size=2,
-                                   hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-                                   **MODEL_SIZES[preset])
+    return transformers.BertConfig(
+        vocab_size=30528,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        **MODEL_SIZES[preset],
+    )
 
 
 def _model(provider: str, config):
@@ -99,6 +105,7 @@ def _step_fn(provider, config, b, s):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return model, step
 
 
@@ -119,7 +126,7 @@ def test_train_step(benchmark, peak_tflops, case):
         torch.cuda.reset_peak_memory_stats()
         try:
             models[provider], steps[provider] = _step_fn(provider, config, b, s)
-            steps[provider]()                       # compile, autotune, allocate the optimizer state
+            steps[provider]()  # compile, autotune, allocate the optimizer state
             torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError:
             skipped[provider] = "out of memory"
@@ -136,8 +143,14 @@ def test_train_step(benchmark, peak_tflops, case):
     result = {}
 
     def run():
-        result["m"] = measure(steps, torch.device("cuda"), warmup=2, min_rounds=10, max_rounds=200,
-                              budget_s=CASE_SECONDS)
+        result["m"] = measure(
+            steps,  # noqa: F821 (bound in the enclosing function)
+            torch.device("cuda"),
+            warmup=2,
+            min_rounds=10,
+            max_rounds=200,
+            budget_s=CASE_SECONDS,
+        )
 
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     m = result["m"]
@@ -145,22 +158,40 @@ def test_train_step(benchmark, peak_tflops, case):
     figures = {}
     for provider, t in m.timings.items():
         sec = t.median_ms * 1e-3
-        flops = model_flops(count_params(models[provider]), tokens, float(b * s * s), config.num_hidden_layers,
-                            config.hidden_size)
+        flops = model_flops(
+            count_params(models[provider]), tokens, float(b * s * s), config.num_hidden_layers, config.hidden_size
+        )
         sp = m.speedup("bert_fast", provider) if provider != "bert_fast" and "bert_fast" in m.timings else None
         figures[provider] = {
-            "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "ci_low_ms": t.ci_low_ms,
-            "ci_high_ms": t.ci_high_ms, "unstable": t.unstable, "tokens_per_s": tokens / sec,
-            "tflops": flops / sec / 1e12, "mfu": flops / sec / (peak_tflops * 1e12),
+            "median_ms": t.median_ms,
+            "p20_ms": t.p20_ms,
+            "p80_ms": t.p80_ms,
+            "ci_low_ms": t.ci_low_ms,
+            "ci_high_ms": t.ci_high_ms,
+            "unstable": t.unstable,
+            "tokens_per_s": tokens / sec,
+            "tflops": flops / sec / 1e12,
+            "mfu": flops / sec / (peak_tflops * 1e12),
             "peak_memory_gib": peaks.get(provider),
-            "speedup_of_bert_fast": sp.to_dict() if sp is not None else None}
+            "speedup_of_bert_fast": sp.to_dict() if sp is not None else None,
+        }
     skipped.update(m.skipped)
-    benchmark.extra_info.update({
-        "case": name, "batch": b, "seq": s, "tokens": tokens, "peak_tflops": peak_tflops,
-        "rounds": len(m.rounds), "stop_reason": m.stop_reason, "providers": figures, "skipped": skipped,
-        "errors": {p: f"{type(e).__name__}: {e}"[:300] for p, e in m.errors.items()},
-        "device": torch.cuda.get_device_name(), "precision": "bf16 autocast, fp32 master weights, fused AdamW",
-    })
+    benchmark.extra_info.update(
+        {
+            "case": name,
+            "batch": b,
+            "seq": s,
+            "tokens": tokens,
+            "peak_tflops": peak_tflops,
+            "rounds": len(m.rounds),
+            "stop_reason": m.stop_reason,
+            "providers": figures,
+            "skipped": skipped,
+            "errors": {p: f"{type(e).__name__}: {e}"[:300] for p, e in m.errors.items()},
+            "device": torch.cuda.get_device_name(),
+            "precision": "bf16 autocast, fp32 master weights, fused AdamW",
+        }
+    )
     del models, steps
     torch.cuda.empty_cache()
     if m.errors:

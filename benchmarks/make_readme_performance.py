@@ -14,6 +14,7 @@ Results from a machine without a CUDA GPU are ignored (--allow-cpu to use them).
 --check: exit 1 when the README is not what this script would write (for CI); --stdout: print the
 section instead of writing the README. Needs only the standard library.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 GPU_CHECK_SCHEMA = "bert_fast.gpu_check/1"
-NO_RESULTS = ("No GPU results exist yet: run `bash benchmarks/gpu_check.sh` on a CUDA machine, then "
-              "`python benchmarks/make_readme_performance.py`.")
+NO_RESULTS = (
+    "No GPU results exist yet: run `bash benchmarks/gpu_check.sh` on a CUDA machine, then "
+    "`python benchmarks/make_readme_performance.py`."
+)
 
 
 def newest_results(results_dir: Path, allow_cpu: bool = False) -> Optional[Tuple[Path, Dict[str, Any]]]:
@@ -65,35 +68,73 @@ def _speedup(sp, ci) -> str:
 
 def _flags(r: Dict[str, Any]) -> str:
     """The flags of bert_fast.bench.timing: an interval wider than +-10% is 'unstable'."""
-    names = (("unstable", "unstable"), ("speedup_unstable", "unstable speedup"),
-             ("ceiling_unstable", "ceiling unstable"))
+    names = (
+        ("unstable", "unstable"),
+        ("speedup_unstable", "unstable speedup"),
+        ("ceiling_unstable", "ceiling unstable"),
+    )
     return ", ".join(text for key, text in names if r.get(key))
 
 
 def model_table(runs: List[Dict[str, Any]]) -> List[str]:
     if not runs:
         return ["_No model benchmark figures in this run._"]
-    head = ["model", "mode", "batch × seq", "lengths", "CUDA graphs", "provider", "median ms", "p20–p80 ms",
-            "tokens/s", "MFU", "peak MiB", "speedup of bert_fast (95% CI)", "flags"]
+    head = [
+        "model",
+        "mode",
+        "batch × seq",
+        "lengths",
+        "CUDA graphs",
+        "provider",
+        "median ms",
+        "p20–p80 ms",
+        "tokens/s",
+        "MFU",
+        "peak MiB",
+        "speedup of bert_fast (95% CI)",
+        "flags",
+    ]
     lines = [_md_row(head), _md_row(["---"] * len(head))]
     order = {"train": 1, "infer": 0}
-    for c in sorted(runs, key=lambda c: (order.get(c.get("mode"), 2), c.get("model", ""), c.get("seq", 0),
-                                         c.get("batch", 0), bool(c.get("cuda_graphs")))):
+    for c in sorted(
+        runs,
+        key=lambda c: (
+            order.get(c.get("mode"), 2),
+            c.get("model", ""),
+            c.get("seq", 0),
+            c.get("batch", 0),
+            bool(c.get("cuda_graphs")),
+        ),
+    ):
         for r in c.get("results", []):
-            base = [c.get("model_name") or c.get("model"), c.get("mode"), f"{c.get('batch')} × {c.get('seq')}", c.get("lengths"),
-                    "yes" if c.get("cuda_graphs") else "no", f"`{r.get('provider')}`"]
+            base = [
+                c.get("model_name") or c.get("model"),
+                c.get("mode"),
+                f"{c.get('batch')} × {c.get('seq')}",
+                c.get("lengths"),
+                "yes" if c.get("cuda_graphs") else "no",
+                f"`{r.get('provider')}`",
+            ]
             if r.get("status") != "ok":
                 err = (r.get("error") or "").splitlines()[0][:60] if r.get("error") else ""
                 lines.append(_md_row(base + [f"{r.get('status')}: {err}"] + [""] * 6))
                 continue
             sp = r.get("speedup_of_bert_fast")
-            lines.append(_md_row(base + [
-                _f(r.get("median_ms"), ".3f"), f"{_f(r.get('p20_ms'), '.3f')}–{_f(r.get('p80_ms'), '.3f')}",
-                _f(r.get("tokens_per_s"), ",.0f"),
-                _f(None if r.get("mfu") is None else 100 * r["mfu"], ".1f") + ("%" if r.get("mfu") is not None else ""),
-                _f(r.get("peak_mem_mb"), ",.0f"),
-                "1.00× (itself)" if r.get("provider") == "bert_fast" else _speedup(sp, r.get("speedup_ci")),
-                _flags(r)]))
+            lines.append(
+                _md_row(
+                    base
+                    + [
+                        _f(r.get("median_ms"), ".3f"),
+                        f"{_f(r.get('p20_ms'), '.3f')}–{_f(r.get('p80_ms'), '.3f')}",
+                        _f(r.get("tokens_per_s"), ",.0f"),
+                        _f(None if r.get("mfu") is None else 100 * r["mfu"], ".1f")
+                        + ("%" if r.get("mfu") is not None else ""),
+                        _f(r.get("peak_mem_mb"), ",.0f"),
+                        "1.00× (itself)" if r.get("provider") == "bert_fast" else _speedup(sp, r.get("speedup_ci")),
+                        _flags(r),
+                    ]
+                )
+            )
     return lines
 
 
@@ -108,11 +149,18 @@ def ops_table(cases: List[Dict[str, Any]]) -> List[str]:
             if r.get("status") != "ok":
                 lines.append(_md_row(base + [str(r.get("status")), "", "", "", ""]))
                 continue
-            lines.append(_md_row(base + [
-                _f(None if r.get("median_ms") is None else 1e3 * r["median_ms"], ",.1f"),
-                _f(r.get("gbs"), ",.0f"), _f(r.get("tflops"), ".1f"),
-                _f(r.get("pct_of_ceiling"), ".0f") + ("%" if r.get("pct_of_ceiling") is not None else ""),
-                _flags(r)]))
+            lines.append(
+                _md_row(
+                    base
+                    + [
+                        _f(None if r.get("median_ms") is None else 1e3 * r["median_ms"], ",.1f"),
+                        _f(r.get("gbs"), ",.0f"),
+                        _f(r.get("tflops"), ".1f"),
+                        _f(r.get("pct_of_ceiling"), ".0f") + ("%" if r.get("pct_of_ceiling") is not None else ""),
+                        _flags(r),
+                    ]
+                )
+            )
     return lines
 
 
@@ -122,31 +170,46 @@ def render(path: Optional[Path], doc: Optional[Dict[str, Any]], readme: Path) ->
     env = doc.get("environment") or {}
     tests = doc.get("tests") or {}
     ops = doc.get("ops") or {}
-    ceil = ops.get("ceilings") or next((f.get("ceilings") for f in (doc.get("model") or {}).get("files", [])
-                                        if f.get("ceilings")), None) or {}
+    ceil = (
+        ops.get("ceilings")
+        or next((f.get("ceilings") for f in (doc.get("model") or {}).get("files", []) if f.get("ceilings")), None)
+        or {}
+    )
     rel = os.path.relpath(path, readme.parent)
-    out = [f"_Generated by `benchmarks/make_readme_performance.py` from [`{rel}`]({rel}); "
-           f"do not edit by hand._", ""]
+    out = [f"_Generated by `benchmarks/make_readme_performance.py` from [`{rel}`]({rel}); do not edit by hand._", ""]
     cap = f" (compute capability {env['device_capability']})" if env.get("device_capability") else ""
-    out.append(f"- **Device:** {env.get('device_name', 'unknown')}{cap}, driver "
-               f"{env.get('driver_version') or 'unknown'}, CUDA runtime {env.get('cuda_runtime') or 'none'}")
+    out.append(
+        f"- **Device:** {env.get('device_name', 'unknown')}{cap}, driver "
+        f"{env.get('driver_version') or 'unknown'}, CUDA runtime {env.get('cuda_runtime') or 'none'}"
+    )
     out.append(f"- **Commit:** `{env.get('git_commit', 'unknown')}` · run {doc.get('created', '?')}")
-    out.append(f"- **Versions:** torch {env.get('torch')}, triton {env.get('triton')}, "
-               f"transformers {env.get('transformers')}, Python {env.get('python')}")
+    out.append(
+        f"- **Versions:** torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"transformers {env.get('transformers')}, Python {env.get('python')}"
+    )
     if tests:
-        out.append(f"- **Tests on this GPU:** {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
-                   f"{tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped")
+        out.append(
+            f"- **Tests on this GPU:** {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
+            f"{tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped"
+        )
     if ceil:
-        out.append(f"- **Measured ceilings:** copy {_f(ceil.get('copy_bandwidth_gbs'), ',.0f')} GB/s, "
-                   f"{ceil.get('matmul_dtype', '')} GEMM {_f(ceil.get('matmul_tflops'), '.0f')} TFLOP/s "
-                   f"({'×'.join(map(str, ceil.get('matmul_shape', [])))}); MFU and % of ceiling are against these")
+        out.append(
+            f"- **Measured ceilings:** copy {_f(ceil.get('copy_bandwidth_gbs'), ',.0f')} GB/s, "
+            f"{ceil.get('matmul_dtype', '')} GEMM {_f(ceil.get('matmul_tflops'), '.0f')} TFLOP/s "
+            f"({'×'.join(map(str, ceil.get('matmul_shape', [])))}); MFU and % of ceiling are against these"
+        )
     bad = [s for s in doc.get("stages", []) if s.get("status") != "ok"]
     if bad:
         out.append("- **Stages not ok:** " + ", ".join(f"{s['name']} ({s.get('status')})" for s in bad))
-    out += ["", "### Model", "",
-            "Median latency per call (forward under no_grad for `infer`; forward + backward + AdamW step for "
-            "`train`), tokens/s on real tokens, MFU = model FLOPs / time / measured GEMM rate; speedup = "
-            "provider median / bert_fast median.", ""]
+    out += [
+        "",
+        "### Model",
+        "",
+        "Median latency per call (forward under no_grad for `infer`; forward + backward + AdamW step for "
+        "`train`), tokens/s on real tokens, MFU = model FLOPs / time / measured GEMM rate; speedup = "
+        "provider median / bert_fast median.",
+        "",
+    ]
     out += model_table((doc.get("model") or {}).get("runs", []))
     out += ["", "### Ops", ""]
     out += ops_table(ops.get("cases", []))

@@ -13,6 +13,7 @@ faster one (ties within --margin go to cuBLAS, the path with less of our code to
 Entries are stored under the device name with its compute capability; bert_fast.ops.linear looks up
 the name first, then the capability.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,40 +57,58 @@ def main() -> None:
                 for m in args.tokens:
                     for n, k, act in _shapes(h, 4 * h):
                         x = torch.randn(m, k, device=dev, dtype=dtype)
-                        w = torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5
+                        w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
                         b = torch.randn(n, device=dev, dtype=dtype)
                         dy = torch.randn(m, n, device=dev, dtype=dtype)
                         fwd = torch.ops.bert_fast.linear_fwd
-                        t_fwd = {be: do_bench(lambda: fwd(x, w, b, act, be, True), return_mode="median")
-                                 for be in ("triton", "cublas")}
+                        # (ruff cannot see that the names are bound for the lambdas' whole life: F821)
+                        t_fwd = {
+                            be: do_bench(lambda: fwd(x, w, b, act, be, True), return_mode="median")  # noqa: F821
+                            for be in ("triton", "cublas")
+                        }
                         _, z = fwd(x, w, b, act, "triton", True)
                         bwd = torch.ops.bert_fast.linear_bwd
-                        t_bwd = {be: do_bench(lambda: bwd(dy, x, w, b, z, act, "triton", be, True, True, True),
-                                              return_mode="median")
-                                 for be in ("triton", "cublas")}
+                        t_bwd = {
+                            be: do_bench(
+                                lambda: bwd(dy, x, w, b, z, act, "triton", be, True, True, True),  # noqa: F821
+                                return_mode="median",
+                            )
+                            for be in ("triton", "cublas")
+                        }
                         for direction, t in (("fwd", t_fwd), ("bwd", t_bwd)):
                             best = "triton" if t["triton"] < (1.0 - args.margin) * t["cublas"] else "cublas"
                             key = L.table_key(direction, act, dtype, m, n, k)
-                            entries[key] = {"backend": best, "triton_ms": round(t["triton"], 5),
-                                            "cublas_ms": round(t["cublas"], 5)}
+                            entries[key] = {
+                                "backend": best,
+                                "triton_ms": round(t["triton"], 5),
+                                "cublas_ms": round(t["cublas"], 5),
+                            }
                             flops = (2 if direction == "fwd" else 4) * m * n * k
-                            print(f"{key:42s} triton {t['triton'] * 1e3:8.1f} us "
-                                  f"({flops / t['triton'] / 1e9:6.0f} TFLOP/s)  cublas {t['cublas'] * 1e3:8.1f} us "
-                                  f"({flops / t['cublas'] / 1e9:6.0f} TFLOP/s)  -> {best}", flush=True)
+                            print(
+                                f"{key:42s} triton {t['triton'] * 1e3:8.1f} us "
+                                f"({flops / t['triton'] / 1e9:6.0f} TFLOP/s)  cublas {t['cublas'] * 1e3:8.1f} us "
+                                f"({flops / t['cublas'] / 1e9:6.0f} TFLOP/s)  -> {best}",
+                                flush=True,
+                            )
                         del x, w, b, dy, z
-    except KeyboardInterrupt:   # e.g. the GPU check's stage time limit (SIGINT): keep what was measured
+    except KeyboardInterrupt:  # e.g. the GPU check's stage time limit (SIGINT): keep what was measured
         print(f"interrupted: writing the {len(entries)} entries measured so far", flush=True)
     if not entries:
         raise SystemExit("nothing measured: table left as it was")
     table = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
-    header = {"capability": f"sm{major}{minor}",
-              "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+    header = {
+        "capability": f"sm{major}{minor}",
+        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
     merge_device_entries(table, name, header, entries)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"wrote {len(entries)} new entries ({len(table['devices'][name]['entries'])} in all) "
-          f"for {name} to {args.out}")
+    print(
+        f"wrote {len(entries)} new entries ({len(table['devices'][name]['entries'])} in all) for {name} to {args.out}"
+    )
 
 
 def merge_device_entries(table: dict, name: str, header: dict, entries: dict) -> dict:

@@ -7,12 +7,13 @@ transformers BertModel and its task heads.
 Imports are lazy (PEP 562) so that ``bert-fast --help`` or ``build_info()`` do not pay for
 importing transformers and triton; ``bert_fast.BertModel`` etc. load on first use.
 """
+
 import importlib
 
 from bert_fast._build_info import build_info
 from bert_fast.versions import check_transformers_floor
 
-check_transformers_floor()   # a transformers older than setup.py's floor is refused here, by name
+check_transformers_floor()  # a transformers older than setup.py's floor is refused here, by name
 
 __version__ = "0.1.0"
 
@@ -22,10 +23,18 @@ _LAZY = {
     "BertModel": "bert_fast.model.modeling",
     "optimize": "bert_fast.model.optimize",
     "CudaGraphRunner": "bert_fast.model.cuda_graphs",
-    **{name: "bert_fast.model.heads" for name in (
-        "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
-        "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
-        "BertForMultipleChoice")},
+    **{
+        name: "bert_fast.model.heads"
+        for name in (
+            "BertForPreTraining",
+            "BertForMaskedLM",
+            "BertForNextSentencePrediction",
+            "BertForSequenceClassification",
+            "BertForTokenClassification",
+            "BertForQuestionAnswering",
+            "BertForMultipleChoice",
+        )
+    },
 }
 __all__ = ["build_info", *_LAZY]
 

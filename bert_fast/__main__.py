@@ -1,4 +1,5 @@
 """``python -m bert_fast``: the same CLI as the ``bert-fast`` console script."""
+
 import sys
 
 from bert_fast.cli import main

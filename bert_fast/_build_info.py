@@ -1,4 +1,5 @@
 """What was compiled and what will run: bert_fast.build_info()."""
+
 from __future__ import annotations
 
 
@@ -10,8 +11,13 @@ def build_info() -> dict:
     """
     import torch
 
-    info: dict = {"extension_loaded": False, "cuda_compiled": False, "cuda_archs": [],
-                  "cuda_compiler_version": "", "extension_error": None}
+    info: dict = {
+        "extension_loaded": False,
+        "cuda_compiled": False,
+        "cuda_archs": [],
+        "cuda_compiler_version": "",
+        "extension_error": None,
+    }
     try:
         from bert_fast import _C
 

@@ -361,8 +361,7 @@ class _Embedding(_Op):
     def kernel(self, t):
         import torch
 
-        from bert_fast.ops import _dispatch, embedding_layer_norm
-        from bert_fast.ops.embedding import _dropout_keep_mask
+        from bert_fast.ops import draw_seed, embedding_dropout_mask, embedding_layer_norm
 
         state = self.gen.get_state()
         out = embedding_layer_norm(
@@ -384,8 +383,8 @@ class _Embedding(_Op):
         if self.p > 0.0:  # the seed the op drew, again: the kernel's mask for it
             g = torch.Generator()
             g.set_state(state)
-            seed = _dispatch.draw_seed(self.p, g)
-            self.mask = _dropout_keep_mask(self.rows, t["word"].shape[1], self.p, seed, self.device)
+            seed = draw_seed(self.p, g)
+            self.mask = embedding_dropout_mask(self.rows, t["word"].shape[1], self.p, seed, self.device)
         return out
 
     def torch_fwd(self, t):

@@ -8,6 +8,7 @@ which is exactly what the tolerance rule of DESIGN.md compares against (bert_fas
 Dropout takes an explicit keep-mask (``dropout_mask``, bool) because no reference can reproduce a
 kernel's Philox bits; the ops build that mask from their seed (see ops/_dispatch.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,11 +34,21 @@ def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- embedding
-def embedding_layer_norm(input_ids, position_ids, token_type_ids, word_embeddings,
-                         position_embeddings, token_type_embeddings, weight, bias,
-                         eps: float = 1e-12, dropout_p: float = 0.0, padding_idx: Optional[int] = None,
-                         indices: Optional[torch.Tensor] = None,
-                         dropout_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def embedding_layer_norm(
+    input_ids,
+    position_ids,
+    token_type_ids,
+    word_embeddings,
+    position_embeddings,
+    token_type_embeddings,
+    weight,
+    bias,
+    eps: float = 1e-12,
+    dropout_p: float = 0.0,
+    padding_idx: Optional[int] = None,
+    indices: Optional[torch.Tensor] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) * weight + bias, then dropout.
 
     ids/pos/tt share one shape (position_ids None -> 0..S-1 along the last dim, token_type_ids
@@ -53,16 +64,19 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word_embedding
         input_ids = input_ids.reshape(-1)[indices]
         position_ids = position_ids.reshape(-1)[indices]
         token_type_ids = token_type_ids.reshape(-1)[indices]
-    x = (F.embedding(input_ids, word_embeddings, padding_idx=padding_idx)
-         + F.embedding(position_ids, position_embeddings)
-         + F.embedding(token_type_ids, token_type_embeddings))
+    x = (
+        F.embedding(input_ids, word_embeddings, padding_idx=padding_idx)
+        + F.embedding(position_ids, position_embeddings)
+        + F.embedding(token_type_ids, token_type_embeddings)
+    )
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return apply_dropout(y, dropout_p, dropout_mask)
 
 
 # ----------------------------------------------------------------------------- residual + LN
-def residual_layer_norm(x, residual, weight, bias, eps: float = 1e-12, dropout_p: float = 0.0,
-                        dropout_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def residual_layer_norm(
+    x, residual, weight, bias, eps: float = 1e-12, dropout_p: float = 0.0, dropout_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """LayerNorm(dropout(x) + residual) over the last dimension (BERT's post-LN sublayer end)."""
     h = apply_dropout(x, dropout_p, dropout_mask) + residual
     return F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
@@ -83,8 +97,13 @@ def linear(x, weight, bias=None, activation: Optional[str] = None) -> torch.Tens
 
 
 # ----------------------------------------------------------------------------- attention
-def attention(qkv, attention_mask=None, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-              dropout_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention(
+    qkv,
+    attention_mask=None,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale, keys masked) v for qkv [B, S, 3, heads, d] -> [B, S, heads, d].
 
     attention_mask [B, S] (1/True = attend) masks keys only: every query position, pads included,
@@ -93,8 +112,8 @@ def attention(qkv, attention_mask=None, dropout_p: float = 0.0, softmax_scale: O
     """
     b, s, three, h, d = qkv.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))          # [B, h, S, d]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale          # [B, h, S, S]
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # [B, h, S, d]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, h, S, S]
     if attention_mask is not None:
         keep = attention_mask.to(torch.bool)[:, None, None, :]
         # finfo.min rather than -inf: a fully masked row stays finite (uniform), and is zeroed below,
@@ -105,12 +124,17 @@ def attention(qkv, attention_mask=None, dropout_p: float = 0.0, softmax_scale: O
         has_key = attention_mask.to(torch.bool).any(dim=-1)[:, None, None, None]
         probs = probs * has_key.to(probs.dtype)
     probs = apply_dropout(probs, dropout_p, dropout_mask)
-    return torch.matmul(probs, v).transpose(1, 2)                  # [B, S, h, d]
+    return torch.matmul(probs, v).transpose(1, 2)  # [B, S, h, d]
 
 
-def varlen_attention(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
-                     softmax_scale: Optional[float] = None,
-                     dropout_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def varlen_attention(
+    qkv,
+    cu_seqlens,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Attention over packed sequences: qkv [T, 3, heads, d], cu_seqlens [B+1] -> [T, heads, d].
 
     Sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]; tokens attend within their sequence only.
@@ -122,7 +146,7 @@ def varlen_attention(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
         lo, hi = bounds[i], bounds[i + 1]
         if hi == lo:
             continue
-        m = None if dropout_mask is None else dropout_mask[i:i + 1, :, : hi - lo, : hi - lo]
+        m = None if dropout_mask is None else dropout_mask[i : i + 1, :, : hi - lo, : hi - lo]
         outs.append(attention(qkv[lo:hi].unsqueeze(0), None, dropout_p, softmax_scale, m)[0])
     if not outs:
         return qkv.new_zeros((qkv.shape[0],) + tuple(qkv.shape[2:]))

@@ -5,6 +5,7 @@ The rule (after flash-attention's suites): against a float64 oracle, a kernel's 
 most ``factor`` (2) times the error of plain PyTorch run in the same dtype, plus a small floor
 for rounding. A fixed atol/rtol band is only a second, looser check.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,14 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().double() - b.detach().double()).abs().max().item()
 
 
-def error_and_bound_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor, *,
-                       factor: float = 2.0, floor: Optional[float] = None) -> tuple[float, float]:
+def error_and_bound_2x(
+    actual: torch.Tensor,
+    oracle: torch.Tensor,
+    torch_same_dtype: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    floor: Optional[float] = None,
+) -> tuple[float, float]:
     """(max |actual - oracle|, factor * max |torch_same_dtype - oracle| + floor): the two sides of
     the 2x rule; ``floor`` defaults to :func:`rounding_floor` of ``actual``'s dtype."""
     if floor is None:
@@ -90,9 +97,16 @@ def error_and_bound_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dt
     return max_abs_err(actual, oracle), factor * max_abs_err(torch_same_dtype, oracle) + floor
 
 
-def assert_close_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor, *,
-                    name: str = "output", factor: float = 2.0, floor: Optional[float] = None,
-                    check_band: bool = True) -> None:
+def assert_close_2x(
+    actual: torch.Tensor,
+    oracle: torch.Tensor,
+    torch_same_dtype: torch.Tensor,
+    *,
+    name: str = "output",
+    factor: float = 2.0,
+    floor: Optional[float] = None,
+    check_band: bool = True,
+) -> None:
     """Assert |actual - oracle| <= factor * |torch_same_dtype - oracle| + floor (max norms).
 
     actual: the kernel's result; oracle: the float64 reference; torch_same_dtype: the reference
@@ -108,19 +122,25 @@ def assert_close_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype
     err, bound = error_and_bound_2x(actual, oracle, torch_same_dtype, factor=factor, floor=floor)
     assert err <= bound, (
         f"{name}: max error {err:.3e} > {factor} x torch's {max_abs_err(torch_same_dtype, oracle):.3e} "
-        f"+ floor {floor:.1e}")
+        f"+ floor {floor:.1e}"
+    )
     if check_band:
         atol, rtol = FIXED_BANDS[actual.dtype]
-        torch.testing.assert_close(actual.double(), oracle.double(), atol=atol * max(1.0, oracle.abs().max().item() if oracle.numel() else 1.0),
-                                   rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual.double(),
+            oracle.double(),
+            atol=atol * max(1.0, oracle.abs().max().item() if oracle.numel() else 1.0),
+            rtol=rtol,
+            msg=lambda m: f"{name}: {m}",
+        )
 
 
-def assert_reduction_close_2x(actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor,
-                              rows: int, *, name: str = "dweight") -> None:
+def assert_reduction_close_2x(
+    actual: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor, rows: int, *, name: str = "dweight"
+) -> None:
     """:func:`assert_close_2x` for a gradient summed over ``rows`` rows (dweight, dbias), with the
     floor of :func:`reduction_floor`."""
-    assert_close_2x(actual, oracle, torch_same_dtype, name=name,
-                    floor=reduction_floor(oracle, actual.dtype, rows))
+    assert_close_2x(actual, oracle, torch_same_dtype, name=name, floor=reduction_floor(oracle, actual.dtype, rows))
 
 
 # ----------------------------------------------------------------------------- autotune spaces
@@ -180,9 +200,13 @@ def philox4x32_10(c0, c1, c2, c3, seed: int):
     k0, k1 = seed & 0xFFFFFFFF, seed >> 32
     round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
     for _ in range(10):
-        pa, pb = round_a * c0, round_b * c2          # < 2^64: exact in uint64
-        c0, c1, c2, c3 = ((pb >> np.uint64(32)) ^ c1 ^ np.uint64(k0), pb & _M32,
-                          (pa >> np.uint64(32)) ^ c3 ^ np.uint64(k1), pa & _M32)
+        pa, pb = round_a * c0, round_b * c2  # < 2^64: exact in uint64
+        c0, c1, c2, c3 = (
+            (pb >> np.uint64(32)) ^ c1 ^ np.uint64(k0),
+            pb & _M32,
+            (pa >> np.uint64(32)) ^ c3 ^ np.uint64(k1),
+            pa & _M32,
+        )
         k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
     return c0, c1, c2, c3
 

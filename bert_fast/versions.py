@@ -4,6 +4,7 @@ A leaf module (standard library only), so that ``import bert_fast`` can refuse a
 than the floor without importing torch or transformers, and any layer may name versions in its
 messages. What bert_fast relies on in those libraries is listed in bert_fast/model/compat.py.
 """
+
 from __future__ import annotations
 
 from importlib import metadata
@@ -39,10 +40,10 @@ def describe(package: str = "transformers") -> str:
 def check_transformers_floor(version: Optional[str] = None) -> None:
     """Refuse a transformers older than the floor, naming both (called when bert_fast is imported)."""
     version = installed_version("transformers") if version is None else version
-    from packaging.version import Version   # a dependency of transformers
+    from packaging.version import Version  # a dependency of transformers
 
     if version is not None and Version(version) < Version(TRANSFORMERS_FLOOR):
-        raise ImportError(f"bert_fast needs transformers >= {TRANSFORMERS_FLOOR}, but transformers "
-                          f"{version} is installed: pip install -U 'transformers>={TRANSFORMERS_FLOOR}'")
-
-
+        raise ImportError(
+            f"bert_fast needs transformers >= {TRANSFORMERS_FLOOR}, but transformers "
+            f"{version} is installed: pip install -U 'transformers>={TRANSFORMERS_FLOOR}'"
+        )

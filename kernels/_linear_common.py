@@ -7,6 +7,7 @@ Contents: the GEMM kinds (part of both autotune keys), the interpreter switch, t
 rule, and the jit helpers both kernels' bodies call (the forward activations, the dot with its
 precision, the column halves of an epilogue, the grouped tile order).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ def _tanh(u):
 
 @triton.jit
 def _act_fwd(z, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 1:    # exact GELU: z * Phi(z)
+    if ACTIVATION == 1:  # exact GELU: z * Phi(z)
         return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
     elif ACTIVATION == 2:  # tanh approximation
         t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))

@@ -44,6 +44,7 @@ dim, mask, dropout and layout); with BERT_FAST_AUTOTUNE=0, for fp32 and on the G
 one config per head dim, dtype, dropout and the GPU's shared memory (``_configs``); under
 TRITON_INTERPRET=1 a single small config (asymmetric blocks, to exercise the tails).
 """
+
 from __future__ import annotations
 
 import os
@@ -116,12 +117,34 @@ def _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK: tl.constexpr, IS_VARLEN: 
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
-              qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
-              stride_ks, stride_vs, stride_ms,
-              BOUNDS: tl.constexpr, HAS_MASK: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-              BLOCK_N: tl.constexpr, SCALE_POS: tl.constexpr):
+def _fwd_step(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    mask_ptrs,
+    n0,
+    seq_len,
+    qk_scale,
+    dropout_p,
+    seed,
+    bh,
+    q_pos,
+    offs_n,
+    d_valid,
+    stride_ks,
+    stride_vs,
+    stride_ms,
+    BOUNDS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+):
     """One key block at n0: BOUNDS=False for a full block (no length check), True for the tail.
 
     SCALE_POS (qk_scale > 0, every real use): the row max is taken on the raw scores and scaled
@@ -130,7 +153,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
     d = 64, 128x128 tile, 538 -> 414 FP32 instructions in the kernel. A zero or negative scale
     keeps the scaled scores (the identity fails, and -inf * 0 would be NaN for masked keys)."""
     k_pos = n0 + offs_n
-    n0_64 = tl.cast(n0, tl.int64)       # n0 * stride in int64: one sequence may span > 2**31 elements
+    n0_64 = tl.cast(n0, tl.int64)  # n0 * stride in int64: one sequence may span > 2**31 elements
     if BOUNDS:
         n_in = k_pos < seq_len
         if EVEN_D:
@@ -176,36 +199,65 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, KEY_MASK, CU_SEQLENS,
-    qk_scale, dropout_p, seed,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_lb, stride_lh,
-    stride_mb, stride_ms,
-    nheads, seqlen, seq_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, SCALE_POS: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    KEY_MASK,
+    CU_SEQLENS,
+    qk_scale,
+    dropout_p,
+    seed,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_ms,
+    nheads,
+    seqlen,
+    seq_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SCALE_POS: tl.constexpr,
 ):
     """One program per (query block, sequence, head); 1-D grid (no 65535 limit on B * heads).
     qk_scale = softmax_scale * log2(e) (exp2 domain); LSE stores the natural-log lse."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M,
-                                                                     IS_VARLEN)
+    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M, IS_VARLEN)
     if start_m * BLOCK_M >= seq_len:
         return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_pos = start_m * BLOCK_M + offs_m                  # query positions within the sequence
+    q_pos = start_m * BLOCK_M + offs_m  # query positions within the sequence
     m_valid = q_pos < seq_len
     d_valid = offs_d < HEAD_DIM
     rows_q = (seq_start + q_pos.to(tl.int64))[:, None]
-    q_ptrs = (Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q * stride_qs
-              + offs_d[None, :] * stride_qd)
+    q_ptrs = Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q * stride_qs + offs_d[None, :] * stride_qd
     if EVEN_D:
         q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
     else:
@@ -225,23 +277,95 @@ def _attention_fwd_kernel(
         # (int() of a 1-element array): a while loop there, the pipelined for loop on the GPU.
         n0 = 0
         while n0 < n_full:
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
-                                      qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
-                                      stride_ks, stride_vs, stride_ms,
-                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N, SCALE_POS)
+            acc, l_i, m_i = _fwd_step(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_ptrs,
+                v_ptrs,
+                mask_ptrs,
+                n0,
+                seq_len,
+                qk_scale,
+                dropout_p,
+                seed,
+                bh,
+                q_pos,
+                offs_n,
+                d_valid,
+                stride_ks,
+                stride_vs,
+                stride_ms,
+                False,
+                HAS_MASK,
+                HAS_DROPOUT,
+                EVEN_D,
+                DOT_PREC,
+                BLOCK_N,
+                SCALE_POS,
+            )
             n0 += BLOCK_N
     else:
         for n0 in range(0, n_full, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n0, seq_len,
-                                      qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
-                                      stride_ks, stride_vs, stride_ms,
-                                      False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N, SCALE_POS)
+            acc, l_i, m_i = _fwd_step(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_ptrs,
+                v_ptrs,
+                mask_ptrs,
+                n0,
+                seq_len,
+                qk_scale,
+                dropout_p,
+                seed,
+                bh,
+                q_pos,
+                offs_n,
+                d_valid,
+                stride_ks,
+                stride_vs,
+                stride_ms,
+                False,
+                HAS_MASK,
+                HAS_DROPOUT,
+                EVEN_D,
+                DOT_PREC,
+                BLOCK_N,
+                SCALE_POS,
+            )
     if n_full < seq_len:
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, n_full, seq_len,
-                                  qk_scale, dropout_p, seed, bh, q_pos, offs_n, d_valid,
-                                  stride_ks, stride_vs, stride_ms,
-                                  True, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N, SCALE_POS)
-    empty = l_i == 0.0                                  # no key at all: output 0, lse +inf
+        acc, l_i, m_i = _fwd_step(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            mask_ptrs,
+            n_full,
+            seq_len,
+            qk_scale,
+            dropout_p,
+            seed,
+            bh,
+            q_pos,
+            offs_n,
+            d_valid,
+            stride_ks,
+            stride_vs,
+            stride_ms,
+            True,
+            HAS_MASK,
+            HAS_DROPOUT,
+            EVEN_D,
+            DOT_PREC,
+            BLOCK_N,
+            SCALE_POS,
+        )
+    empty = l_i == 0.0  # no key at all: output 0, lse +inf
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     if HAS_DROPOUT:
         inv_l = inv_l * (1.0 / (1.0 - dropout_p))
@@ -249,8 +373,7 @@ def _attention_fwd_kernel(
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     lse_ptrs = LSE + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64))
     tl.store(lse_ptrs, lse, mask=m_valid)
-    o_ptrs = (O + off_b64 * stride_ob + off_h64 * stride_oh + rows_q * stride_os
-              + offs_d[None, :] * stride_od)
+    o_ptrs = O + off_b64 * stride_ob + off_h64 * stride_oh + rows_q * stride_os + offs_d[None, :] * stride_od
     if EVEN_D:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=m_valid[:, None])
     else:
@@ -260,16 +383,29 @@ def _attention_fwd_kernel(
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _attention_bwd_preprocess_kernel(
-    O, DO, DELTA, CU_SEQLENS,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_lb, stride_lh,
-    nheads, seqlen,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    CU_SEQLENS,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    nheads,
+    seqlen,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32 (lse's layout)."""
-    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M,
-                                                                     IS_VARLEN)
+    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M, IS_VARLEN)
     if start_m * BLOCK_M >= seq_len:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -278,31 +414,61 @@ def _attention_bwd_preprocess_kernel(
     m_valid = q_pos < seq_len
     rows = (seq_start + q_pos.to(tl.int64))[:, None]
     mask = m_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + off_b64 * stride_ob + off_h64 * stride_oh + rows * stride_os + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + off_b64 * stride_dob + off_h64 * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
-                 mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(
+        O + off_b64 * stride_ob + off_h64 * stride_oh + rows * stride_os + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO + off_b64 * stride_dob + off_h64 * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     delta = tl.sum(o * do, 1)
-    tl.store(DELTA + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64)), delta,
-             mask=m_valid)
+    tl.store(DELTA + off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64)), delta, mask=m_valid)
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, key_ok, k0, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
-               stride_qs, stride_dos, stride_dqs, softmax_scale, qk_scale, dropout_p, seed, bh,
-               offs_m, offs_n, d_valid,
-               HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+def _dkdv_step(
+    dk,
+    dv,
+    k,
+    v,
+    key_ok,
+    k0,
+    m0,
+    seq_len,
+    q_ptrs,
+    do_ptrs,
+    dq_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    stride_qs,
+    stride_dos,
+    stride_dqs,
+    softmax_scale,
+    qk_scale,
+    dropout_p,
+    seed,
+    bh,
+    offs_m,
+    offs_n,
+    d_valid,
+    HAS_DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One query block at m0 for the key block (k, v) of _attention_bwd_dkdv_kernel."""
     q_pos = m0 + offs_m
-    m0_64 = tl.cast(m0, tl.int64)       # m0 * stride in int64 (see _fwd_step)
+    m0_64 = tl.cast(m0, tl.int64)  # m0 * stride in int64 (see _fwd_step)
     m_valid = q_pos < seq_len
     qd_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptrs + m0_64 * stride_qs, mask=qd_mask, other=0.0)
     do = tl.load(do_ptrs + m0_64 * stride_dos, mask=qd_mask, other=0.0)
     lse2 = tl.load(lse_ptrs + m0_64, mask=m_valid, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptrs + m0_64, mask=m_valid, other=0.0)
-    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)               # [BLOCK_N, BLOCK_M]
+    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
     # select, not only zero K rows: exp2(0 - lse) of a masked key may overflow for extreme lse
     pT = tl.where(key_ok[:, None], tl.math.exp2(qkT * qk_scale - lse2[None, :]), 0.0)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
@@ -326,26 +492,70 @@ def _dkdv_step(dk, dv, k, v, key_ok, k0, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs, 
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KEY_MASK, CU_SEQLENS,
-    softmax_scale, qk_scale, dropout_p, seed,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_dkb, stride_dks, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    stride_lb, stride_lh,
-    stride_mb, stride_ms,
-    nheads, seqlen, seq_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DK,
+    DV,
+    KEY_MASK,
+    CU_SEQLENS,
+    softmax_scale,
+    qk_scale,
+    dropout_p,
+    seed,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dod,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dqd,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dkd,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_dvd,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_ms,
+    nheads,
+    seqlen,
+    seq_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One program per (key block, sequence, head): loop over query blocks, accumulate dK and dV in
     fp32; with ATOMIC_DQ also atomically add scale * dS K into the fp32 buffer DQ."""
-    start_n, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_N,
-                                                                     IS_VARLEN)
+    start_n, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_N, IS_VARLEN)
     if start_n * BLOCK_N >= seq_len:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -359,10 +569,16 @@ def _attention_bwd_dkdv_kernel(
         key_ok = key_ok & (tl.load(KEY_MASK + off_b64 * stride_mb + k_pos * stride_ms, mask=n_in, other=0) != 0)
     rows_k = (seq_start + k_pos.to(tl.int64))[:, None]
     # Masked keys: zero rows of K and V, P = 0 (so dS = 0 and no dQ contribution), dK/dV rows zeroed.
-    k = tl.load(K + off_b64 * stride_kb + off_h64 * stride_kh + rows_k * stride_ks + offs_d[None, :] * stride_kd,
-                mask=key_ok[:, None] & d_valid[None, :], other=0.0)
-    v = tl.load(V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k * stride_vs + offs_d[None, :] * stride_vd,
-                mask=key_ok[:, None] & d_valid[None, :], other=0.0)
+    k = tl.load(
+        K + off_b64 * stride_kb + off_h64 * stride_kh + rows_k * stride_ks + offs_d[None, :] * stride_kd,
+        mask=key_ok[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    v = tl.load(
+        V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k * stride_vs + offs_d[None, :] * stride_vd,
+        mask=key_ok[:, None] & d_valid[None, :],
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -375,43 +591,123 @@ def _attention_bwd_dkdv_kernel(
 
     # A key block with no real key has zero gradients: skip its loop.
     hi = tl.where(tl.max(key_ok.to(tl.int32), 0) > 0, seq_len, 0)
-    if INTERPRET:       # see _attention_fwd_kernel: no runtime range() bound in the interpreter
+    if INTERPRET:  # see _attention_fwd_kernel: no runtime range() bound in the interpreter
         m0 = 0
         while m0 < hi:
-            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, start_n * BLOCK_N, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
-                                lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-                                softmax_scale, qk_scale, dropout_p, seed, bh, offs_m, offs_n, d_valid,
-                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC, BLOCK_N)
+            dk, dv = _dkdv_step(
+                dk,
+                dv,
+                k,
+                v,
+                key_ok,
+                start_n * BLOCK_N,
+                m0,
+                seq_len,
+                q_ptrs,
+                do_ptrs,
+                dq_ptrs,
+                lse_ptrs,
+                delta_ptrs,
+                stride_qs,
+                stride_dos,
+                stride_dqs,
+                softmax_scale,
+                qk_scale,
+                dropout_p,
+                seed,
+                bh,
+                offs_m,
+                offs_n,
+                d_valid,
+                HAS_DROPOUT,
+                ATOMIC_DQ,
+                DOT_PREC,
+                BLOCK_N,
+            )
             m0 += BLOCK_M
     else:
         for m0 in range(0, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, key_ok, start_n * BLOCK_N, m0, seq_len, q_ptrs, do_ptrs, dq_ptrs,
-                                lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-                                softmax_scale, qk_scale, dropout_p, seed, bh, offs_m, offs_n, d_valid,
-                                HAS_DROPOUT, ATOMIC_DQ, DOT_PREC, BLOCK_N)
+            dk, dv = _dkdv_step(
+                dk,
+                dv,
+                k,
+                v,
+                key_ok,
+                start_n * BLOCK_N,
+                m0,
+                seq_len,
+                q_ptrs,
+                do_ptrs,
+                dq_ptrs,
+                lse_ptrs,
+                delta_ptrs,
+                stride_qs,
+                stride_dos,
+                stride_dqs,
+                softmax_scale,
+                qk_scale,
+                dropout_p,
+                seed,
+                bh,
+                offs_m,
+                offs_n,
+                d_valid,
+                HAS_DROPOUT,
+                ATOMIC_DQ,
+                DOT_PREC,
+                BLOCK_N,
+            )
     dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
     st_mask = n_in[:, None] & d_valid[None, :]
-    tl.store(DK + off_b64 * stride_dkb + off_h64 * stride_dkh + rows_k * stride_dks + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=st_mask)
-    tl.store(DV + off_b64 * stride_dvb + off_h64 * stride_dvh + rows_k * stride_dvs + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=st_mask)
+    tl.store(
+        DK + off_b64 * stride_dkb + off_h64 * stride_dkh + rows_k * stride_dks + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty),
+        mask=st_mask,
+    )
+    tl.store(
+        DV + off_b64 * stride_dvb + off_h64 * stride_dvh + rows_k * stride_dvs + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=st_mask,
+    )
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
-             stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
-             q_pos, offs_m, offs_n, d_valid,
-             HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+def _dq_step(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    n0,
+    seq_len,
+    k_ptrs,
+    v_ptrs,
+    mask_ptrs,
+    stride_ks,
+    stride_vs,
+    stride_ms,
+    qk_scale,
+    dropout_p,
+    seed,
+    bh,
+    q_pos,
+    offs_m,
+    offs_n,
+    d_valid,
+    HAS_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One key block at n0 for the query block of _attention_bwd_dq_kernel."""
     k_pos = n0 + offs_n
-    n0_64 = tl.cast(n0, tl.int64)       # see _fwd_step
+    n0_64 = tl.cast(n0, tl.int64)  # see _fwd_step
     key_ok = k_pos < seq_len
     if HAS_MASK:
         key_ok = key_ok & (tl.load(mask_ptrs + n0_64 * stride_ms, mask=key_ok, other=0) != 0)
     kv_mask = key_ok[:, None] & d_valid[None, :]
-    k = tl.load(k_ptrs + n0_64 * stride_ks, mask=kv_mask, other=0.0)      # masked keys: zero rows
+    k = tl.load(k_ptrs + n0_64 * stride_ks, mask=kv_mask, other=0.0)  # masked keys: zero rows
     v = tl.load(v_ptrs + n0_64 * stride_vs, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     p = tl.where(key_ok[None, :], tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
@@ -426,23 +722,58 @@ def _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KEY_MASK, CU_SEQLENS,
-    softmax_scale, qk_scale, dropout_p, seed,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_lb, stride_lh,
-    stride_mb, stride_ms,
-    nheads, seqlen, seq_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    KEY_MASK,
+    CU_SEQLENS,
+    softmax_scale,
+    qk_scale,
+    dropout_p,
+    seed,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dod,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dqd,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_ms,
+    nheads,
+    seqlen,
+    seq_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Deterministic dQ: one program per (query block, sequence, head), loop over key blocks."""
-    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M,
-                                                                     IS_VARLEN)
+    start_m, bh, off_b64, off_h64, seq_start, seq_len = _program_coords(CU_SEQLENS, nheads, seqlen, BLOCK_M, IS_VARLEN)
     if start_m * BLOCK_M >= seq_len:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -453,10 +784,16 @@ def _attention_bwd_dq_kernel(
     m_valid = q_pos < seq_len
     qd_mask = m_valid[:, None] & d_valid[None, :]
     rows_q = (seq_start + q_pos.to(tl.int64))[:, None]
-    q = tl.load(Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q * stride_qs + offs_d[None, :] * stride_qd,
-                mask=qd_mask, other=0.0)
-    do = tl.load(DO + off_b64 * stride_dob + off_h64 * stride_doh + rows_q * stride_dos + offs_d[None, :] * stride_dod,
-                 mask=qd_mask, other=0.0)
+    q = tl.load(
+        Q + off_b64 * stride_qb + off_h64 * stride_qh + rows_q * stride_qs + offs_d[None, :] * stride_qd,
+        mask=qd_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + off_b64 * stride_dob + off_h64 * stride_doh + rows_q * stride_dos + offs_d[None, :] * stride_dod,
+        mask=qd_mask,
+        other=0.0,
+    )
     row_off = off_b64 * stride_lb + off_h64 * stride_lh + (seq_start + q_pos.to(tl.int64))
     lse2 = tl.load(LSE + row_off, mask=m_valid, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + row_off, mask=m_valid, other=0.0)
@@ -466,40 +803,90 @@ def _attention_bwd_dq_kernel(
     v_ptrs = V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k0 * stride_vs + offs_d[None, :] * stride_vd
     mask_ptrs = KEY_MASK + off_b64 * stride_mb + offs_n * stride_ms
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if INTERPRET:       # see _attention_fwd_kernel: no runtime range() bound in the interpreter
+    if INTERPRET:  # see _attention_fwd_kernel: no runtime range() bound in the interpreter
         n0 = 0
         while n0 < seq_len:
-            dq = _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
-                          stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
-                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC, BLOCK_N)
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                n0,
+                seq_len,
+                k_ptrs,
+                v_ptrs,
+                mask_ptrs,
+                stride_ks,
+                stride_vs,
+                stride_ms,
+                qk_scale,
+                dropout_p,
+                seed,
+                bh,
+                q_pos,
+                offs_m,
+                offs_n,
+                d_valid,
+                HAS_MASK,
+                HAS_DROPOUT,
+                DOT_PREC,
+                BLOCK_N,
+            )
             n0 += BLOCK_N
     else:
         for n0 in range(0, seq_len, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse2, delta, n0, seq_len, k_ptrs, v_ptrs, mask_ptrs,
-                          stride_ks, stride_vs, stride_ms, qk_scale, dropout_p, seed, bh,
-                          q_pos, offs_m, offs_n, d_valid, HAS_MASK, HAS_DROPOUT, DOT_PREC, BLOCK_N)
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                n0,
+                seq_len,
+                k_ptrs,
+                v_ptrs,
+                mask_ptrs,
+                stride_ks,
+                stride_vs,
+                stride_ms,
+                qk_scale,
+                dropout_p,
+                seed,
+                bh,
+                q_pos,
+                offs_m,
+                offs_n,
+                d_valid,
+                HAS_MASK,
+                HAS_DROPOUT,
+                DOT_PREC,
+                BLOCK_N,
+            )
     dq = dq * softmax_scale
-    tl.store(DQ + off_b64 * stride_dqb + off_h64 * stride_dqh + rows_q * stride_dqs + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=qd_mask)
+    tl.store(
+        DQ + off_b64 * stride_dqb + off_h64 * stride_dqh + rows_q * stride_dqs + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty),
+        mask=qd_mask,
+    )
 
 
 # ----------------------------------------------------------------------------- dropout debug
 @triton.jit
-def _attention_dropout_mask_kernel(OUT, dropout_p, seed, stride_ob, stride_om, stride_on, seqlen,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attention_dropout_mask_kernel(
+    OUT, dropout_p, seed, stride_ob, stride_om, stride_on, seqlen, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Writes the keep-mask (1 = keep) the attention kernels use, for OUT [B * heads, S, S] (uint8)."""
     bh = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = _dropout_keep(seed, bh, offs_m, tl.program_id(2) * BLOCK_N, dropout_p, BLOCK_N)
-    ptrs = (OUT + bh.to(tl.int64) * stride_ob + offs_m.to(tl.int64)[:, None] * stride_om
-            + offs_n[None, :] * stride_on)
+    ptrs = OUT + bh.to(tl.int64) * stride_ob + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen))
 
 
 # ----------------------------------------------------------------------------- launch configs
-def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
-             dropout: bool = False) -> dict:
+def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device, dropout: bool = False) -> dict:
     """Block sizes / warps / stages per kernel ``kind`` ("fwd", "dkdv", "dq"), head dim, dtype, GPU.
 
     Chosen by the device's opt-in shared memory per block, not by its generation alone: H100/H200
@@ -514,9 +901,12 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
     This is the config with BERT_FAST_AUTOTUNE=0, under the interpreter and for fp32; otherwise
     fp16/bf16 on CUDA autotune over _TUNE_SPACE, which contains these choices.
     """
-    if device.type != "cuda":      # Triton interpreter: one small config, asymmetric on purpose
-        return {"fwd": dict(BLOCK_M=32, BLOCK_N=64), "dkdv": dict(BLOCK_M=64, BLOCK_N=32),
-                "dq": dict(BLOCK_M=32, BLOCK_N=64)}[kind] | dict(num_warps=4, num_stages=1)
+    if device.type != "cuda":  # Triton interpreter: one small config, asymmetric on purpose
+        return {
+            "fwd": dict(BLOCK_M=32, BLOCK_N=64),
+            "dkdv": dict(BLOCK_M=64, BLOCK_N=32),
+            "dq": dict(BLOCK_M=32, BLOCK_N=64),
+        }[kind] | dict(num_warps=4, num_stages=1)
     major, _ = torch.cuda.get_device_capability(device)
     if dtype == torch.float32:
         bm, bn = (32, 32) if block_d > 64 else (64, 32)
@@ -525,22 +915,34 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
     big_smem = smem >= 160 * 1024
     if kind == "fwd":
         if major >= 9 and smem >= 200 * 1024:
-            return (dict(BLOCK_M=128, BLOCK_N=64 if dropout else 128, num_warps=8, num_stages=3)
-                    if block_d <= 64 else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+            return (
+                dict(BLOCK_M=128, BLOCK_N=64 if dropout else 128, num_warps=8, num_stages=3)
+                if block_d <= 64
+                else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+            )
         if big_smem:
             # 8 warps: with 4 the 128 x 64 tile spills on sm_80 (64..500 B/thread, more with dropout)
-            return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3) if block_d <= 64
-                    else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2))
+            return (
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+                if block_d <= 64
+                else dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+            )
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if kind == "dkdv":
         if big_smem:
-            return (dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2) if block_d <= 64
-                    else dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2))
+            return (
+                dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+                if block_d <= 64
+                else dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+            )
         return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
     # dq
     if big_smem:
-        return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2) if block_d <= 64
-                else dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2))
+        return (
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+            if block_d <= 64
+            else dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        )
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -555,8 +957,7 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
 # choice.
 # Kept small on purpose: every candidate is one compile (~1-2 s) per key the first time a key is seen.
 _TUNE_SPACE = {
-    "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
-            (64, 64, 4, 3)],
+    "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3)],
     "dkdv": [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
     "dq": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2)],
 }
@@ -582,18 +983,27 @@ def _tune_candidates(kind: str, block_d: int, smem: int) -> list:
 
 def _tuned(kind: str, kernel, reset_to_zero=None):
     """``kernel`` under triton.autotune over _TUNE_SPACE[kind], pruned to what fits the device."""
+
     def prune(configs, named_args, **kwargs):
         smem = _smem_per_block(torch.device("cuda", torch.cuda.current_device()))
-        ok = {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
-              for c in _tune_candidates(kind, kwargs["BLOCK_D"], smem)}
+        ok = {
+            (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+            for c in _tune_candidates(kind, kwargs["BLOCK_D"], smem)
+        }
         kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in ok]
         return kept or configs[-1:]
 
-    configs = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=st)
-               for bm, bn, w, st in _TUNE_SPACE[kind]]
+    configs = [
+        triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=st) for bm, bn, w, st in _TUNE_SPACE[kind]
+    ]
     key = ["seq_bucket", "BLOCK_D", "IS_VARLEN", "HAS_MASK", "HAS_DROPOUT"] + (["ATOMIC_DQ"] if kind == "dkdv" else [])
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune},
-                           reset_to_zero=reset_to_zero, cache_results=True)(kernel)
+    return triton.autotune(
+        configs=configs,
+        key=key,
+        prune_configs_by={"early_config_prune": prune},
+        reset_to_zero=reset_to_zero,
+        cache_results=True,
+    )(kernel)
 
 
 _attention_fwd_kernel_tuned = _tuned("fwd", _attention_fwd_kernel)
@@ -611,9 +1021,13 @@ def _autotuning(t: torch.Tensor) -> bool:
     tiles), on parts with the big shared memory _TUNE_SPACE is made for (A100/H100/H200/B200, >= 160
     KB per block: every kind keeps a candidate at head dim 128). The ~99 KB parts (sm_86/89/120)
     keep _configs' small tiles: the space has nothing that fits them at head dim 128."""
-    return (t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
-            and os.environ.get("BERT_FAST_AUTOTUNE", "1") != "0"
-            and _smem_per_block(t.device) >= 160 * 1024)
+    return (
+        t.is_cuda
+        and t.dtype in (torch.float16, torch.bfloat16)
+        and not _interpreting()
+        and os.environ.get("BERT_FAST_AUTOTUNE", "1") != "0"
+        and _smem_per_block(t.device) >= 160 * 1024
+    )
 
 
 def _seq_bucket(seqlen: int) -> int:
@@ -622,8 +1036,9 @@ def _seq_bucket(seqlen: int) -> int:
     return max(16, triton.next_power_of_2(int(seqlen)))
 
 
-def _launch(kind: str, kernel, tuned, qkv: torch.Tensor, blocks, args, kwargs, block_d: int,
-            dropout: bool = False) -> None:
+def _launch(
+    kind: str, kernel, tuned, qkv: torch.Tensor, blocks, args, kwargs, block_d: int, dropout: bool = False
+) -> None:
     """Launch ``kernel`` with _configs' fixed choice, or its autotuned twin ``tuned``; the grid is
     ``blocks(BLOCK_M, BLOCK_N)`` programs (it depends on the config the autotuner picks)."""
     if _autotuning(qkv):
@@ -661,15 +1076,23 @@ class _Device:
 
 def _check_layout(qkv: torch.Tensor, varlen: bool) -> None:
     if qkv.dim() != (4 if varlen else 5) or qkv.shape[-3] != 3:
-        raise ValueError(f"qkv has shape {tuple(qkv.shape)}, expected "
-                         f"{'[T, 3, heads, d]' if varlen else '[B, S, 3, heads, d]'}")
+        raise ValueError(
+            f"qkv has shape {tuple(qkv.shape)}, expected {'[T, 3, heads, d]' if varlen else '[B, S, 3, heads, d]'}"
+        )
     if not 16 <= qkv.shape[-1] <= 128:
         raise ValueError(f"head dim must be in 16..128, got {qkv.shape[-1]}")
 
 
 # ----------------------------------------------------------------------------- launchers
-def attention_fwd(qkv: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                  max_seqlen: int, softmax_scale: float, dropout_p: float, seed: int):
+def attention_fwd(
+    qkv: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    max_seqlen: int,
+    softmax_scale: float,
+    dropout_p: float,
+    seed: int,
+):
     """Forward launcher. Padded (cu_seqlens None): qkv [B, S, 3, h, d], key_mask None or uint8 [B, S];
     varlen: qkv [T, 3, h, d], cu_seqlens int32 [B+1]. Returns (out, lse) as described above."""
     varlen = cu_seqlens is not None
@@ -691,26 +1114,70 @@ def attention_fwd(qkv: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlen
         return out, lse
     block_d = max(16, triton.next_power_of_2(d))
     has_mask = key_mask is not None
-    mask_arg = key_mask if has_mask else out           # dummy pointer, never read
+    mask_arg = key_mask if has_mask else out  # dummy pointer, never read
     smb, sms = key_mask.stride() if has_mask else (0, 0)
-    cu_arg = cu_seqlens if varlen else lse             # dummy pointer, never read
-    args = (q, k, v, out, lse, mask_arg, cu_arg,
-            softmax_scale * LOG2E, dropout_p, seed,
-            *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(out, varlen),
-            stride_lb, stride_lh, smb, sms,
-            nheads, seqlen, _seq_bucket(seqlen))
-    kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_MASK=has_mask,
-                  HAS_DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_prec(qkv.dtype), INTERPRET=_interpreting(),
-                  SCALE_POS=softmax_scale > 0.0)
+    cu_arg = cu_seqlens if varlen else lse  # dummy pointer, never read
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask_arg,
+        cu_arg,
+        softmax_scale * LOG2E,
+        dropout_p,
+        seed,
+        *_strides4(q, varlen),
+        *_strides4(k, varlen),
+        *_strides4(v, varlen),
+        *_strides4(out, varlen),
+        stride_lb,
+        stride_lh,
+        smb,
+        sms,
+        nheads,
+        seqlen,
+        _seq_bucket(seqlen),
+    )
+    kwargs = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        IS_VARLEN=varlen,
+        HAS_MASK=has_mask,
+        HAS_DROPOUT=dropout_p > 0.0,
+        DOT_PREC=_dot_prec(qkv.dtype),
+        INTERPRET=_interpreting(),
+        SCALE_POS=softmax_scale > 0.0,
+    )
     with _Device(qkv):
-        _launch("fwd", _attention_fwd_kernel, _attention_fwd_kernel_tuned, qkv,
-                lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads, args, kwargs, block_d, dropout_p > 0.0)
+        _launch(
+            "fwd",
+            _attention_fwd_kernel,
+            _attention_fwd_kernel_tuned,
+            qkv,
+            lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads,
+            args,
+            kwargs,
+            block_d,
+            dropout_p > 0.0,
+        )
     return out, lse
 
 
-def attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, key_mask: Optional[torch.Tensor],
-                  cu_seqlens: Optional[torch.Tensor], max_seqlen: int, out: torch.Tensor, lse: torch.Tensor,
-                  softmax_scale: float, dropout_p: float, seed: int, deterministic: bool = False) -> torch.Tensor:
+def attention_bwd(
+    dout: torch.Tensor,
+    qkv: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    max_seqlen: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    dropout_p: float,
+    seed: int,
+    deterministic: bool = False,
+) -> torch.Tensor:
     """Backward launcher: returns dqkv, a new buffer of qkv's shape whose q/k/v slices the kernels
     write directly (never the saved qkv). ``deterministic`` picks the atomics-free dQ kernel."""
     varlen = cu_seqlens is not None
@@ -749,37 +1216,115 @@ def attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, key_mask: Optional[torc
     n_pre = triton.cdiv(seqlen, pre_bm)
     with _Device(qkv):
         _attention_bwd_preprocess_kernel[(n_pre * batch * nheads,)](
-            out, dout, delta, cu_arg,
-            *_strides4(out, varlen), *_strides4(dout, varlen), stride_lb, stride_lh,
-            nheads, seqlen, BLOCK_M=pre_bm, num_warps=4, **common)
+            out,
+            dout,
+            delta,
+            cu_arg,
+            *_strides4(out, varlen),
+            *_strides4(dout, varlen),
+            stride_lb,
+            stride_lh,
+            nheads,
+            seqlen,
+            BLOCK_M=pre_bm,
+            num_warps=4,
+            **common,
+        )
 
         dq_buf = dq if deterministic else torch.zeros(dq.shape, device=qkv.device, dtype=torch.float32)
         bucket = _seq_bucket(seqlen)
-        _launch("dkdv", _attention_bwd_dkdv_kernel, _attention_bwd_dkdv_kernel_tuned, qkv,
-                lambda bm, bn: triton.cdiv(seqlen, bn) * batch * nheads,
-                (q, k, v, dout, lse, delta, dq_buf, dk, dv, mask_arg, cu_arg,
-                 softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
-                 *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-                 *_strides4(dq_buf, varlen), *_strides4(dk, varlen), *_strides4(dv, varlen),
-                 stride_lb, stride_lh, smb, sms, nheads, seqlen, bucket),
-                dict(HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, ATOMIC_DQ=not deterministic, DOT_PREC=prec,
-                     INTERPRET=_interpreting(), **common), block_d)
+        _launch(
+            "dkdv",
+            _attention_bwd_dkdv_kernel,
+            _attention_bwd_dkdv_kernel_tuned,
+            qkv,
+            lambda bm, bn: triton.cdiv(seqlen, bn) * batch * nheads,
+            (
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                dq_buf,
+                dk,
+                dv,
+                mask_arg,
+                cu_arg,
+                softmax_scale,
+                softmax_scale * LOG2E,
+                dropout_p,
+                seed,
+                *_strides4(q, varlen),
+                *_strides4(k, varlen),
+                *_strides4(v, varlen),
+                *_strides4(dout, varlen),
+                *_strides4(dq_buf, varlen),
+                *_strides4(dk, varlen),
+                *_strides4(dv, varlen),
+                stride_lb,
+                stride_lh,
+                smb,
+                sms,
+                nheads,
+                seqlen,
+                bucket,
+            ),
+            dict(
+                HAS_MASK=has_mask,
+                HAS_DROPOUT=has_dropout,
+                ATOMIC_DQ=not deterministic,
+                DOT_PREC=prec,
+                INTERPRET=_interpreting(),
+                **common,
+            ),
+            block_d,
+        )
         if deterministic:
-            _launch("dq", _attention_bwd_dq_kernel, _attention_bwd_dq_kernel_tuned, qkv,
-                    lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads,
-                    (q, k, v, dout, lse, delta, dq, mask_arg, cu_arg,
-                     softmax_scale, softmax_scale * LOG2E, dropout_p, seed,
-                     *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen),
-                     *_strides4(dq, varlen), stride_lb, stride_lh, smb, sms, nheads, seqlen, bucket),
-                    dict(HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, DOT_PREC=prec, INTERPRET=_interpreting(),
-                         **common), block_d)
+            _launch(
+                "dq",
+                _attention_bwd_dq_kernel,
+                _attention_bwd_dq_kernel_tuned,
+                qkv,
+                lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads,
+                (
+                    q,
+                    k,
+                    v,
+                    dout,
+                    lse,
+                    delta,
+                    dq,
+                    mask_arg,
+                    cu_arg,
+                    softmax_scale,
+                    softmax_scale * LOG2E,
+                    dropout_p,
+                    seed,
+                    *_strides4(q, varlen),
+                    *_strides4(k, varlen),
+                    *_strides4(v, varlen),
+                    *_strides4(dout, varlen),
+                    *_strides4(dq, varlen),
+                    stride_lb,
+                    stride_lh,
+                    smb,
+                    sms,
+                    nheads,
+                    seqlen,
+                    bucket,
+                ),
+                dict(HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, DOT_PREC=prec, INTERPRET=_interpreting(), **common),
+                block_d,
+            )
         else:
             dq.copy_(dq_buf)
     return dqkv
 
 
-def dropout_mask(batch: int, nheads: int, seqlen: int, dropout_p: float, seed: int,
-                 device: torch.device) -> torch.Tensor:
+def dropout_mask(
+    batch: int, nheads: int, seqlen: int, dropout_p: float, seed: int, device: torch.device
+) -> torch.Tensor:
     """The exact keep-mask (bool [B, heads, S, S], True = keep) that the attention kernels draw for
     (seed, dropout_p); sequence b of a varlen batch uses its top-left L x L block."""
     out = torch.empty((batch, nheads, seqlen, seqlen), device=device, dtype=torch.uint8)
@@ -789,6 +1334,7 @@ def dropout_mask(batch: int, nheads: int, seqlen: int, dropout_p: float, seed: i
     bm = bn = 64
     grid = (batch * nheads, triton.cdiv(seqlen, bm), triton.cdiv(seqlen, bn))
     with _Device(out):
-        _attention_dropout_mask_kernel[grid](flat, dropout_p, seed, *flat.stride(), seqlen,
-                                             BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+        _attention_dropout_mask_kernel[grid](
+            flat, dropout_p, seed, *flat.stride(), seqlen, BLOCK_M=bm, BLOCK_N=bn, num_warps=4
+        )
     return out.bool()

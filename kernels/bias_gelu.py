@@ -11,6 +11,7 @@ Math is fp32 inside (fp64 when the inputs are fp64, for gradcheck); loads/stores
 Rows may be strided (any row stride); the last dimension must be contiguous (the launcher copies
 otherwise). Offsets are int64 (program ids are cast before multiplying by strides).
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,9 +65,19 @@ def _gelu_grad(z, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
-def _bias_gelu_fwd_kernel(X, B, Y, M, N, stride_xm, stride_ym,
-                          APPROX_TANH: tl.constexpr, COMPUTE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bias_gelu_fwd_kernel(
+    X,
+    B,
+    Y,
+    M,
+    N,
+    stride_xm,
+    stride_ym,
+    APPROX_TANH: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,10 +91,24 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, stride_xm, stride_ym,
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PARTIAL, M, N, stride_dym, stride_xm, stride_dxm,
-                          rows_per_prog, n_iters,
-                          APPROX_TANH: tl.constexpr, COMPUTE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bias_gelu_bwd_kernel(
+    DY,
+    X,
+    B,
+    DX,
+    DB_PARTIAL,
+    M,
+    N,
+    stride_dym,
+    stride_xm,
+    stride_dxm,
+    rows_per_prog,
+    n_iters,
+    APPROX_TANH: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     # program (pid_m, pid_n): rows [pid_m * rows_per_prog, +rows_per_prog) x columns block pid_n;
     # db partial of that row range goes to DB_PARTIAL[pid_m, cols] (fp32 / fp64).
     pid_m = tl.program_id(0).to(tl.int64)
@@ -137,7 +162,7 @@ def _check(name: str, t: torch.Tensor, ref: torch.Tensor | None = None) -> None:
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8   # interpreter: few programs, but still more than one partial sum
+    return 8  # interpreter: few programs, but still more than one partial sum
 
 
 def bias_gelu_fwd(x2d: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -156,9 +181,20 @@ def bias_gelu_fwd(x2d: torch.Tensor, bias: torch.Tensor, approximate: str) -> to
     bias = bias.contiguous()
     block_m, block_n, num_warps = _tile(N)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _bias_gelu_fwd_kernel[grid](x2d, bias, y, M, N, x2d.stride(0), y.stride(0),
-                                APPROX_TANH=approximate == "tanh", COMPUTE=_compute_dtype(x2d.dtype),
-                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    _bias_gelu_fwd_kernel[grid](
+        x2d,
+        bias,
+        y,
+        M,
+        N,
+        x2d.stride(0),
+        y.stride(0),
+        APPROX_TANH=approximate == "tanh",
+        COMPUTE=_compute_dtype(x2d.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return y
 
 
@@ -170,8 +206,9 @@ def bias_gelu_bwd(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor, app
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
     if x2d.dim() != 2 or dy2d.shape != x2d.shape or bias.dim() != 1 or bias.shape[0] != x2d.shape[1]:
-        raise ValueError(f"bias_gelu_bwd: dy2d {tuple(dy2d.shape)}, x2d {tuple(x2d.shape)} and "
-                         f"bias {tuple(bias.shape)} do not match")
+        raise ValueError(
+            f"bias_gelu_bwd: dy2d {tuple(dy2d.shape)}, x2d {tuple(x2d.shape)} and bias {tuple(bias.shape)} do not match"
+        )
     _check("x2d", x2d)
     _check("dy2d", dy2d, x2d)
     _check("bias", bias, x2d)
@@ -190,9 +227,23 @@ def bias_gelu_bwd(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor, app
     acc_dtype = torch.float64 if x2d.dtype == torch.float64 else torch.float32
     partial = torch.empty((n_row_progs, N), dtype=acc_dtype, device=x2d.device)
     _bias_gelu_bwd_kernel[(n_row_progs, n_col)](
-        dy2d, x2d, bias, dx, partial, M, N, dy2d.stride(0), x2d.stride(0), dx.stride(0),
-        rows_per_prog, rows_per_prog // block_m,
-        APPROX_TANH=approximate == "tanh", COMPUTE=_compute_dtype(x2d.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        dy2d,
+        x2d,
+        bias,
+        dx,
+        partial,
+        M,
+        N,
+        dy2d.stride(0),
+        x2d.stride(0),
+        dx.stride(0),
+        rows_per_prog,
+        rows_per_prog // block_m,
+        APPROX_TANH=approximate == "tanh",
+        COMPUTE=_compute_dtype(x2d.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     dbias = partial.sum(dim=0).to(bias.dtype)
     return dx, dbias

@@ -30,6 +30,7 @@ ordering): consecutive programs share the same B column-panel and a few A row-pa
 them in L2. Offsets are int64 (program ids are cast before multiplying by strides). Every load and
 store is masked, so any M, N, K works; a heuristic drops the K mask when K % BLOCK_K == 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,16 +40,29 @@ import triton
 import triton.language as tl
 
 from . import linear_tma
-from ._linear_common import (KIND_DW, KIND_DX, KIND_FWD, KIND_OTHER, _act_fwd, _column_halves,  # noqa: F401
-                             _dot_acc, _interpreting, _prune_configs, _tanh, _tile_coords)
+from ._linear_common import (  # noqa: F401
+    KIND_DW,
+    KIND_DX,
+    KIND_FWD,
+    KIND_OTHER,
+    _act_fwd,
+    _column_halves,
+    _dot_acc,
+    _interpreting,
+    _prune_configs,
+    _tanh,
+    _tile_coords,
+)
 
 ACT_NONE, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
 _ACT_CODES = {None: ACT_NONE, "none": ACT_NONE, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH}
 
+
 # ----------------------------------------------------------------------------- configs
 def _cfg(bm, bn, bk, warps, stages, group=8):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
-                         num_warps=warps, num_stages=stages)
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_warps=warps, num_stages=stages
+    )
 
 
 def _gemm_configs():
@@ -101,7 +115,7 @@ def m_bucket(m: int, cap: int = 16384) -> int:
 @triton.jit
 def _act_grad(z, ACTIVATION: tl.constexpr):
     """d act / dz at z (fp32)."""
-    if ACTIVATION == 1:    # Phi(z) + z phi(z)
+    if ACTIVATION == 1:  # Phi(z) + z phi(z)
         cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
         pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
         return cdf + z * pdf
@@ -116,8 +130,19 @@ def _act_grad(z, ACTIVATION: tl.constexpr):
 
 # ----------------------------------------------------------------------------- GEMM (+ epilogue)
 @triton.jit
-def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _gemm_step(
+    acc,
+    a_ptrs,
+    b_ptrs,
+    k,
+    K,
+    mask_m,
+    mask_n,
+    offs_k,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One BLOCK_K slice of the main loop: masked loads of an A and a B tile, acc += A @ B."""
     if EVEN_K:
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -134,22 +159,53 @@ def _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
 # (K_BUCKET): keyed on the raw K, every new batch size T would re-benchmark all configs.
 # cache_results: the winners are also kept in Triton's cache directory, so the next process on the
 # machine (the next benchmark stage, the next training run) skips the sweep.
-@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
-                 prune_configs_by={"early_config_prune": _prune_configs}, cache_results=True)
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
-                    "EPILOGUE_SPLIT": lambda args: 2 if (args["BLOCK_N"] >= 128 and
-                                                         (args["ACTIVATION"] != 0 or args["SAVE_Z"]))
-                    else 1})
+@triton.autotune(
+    configs=_gemm_configs(),
+    key=["M_BUCKET", "N", "K_BUCKET", "KIND"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    cache_results=True,
+)
+@triton.heuristics(
+    {
+        "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+        "EPILOGUE_SPLIT": lambda args: (
+            2 if (args["BLOCK_N"] >= 128 and (args["ACTIVATION"] != 0 or args["SAVE_Z"])) else 1
+        ),
+    }
+)
 @triton.jit
 def _linear_fwd_kernel(
-    A, B, BIAS, Y, Z,
-    M, N, K, M_BUCKET, K_BUCKET, KIND,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    stride_ym, stride_yn, stride_zm, stride_zn,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    A,
+    B,
+    BIAS,
+    Y,
+    Z,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    K_BUCKET,
+    KIND,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_ym,
+    stride_yn,
+    stride_zm,
+    stride_zn,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     """Y[M, N] = act(A[M, K] @ B[K, N] + BIAS[N]); Z = A @ B + BIAS (pre-activation) if SAVE_Z."""
     pid_m, pid_n = _tile_coords(tl.program_id(0).to(tl.int64), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -169,15 +225,13 @@ def _linear_fwd_kernel(
         # (int() of a 1-element array); a while loop there, the pipelinable for loop on the GPU.
         k = 0
         while k < num_k:
-            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
-                             BLOCK_K, EVEN_K, DOT_PRECISION)
+            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
             k += 1
     else:
         for k in range(0, num_k):
-            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k,
-                             BLOCK_K, EVEN_K, DOT_PRECISION)
+            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
@@ -187,19 +241,86 @@ def _linear_fwd_kernel(
         # over a whole 128x256 / 256x128 / 128x128-on-4-warps tile spills, 200-530 B of stack on
         # sm_90 and sm_80; the halves do not)
         left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
-        _epilogue_store(left, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn, stride_zm,
-                        stride_zn, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_N // 2)
-        _epilogue_store(right, BIAS, Y, Z, offs_m, mask_m, n0 + BLOCK_N // 2, N, stride_ym, stride_yn,
-                        stride_zm, stride_zn, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_N // 2)
+        _epilogue_store(
+            left,
+            BIAS,
+            Y,
+            Z,
+            offs_m,
+            mask_m,
+            n0,
+            N,
+            stride_ym,
+            stride_yn,
+            stride_zm,
+            stride_zn,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            ACC_DTYPE,
+            BLOCK_N // 2,
+        )
+        _epilogue_store(
+            right,
+            BIAS,
+            Y,
+            Z,
+            offs_m,
+            mask_m,
+            n0 + BLOCK_N // 2,
+            N,
+            stride_ym,
+            stride_yn,
+            stride_zm,
+            stride_zn,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            ACC_DTYPE,
+            BLOCK_N // 2,
+        )
     else:
-        _epilogue_store(acc, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn, stride_zm,
-                        stride_zn, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, BLOCK_N)
+        _epilogue_store(
+            acc,
+            BIAS,
+            Y,
+            Z,
+            offs_m,
+            mask_m,
+            n0,
+            N,
+            stride_ym,
+            stride_yn,
+            stride_zm,
+            stride_zn,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            ACC_DTYPE,
+            BLOCK_N,
+        )
 
 
 @triton.jit
-def _epilogue_store(acc, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn, stride_zm, stride_zn,
-                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
-                    ACC_DTYPE: tl.constexpr, WIDTH: tl.constexpr):
+def _epilogue_store(
+    acc,
+    BIAS,
+    Y,
+    Z,
+    offs_m,
+    mask_m,
+    n0,
+    N,
+    stride_ym,
+    stride_yn,
+    stride_zm,
+    stride_zn,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
     """+ bias, store z (pre-activation), activation, store y for columns [n0, n0 + WIDTH)."""
     offs_n = n0 + tl.arange(0, WIDTH).to(tl.int64)
     mask_n = offs_n < N
@@ -216,11 +337,24 @@ def _epilogue_store(acc, BIAS, Y, Z, offs_m, mask_m, n0, N, stride_ym, stride_yn
 # ----------------------------------------------------------------------------- dZ and db
 @triton.jit
 def _linear_bwd_kernel(
-    DY, Z, DZ, PARTIAL,
-    M, N,
-    stride_dym, stride_dyn, stride_zm, stride_zn, stride_dzm, stride_dzn,
-    ACTIVATION: tl.constexpr, WRITE_DZ: tl.constexpr, WRITE_DB: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY,
+    Z,
+    DZ,
+    PARTIAL,
+    M,
+    N,
+    stride_dym,
+    stride_dyn,
+    stride_zm,
+    stride_zn,
+    stride_dzm,
+    stride_dzn,
+    ACTIVATION: tl.constexpr,
+    WRITE_DZ: tl.constexpr,
+    WRITE_DB: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """DZ = DY * act'(Z) (fp32 math); PARTIAL[pid_m, n] = sum of DZ over this program's rows (fp32)."""
     pid_m = tl.program_id(0).to(tl.int64)
@@ -229,15 +363,14 @@ def _linear_bwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     mask = (offs_m < M)[:, None] & mask_n[None, :]
-    dz = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
-                 mask=mask, other=0.0).to(ACC_DTYPE)
+    dz = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn, mask=mask, other=0.0).to(ACC_DTYPE)
     if ACTIVATION != 0:
-        z = tl.load(Z + offs_m[:, None] * stride_zm + offs_n[None, :] * stride_zn,
-                    mask=mask, other=0.0).to(ACC_DTYPE)
+        z = tl.load(Z + offs_m[:, None] * stride_zm + offs_n[None, :] * stride_zn, mask=mask, other=0.0).to(ACC_DTYPE)
         dz = dz * _act_grad(z, ACTIVATION)
     if WRITE_DZ:
-        tl.store(DZ + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn,
-                 dz.to(DZ.dtype.element_ty), mask=mask)
+        tl.store(
+            DZ + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn, dz.to(DZ.dtype.element_ty), mask=mask
+        )
     if WRITE_DB:
         # masked rows loaded as 0 -> contribute 0 to the column sums
         tl.store(PARTIAL + pid_m * N + offs_n, tl.sum(dz, axis=0), mask=mask_n)
@@ -246,19 +379,19 @@ def _linear_bwd_kernel(
 @triton.jit
 def _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R: tl.constexpr):
     offs_r = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-    return tl.load(PARTIAL + offs_r[:, None] * N + offs_n[None, :],
-                   mask=(offs_r < R)[:, None] & mask_n[None, :], other=0.0)
+    return tl.load(
+        PARTIAL + offs_r[:, None] * N + offs_n[None, :], mask=(offs_r < R)[:, None] & mask_n[None, :], other=0.0
+    )
 
 
 @triton.jit
-def _linear_bwd_db_kernel(PARTIAL, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                          INTERPRET: tl.constexpr):
+def _linear_bwd_db_kernel(PARTIAL, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     """DB[n] = sum_r PARTIAL[r, n] in fp32, fixed order (deterministic)."""
     pid_n = tl.program_id(0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=PARTIAL.dtype.element_ty)
-    if INTERPRET:   # see _linear_fwd_kernel: no runtime range() bound in the interpreter
+    if INTERPRET:  # see _linear_fwd_kernel: no runtime range() bound in the interpreter
         r0 = 0
         while r0 < R:
             acc += _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R)
@@ -304,19 +437,48 @@ def _launch_gemm(a, b, y, z, bias, activation_code, kind):
     k_bucket = m_bucket(K) if kind == KIND_DW else K
     views = linear_tma.tma_views(a, b, y)
     if views is not None:
-        linear_tma.launch(a, b, y, z, bias, activation_code, kind, m_bucket(M), k_bucket,
-                          _dot_precision(a.dtype), _acc_dtype(a.dtype), views)
+        linear_tma.launch(
+            a,
+            b,
+            y,
+            z,
+            bias,
+            activation_code,
+            kind,
+            m_bucket(M),
+            k_bucket,
+            _dot_precision(a.dtype),
+            _acc_dtype(a.dtype),
+            views,
+        )
         return
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     save_z = z is not None
     _linear_fwd_kernel[grid](
-        a, b, bias if bias is not None else y, y, z if save_z else y,
-        M, N, K, m_bucket(M), k_bucket, kind,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        y.stride(0), y.stride(1),
-        z.stride(0) if save_z else 0, z.stride(1) if save_z else 0,
-        HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=save_z,
-        DOT_PRECISION=_dot_precision(a.dtype), ACC_DTYPE=_acc_dtype(a.dtype),
+        a,
+        b,
+        bias if bias is not None else y,
+        y,
+        z if save_z else y,
+        M,
+        N,
+        K,
+        m_bucket(M),
+        k_bucket,
+        kind,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        y.stride(0),
+        y.stride(1),
+        z.stride(0) if save_z else 0,
+        z.stride(1) if save_z else 0,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=activation_code,
+        SAVE_Z=save_z,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        ACC_DTYPE=_acc_dtype(a.dtype),
         INTERPRET=_interpreting(),
     )
 
@@ -342,12 +504,17 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias, activation=None, sav
     z = torch.empty_like(y) if (save_z and act != ACT_NONE) else None
     if M == 0 or N == 0:
         return y, z
-    if K == 0:   # empty reduction: the product is 0
+    if K == 0:  # empty reduction: the product is 0
         zz = torch.zeros_like(y) if bias is None else bias.expand(M, N).clone()
         if z is not None:
             z.copy_(zz)
-        y.copy_(zz if act == ACT_NONE else torch.nn.functional.gelu(
-            zz.float(), approximate="tanh" if act == ACT_GELU_TANH else "none").to(y.dtype))
+        y.copy_(
+            zz
+            if act == ACT_NONE
+            else torch.nn.functional.gelu(zz.float(), approximate="tanh" if act == ACT_GELU_TANH else "none").to(
+                y.dtype
+            )
+        )
         return y, z
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
@@ -400,18 +567,33 @@ def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, ne
         zz = z if act != ACT_NONE else dy
         dzz = dz if write_dz else dy
         _linear_bwd_kernel[(R, triton.cdiv(N, BLOCK_N))](
-            dy, zz, dzz, partial, M, N,
-            dy.stride(0), dy.stride(1), zz.stride(0), zz.stride(1), dzz.stride(0), dzz.stride(1),
-            ACTIVATION=act, WRITE_DZ=write_dz, WRITE_DB=need_db, ACC_DTYPE=_acc_dtype(dy.dtype),
+            dy,
+            zz,
+            dzz,
+            partial,
+            M,
+            N,
+            dy.stride(0),
+            dy.stride(1),
+            zz.stride(0),
+            zz.stride(1),
+            dzz.stride(0),
+            dzz.stride(1),
+            ACTIVATION=act,
+            WRITE_DZ=write_dz,
+            WRITE_DB=need_db,
+            ACC_DTYPE=_acc_dtype(dy.dtype),
             # 8 warps (32 elements a thread): with 4 the fp32 GELU-derivative math of a 64x128
             # tile needs more than 255 registers and spills (ptxas, sm_80 and sm_90)
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=8,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            num_warps=8,
         )
         if need_db:
             RB_N = 128 if not _interpreting() else 256
-            _linear_bwd_db_kernel[(triton.cdiv(N, RB_N),)](partial, db, R, N, BLOCK_R=32, BLOCK_N=RB_N,
-                                                           INTERPRET=_interpreting(),
-                                                           num_warps=4)
+            _linear_bwd_db_kernel[(triton.cdiv(N, RB_N),)](
+                partial, db, R, N, BLOCK_R=32, BLOCK_N=RB_N, INTERPRET=_interpreting(), num_warps=4
+            )
     if not need_dz:
         dz = None
     elif not write_dz:

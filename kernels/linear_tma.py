@@ -31,6 +31,7 @@ no overlapping rows, unless BERT_FAST_GEMM_TMA=0.
 BERT_FAST_GEMM_TMA=1 also enables it in the Triton CPU interpreter (any dtype), which is how the
 CPU tests run it.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import smem_per_block
-from ._linear_common import (KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs,
-                             _tile_coords)
+from ._linear_common import KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs, _tile_coords
 from .tuned_configs import TunedConfigs
 
 _ENV = "BERT_FAST_GEMM_TMA"
@@ -62,9 +62,12 @@ def _set_block_shapes(nargs):
 
 
 def _cfg(bm, bn, bk, warps, stages, split=1, group=8):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
-                          "EPILOGUE_SPLIT": split},
-                         num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes)
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "EPILOGUE_SPLIT": split},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=_set_block_shapes,
+    )
 
 
 def _configs():
@@ -91,7 +94,7 @@ def _configs():
     ]
 
 
-_SMEM_LIMIT = 227 * 1024   # sm_90's opt-in shared memory per block: what the configs are sized for
+_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block: what the configs are sized for
 
 
 def fits_shared_memory(cfg: triton.Config, split_k: int) -> bool:
@@ -134,9 +137,22 @@ def _load_b(b_desc, n0, k0, B_T: tl.constexpr):
 
 
 @triton.jit
-def _tile_main_loop(a_desc, b_desc, m0, n0, k_lo, k_steps, A_T: tl.constexpr, B_T: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_main_loop(
+    a_desc,
+    b_desc,
+    m0,
+    n0,
+    k_lo,
+    k_steps,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """acc = A[m0:m0+BM, K-tiles k_lo .. k_lo+k_steps) @ B[same, n0:n0+BN]; the K tail, K-tiles
     past the end and out-of-range rows read as zeros (TMA).
     The loop runs from 0 to ``k_steps``, which must not depend on the work unit: Triton fuses this
@@ -149,21 +165,33 @@ def _tile_main_loop(a_desc, b_desc, m0, n0, k_lo, k_steps, A_T: tl.constexpr, B_
         step = 0
         while step < k_steps:
             k0 = (k_lo + step) * BLOCK_K
-            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc,
-                           DOT_PRECISION)
+            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc, DOT_PRECISION)
             step += 1
     else:
         for step in range(0, k_steps):
             k0 = (k_lo + step) * BLOCK_K
-            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc,
-                           DOT_PRECISION)
+            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc, DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS: tl.constexpr,
-                    ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+def _epilogue_store(
+    acc,
+    BIAS,
+    y_desc,
+    z_desc,
+    m0,
+    n0,
+    N,
+    split,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
     """Bias, pre-activation store, activation, output store of a [BLOCK_M, WIDTH] accumulator slab;
     with SPLIT_K > 1 (no bias, activation or z then) the fp32 partial sum of K-slice ``split``
     goes to slab ``split`` of the [SPLIT_K, M, N] workspace instead."""
@@ -179,36 +207,114 @@ def _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _tile_epilogue(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS: tl.constexpr,
-                   ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   EPILOGUE_SPLIT: tl.constexpr):
+def _tile_epilogue(
+    acc,
+    BIAS,
+    y_desc,
+    z_desc,
+    m0,
+    n0,
+    N,
+    split,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
     """EPILOGUE_SPLIT = 2 runs the epilogue on the two column halves of the tile one after the
     other: the GELU's fp32 temporaries then exist for half the accumulator at a time (at 128x256
     with erf, the whole tile at once needs more than 255 registers and spills, sm_90 offline
     compile), and the TMA store box (the shared-memory staging buffer) is half as big."""
     if EPILOGUE_SPLIT == 2:
         left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
-        _epilogue_store(left, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS, ACTIVATION, SAVE_Z,
-                        ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N // 2)
-        _epilogue_store(right, BIAS, y_desc, z_desc, m0, n0 + BLOCK_N // 2, N, split, HAS_BIAS,
-                        ACTIVATION, SAVE_Z, ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N // 2)
+        _epilogue_store(
+            left,
+            BIAS,
+            y_desc,
+            z_desc,
+            m0,
+            n0,
+            N,
+            split,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            ACC_DTYPE,
+            SPLIT_K,
+            BLOCK_M,
+            BLOCK_N // 2,
+        )
+        _epilogue_store(
+            right,
+            BIAS,
+            y_desc,
+            z_desc,
+            m0,
+            n0 + BLOCK_N // 2,
+            N,
+            split,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            ACC_DTYPE,
+            SPLIT_K,
+            BLOCK_M,
+            BLOCK_N // 2,
+        )
     else:
-        _epilogue_store(acc, BIAS, y_desc, z_desc, m0, n0, N, split, HAS_BIAS, ACTIVATION, SAVE_Z,
-                        ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N)
+        _epilogue_store(
+            acc,
+            BIAS,
+            y_desc,
+            z_desc,
+            m0,
+            n0,
+            N,
+            split,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            ACC_DTYPE,
+            SPLIT_K,
+            BLOCK_M,
+            BLOCK_N,
+        )
 
 
 @triton.jit
-def _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K,
-               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
-               A_T: tl.constexpr, B_T: tl.constexpr, SPLIT_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+def _work_unit(
+    unit,
+    a_desc,
+    b_desc,
+    y_desc,
+    z_desc,
+    BIAS,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
     """Work unit = (K-slice, output tile), slice-major: consecutive programs take neighbouring
     tiles of the same K-slice, so grouped ordering still shares their A/B panels in L2."""
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if SPLIT_K == 1:   # the usual case, with no run-time division for the compiler to carry
+    if SPLIT_K == 1:  # the usual case, with no run-time division for the compiler to carry
         split = 0
         pid_m, pid_n = _tile_coords(unit, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         k_lo = 0
@@ -223,23 +329,75 @@ def _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K,
         # 16384-token dW in 3 slices).
         k_steps = tl.cdiv(k_tiles, SPLIT_K)
         k_lo = split * k_steps
-    acc = _tile_main_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, k_steps, A_T, B_T,
-                          DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
-    _tile_epilogue(acc, BIAS, y_desc, z_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, split, HAS_BIAS,
-                   ACTIVATION, SAVE_Z, ACC_DTYPE, SPLIT_K, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    acc = _tile_main_loop(
+        a_desc,
+        b_desc,
+        pid_m * BLOCK_M,
+        pid_n * BLOCK_N,
+        k_lo,
+        k_steps,
+        A_T,
+        B_T,
+        DOT_PRECISION,
+        ACC_DTYPE,
+        INTERPRET,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    _tile_epilogue(
+        acc,
+        BIAS,
+        y_desc,
+        z_desc,
+        pid_m * BLOCK_M,
+        pid_n * BLOCK_N,
+        N,
+        split,
+        HAS_BIAS,
+        ACTIVATION,
+        SAVE_Z,
+        ACC_DTYPE,
+        SPLIT_K,
+        BLOCK_M,
+        BLOCK_N,
+        EPILOGUE_SPLIT,
+    )
 
 
 # (cache_results would be ignored: Triton does not cache kernels with config pre-hooks; _TUNED does)
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET", "KIND", "SPLIT_K"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(
+    configs=_configs(),
+    key=["M_BUCKET", "N", "K_BUCKET", "KIND", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _linear_tma_kernel(
-    a_desc, b_desc, y_desc, z_desc, BIAS,
-    M, N, K, M_BUCKET, K_BUCKET, KIND,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
-    A_T: tl.constexpr, B_T: tl.constexpr, SPLIT_K: tl.constexpr, NUM_SMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_desc,
+    b_desc,
+    y_desc,
+    z_desc,
+    BIAS,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    K_BUCKET,
+    KIND,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
 ):
     """Y[M, N] = act(A @ B + BIAS); Z = A @ B + BIAS if SAVE_Z. Persistent: program p computes
@@ -251,22 +409,67 @@ def _linear_tma_kernel(
     if INTERPRET:
         unit = tl.program_id(0)
         while unit < num_units:
-            _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K, HAS_BIAS, ACTIVATION,
-                       SAVE_Z, A_T, B_T, SPLIT_K, DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M,
-                       BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT)
+            _work_unit(
+                unit,
+                a_desc,
+                b_desc,
+                y_desc,
+                z_desc,
+                BIAS,
+                M,
+                N,
+                K,
+                HAS_BIAS,
+                ACTIVATION,
+                SAVE_Z,
+                A_T,
+                B_T,
+                SPLIT_K,
+                DOT_PRECISION,
+                ACC_DTYPE,
+                INTERPRET,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+                EPILOGUE_SPLIT,
+            )
             unit += NUM_SMS
     else:
         # flatten=True merges this loop with the K loop into one software-pipelined loop, so TMA
         # loads of the next unit are issued while this one's epilogue runs.
         for unit in tl.range(tl.program_id(0), num_units, NUM_SMS, flatten=True):
-            _work_unit(unit, a_desc, b_desc, y_desc, z_desc, BIAS, M, N, K, HAS_BIAS, ACTIVATION,
-                       SAVE_Z, A_T, B_T, SPLIT_K, DOT_PRECISION, ACC_DTYPE, INTERPRET, BLOCK_M,
-                       BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT)
+            _work_unit(
+                unit,
+                a_desc,
+                b_desc,
+                y_desc,
+                z_desc,
+                BIAS,
+                M,
+                N,
+                K,
+                HAS_BIAS,
+                ACTIVATION,
+                SAVE_Z,
+                A_T,
+                B_T,
+                SPLIT_K,
+                DOT_PRECISION,
+                ACC_DTYPE,
+                INTERPRET,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+                EPILOGUE_SPLIT,
+            )
 
 
 # ----------------------------------------------------------------------------- host side
 # Winners on disk: Triton's own autotune cache skips kernels with config pre-hooks (see tuned_configs).
 _TUNED = TunedConfigs(_linear_tma_kernel, "linear_tma", persist=not _interpreting())
+
 
 def _mode() -> str:
     mode = os.environ.get(_ENV, "auto").strip().lower()
@@ -300,9 +503,12 @@ def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
         return mode == "1"
     # Hopper and datacenter Blackwell. Parts with ~99 KB of shared memory (sm_120) have TMA too,
     # but the configs here are sized for 227 KB: there the pointer kernel, whose configs fit, runs.
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_capability(device)[0] >= 9
-            and smem_per_block(device) >= _SMEM_LIMIT)
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and smem_per_block(device) >= _SMEM_LIMIT
+    )
 
 
 def tma_views(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor):
@@ -311,7 +517,7 @@ def tma_views(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor):
     if not enabled_for(a.device, a.dtype):
         return None
     a_view, b_view, y_view = _tma_view(a), _tma_view(b), _tma_view(y)
-    if a_view is None or b_view is None or y_view is None or y_view[2]:   # y must be row-major
+    if a_view is None or b_view is None or y_view is None or y_view[2]:  # y must be row-major
         return None
     return a_view, b_view
 
@@ -323,7 +529,7 @@ def usable(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> bool:
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4   # the interpreter: a few programs, each walking several tiles
+        return 4  # the interpreter: a few programs, each walking several tiles
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -342,35 +548,53 @@ def _split_k(kind: int, M: int, N: int, K: int, num_sms: int) -> int:
     return max(1, min(num_sms // tiles, 8, K // 2048))
 
 
-def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype,
-           views):
+def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype, views):
     """y (and z) = epilogue(a @ b) through TMA; ``views`` = tma_views(a, b, y), not None."""
     M, K = a.shape
     N = b.shape[1]
     num_sms = _num_sms(a.device)
-    plain = bias is None and activation_code == 0 and z is None   # the split path has no epilogue
+    plain = bias is None and activation_code == 0 and z is None  # the split path has no epilogue
     split_k = _split_k(kind, M, N, K, num_sms) if plain else 1
     (a_shape, a_strides, a_t), (b_shape, b_strides, b_t) = views
     # block shapes are placeholders: the config's pre-hook sets the real ones
     a_desc = TensorDescriptor(a, a_shape, a_strides, [16, 16])
     b_desc = TensorDescriptor(b, b_shape, b_strides, [16, 16])
     if split_k > 1:
-        part = torch.empty((split_k, M, N), device=y.device,
-                           dtype=torch.float64 if y.dtype == torch.float64 else torch.float32)
+        part = torch.empty(
+            (split_k, M, N), device=y.device, dtype=torch.float64 if y.dtype == torch.float64 else torch.float32
+        )
         y_desc = TensorDescriptor(part, [split_k, M, N], [M * N, N, 1], [1, 16, 16])
     else:
         y_desc = TensorDescriptor(y, [M, N], [y.stride(0), 1], [16, 16])
     z_desc = TensorDescriptor(z, [M, N], [z.stride(0), 1], [16, 16]) if z is not None else y_desc
-    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-                             * split_k),)
-    args = (a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y,
-            M, N, K, m_bucket_, k_bucket, kind)
-    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation_code, SAVE_Z=z is not None,
-                A_T=a_t, B_T=b_t, SPLIT_K=split_k, NUM_SMS=num_sms,
-                DOT_PRECISION=dot_precision, ACC_DTYPE=acc_dtype, INTERPRET=_interpreting())
+    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * split_k),)
+    args = (a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y, M, N, K, m_bucket_, k_bucket, kind)
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        ACTIVATION=activation_code,
+        SAVE_Z=z is not None,
+        A_T=a_t,
+        B_T=b_t,
+        SPLIT_K=split_k,
+        NUM_SMS=num_sms,
+        DOT_PRECISION=dot_precision,
+        ACC_DTYPE=acc_dtype,
+        INTERPRET=_interpreting(),
+    )
     # the autotuner's key, plus the epilogue and layout (they change the best tile too)
-    key = (m_bucket_, N, k_bucket, kind, split_k, str(y.dtype), bias is not None, activation_code,
-           z is not None, a_t, b_t)
+    key = (
+        m_bucket_,
+        N,
+        k_bucket,
+        kind,
+        split_k,
+        str(y.dtype),
+        bias is not None,
+        activation_code,
+        z is not None,
+        a_t,
+        b_t,
+    )
     _TUNED.launch(grid, a.device, key, args, **meta)
     if split_k > 1:
-        y.copy_(part.sum(dim=0))   # torch's reduction: fixed order, fp32, no atomics
+        y.copy_(part.sum(dim=0))  # torch's reduction: fixed order, fp32, no atomics

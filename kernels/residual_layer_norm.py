@@ -28,6 +28,7 @@ torch.utils.checkpoint (which redraws the same seed) recomputes the same mask.
 Any hidden size: BLOCK_N = max(4, next_power_of_2(N)) with masked loads; int64 row offsets; rows
 may have any stride (the last dimension must be contiguous; the launcher copies otherwise).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,7 @@ def _dropout_keep(seed, rows, col0, N, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N
     int64 offset row * cdiv(N, 4) + col // 4, its words r0..r3 -> columns 4g+0..4g+3, u >= p."""
     tl.static_assert(BLOCK_N % 4 == 0, "BLOCK_N must be a multiple of 4")
     groups = col0 // 4 + tl.arange(0, BLOCK_N // 4)
-    offsets = rows[:, None] * ((N + 3) // 4) + groups[None, :]    # rows is int64 -> offsets int64
+    offsets = rows[:, None] * ((N + 3) // 4) + groups[None, :]  # rows is int64 -> offsets int64
     r0, r1, r2, r3 = tl.randint4x(seed, offsets)
     k0 = (tl.uint_to_uniform_float(r0) >= dropout_p).to(tl.int8)
     k1 = (tl.uint_to_uniform_float(r1) >= dropout_p).to(tl.int8)
@@ -60,10 +61,28 @@ def _dropout_keep(seed, rows, col0, N, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _residual_layer_norm_fwd_kernel(X, R, W, B, Y, MEAN, RSTD, M, N,
-                                    stride_xm, stride_rm, stride_ym, eps, dropout_p, dropout_scale, seed,
-                                    HAS_DROPOUT: tl.constexpr, COMPUTE: tl.constexpr,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _residual_layer_norm_fwd_kernel(
+    X,
+    R,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_xm,
+    stride_rm,
+    stride_ym,
+    eps,
+    dropout_p,
+    dropout_scale,
+    seed,
+    HAS_DROPOUT: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -89,11 +108,34 @@ def _residual_layer_norm_fwd_kernel(X, R, W, B, Y, MEAN, RSTD, M, N,
 
 
 @triton.jit
-def _residual_layer_norm_bwd_kernel(DY, X, R, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL, M, N,
-                                    stride_dym, stride_xm, stride_rm, stride_dxm, stride_drm,
-                                    dropout_p, dropout_scale, seed, rows_per_prog, n_iters,
-                                    HAS_DROPOUT: tl.constexpr, COMPUTE: tl.constexpr,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _residual_layer_norm_bwd_kernel(
+    DY,
+    X,
+    R,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DRES,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    M,
+    N,
+    stride_dym,
+    stride_xm,
+    stride_rm,
+    stride_dxm,
+    stride_drm,
+    dropout_p,
+    dropout_scale,
+    seed,
+    rows_per_prog,
+    n_iters,
+    HAS_DROPOUT: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -136,8 +178,7 @@ def _residual_layer_norm_bwd_kernel(DY, X, R, W, MEAN, RSTD, DX, DRES, DW_PARTIA
 
 
 @triton.jit
-def _dropout_keep_mask_kernel(OUT, M, N, row_start, dropout_p, seed,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_keep_mask_kernel(OUT, M, N, row_start, dropout_p, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Debug: OUT[i, j] = keep-mask of row (row_start + i), column j, exactly as the kernels draw it."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -173,8 +214,9 @@ def _row_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _check_2d(x2d, res2d, weight, bias, extra=()):
     if x2d.dim() != 2 or res2d.shape != x2d.shape:
-        raise ValueError(f"residual_layer_norm: x2d {tuple(x2d.shape)} and res2d {tuple(res2d.shape)} must be "
-                         "equal 2-D shapes")
+        raise ValueError(
+            f"residual_layer_norm: x2d {tuple(x2d.shape)} and res2d {tuple(res2d.shape)} must be equal 2-D shapes"
+        )
     n = x2d.shape[1]
     for name, t in (("weight", weight), ("bias", bias)):
         if t.shape != (n,):
@@ -185,8 +227,9 @@ def _check_2d(x2d, res2d, weight, bias, extra=()):
         raise TypeError(f"residual_layer_norm: unsupported dtype {x2d.dtype}")
     for name, t in (("res2d", res2d), ("weight", weight), ("bias", bias)) + tuple(extra):
         if t.dtype != x2d.dtype or t.device != x2d.device:
-            raise TypeError(f"residual_layer_norm: {name} is {t.dtype} on {t.device}, "
-                            f"expected {x2d.dtype} on {x2d.device}")
+            raise TypeError(
+                f"residual_layer_norm: {name} is {t.dtype} on {t.device}, expected {x2d.dtype} on {x2d.device}"
+            )
 
 
 def _dropout_args(dropout_p: float, seed: int):
@@ -196,8 +239,15 @@ def _dropout_args(dropout_p: float, seed: int):
     return has, float(dropout_p), (1.0 / (1.0 - dropout_p) if has else 1.0), int(seed) if has else 0
 
 
-def residual_layer_norm_fwd(x2d: torch.Tensor, res2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                            eps: float, dropout_p: float, seed: int):
+def residual_layer_norm_fwd(
+    x2d: torch.Tensor,
+    res2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    dropout_p: float,
+    seed: int,
+):
     """(y, mean, rstd): y = LayerNorm(dropout(x2d) + res2d) contiguous [M, N] in x2d.dtype; mean, rstd [M]
     fp32 (fp64 for fp64 inputs). ``seed``: int, the Philox key (ignored when dropout_p == 0)."""
     _check_2d(x2d, res2d, weight, bias)
@@ -212,22 +262,48 @@ def residual_layer_norm_fwd(x2d: torch.Tensor, res2d: torch.Tensor, weight: torc
     weight, bias = weight.contiguous(), bias.contiguous()
     block_m, block_n, num_warps = _config(N)
     _residual_layer_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-        x2d, res2d, weight, bias, y, mean, rstd, M, N, x2d.stride(0), res2d.stride(0), y.stride(0),
-        float(eps), p, scale, seed,
-        HAS_DROPOUT=has_dropout, COMPUTE=_compute(x2d.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps)
+        x2d,
+        res2d,
+        weight,
+        bias,
+        y,
+        mean,
+        rstd,
+        M,
+        N,
+        x2d.stride(0),
+        res2d.stride(0),
+        y.stride(0),
+        float(eps),
+        p,
+        scale,
+        seed,
+        HAS_DROPOUT=has_dropout,
+        COMPUTE=_compute(x2d.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return y, mean, rstd
 
 
 def _bwd_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4   # interpreter: few programs, still several partial sums
+    return 4  # interpreter: few programs, still several partial sums
 
 
-def residual_layer_norm_bwd(dy2d: torch.Tensor, x2d: torch.Tensor, res2d: torch.Tensor, weight: torch.Tensor,
-                            bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                            dropout_p: float, seed: int):
+def residual_layer_norm_bwd(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    res2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dropout_p: float,
+    seed: int,
+):
     """(dx, dres, dweight, dbias) of residual_layer_norm_fwd. dx/dres contiguous [M, N]; dweight/dbias
     [N] in weight.dtype, reduced deterministically from per-program fp32 partials [P, N]."""
     _check_2d(x2d, res2d, weight, bias, extra=(("dy2d", dy2d),))
@@ -252,11 +328,34 @@ def residual_layer_norm_bwd(dy2d: torch.Tensor, x2d: torch.Tensor, res2d: torch.
     dw_partial = torch.empty((n_progs, N), dtype=acc, device=x2d.device)
     db_partial = torch.empty((n_progs, N), dtype=acc, device=x2d.device)
     _residual_layer_norm_bwd_kernel[(n_progs,)](
-        dy2d, x2d, res2d, weight, mean, rstd, dx, dres, dw_partial, db_partial, M, N,
-        dy2d.stride(0), x2d.stride(0), res2d.stride(0), dx.stride(0), dres.stride(0),
-        p, scale, seed, rows_per_prog, rows_per_prog // block_m,
-        HAS_DROPOUT=has_dropout, COMPUTE=_compute(x2d.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps)
+        dy2d,
+        x2d,
+        res2d,
+        weight,
+        mean,
+        rstd,
+        dx,
+        dres,
+        dw_partial,
+        db_partial,
+        M,
+        N,
+        dy2d.stride(0),
+        x2d.stride(0),
+        res2d.stride(0),
+        dx.stride(0),
+        dres.stride(0),
+        p,
+        scale,
+        seed,
+        rows_per_prog,
+        rows_per_prog // block_m,
+        HAS_DROPOUT=has_dropout,
+        COMPUTE=_compute(x2d.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return dx, dres, dw_partial.sum(dim=0).to(weight.dtype), db_partial.sum(dim=0).to(bias.dtype)
 
 
@@ -273,12 +372,12 @@ def dropout_keep_mask(shape, dropout_p: float, seed: int, device, row_start: int
     if m and n:
         # <= 8x1024 tiles on 8 warps: Philox is register-hungry (a 16x1024 tile on 4 warps spills
         # over 1 KB a thread on sm_80/sm_90). The mask does not depend on the tile.
-        bn = min(max(4, triton.next_power_of_2(n)), 1024)   # a multiple of 4: whole Philox groups
+        bn = min(max(4, triton.next_power_of_2(n)), 1024)  # a multiple of 4: whole Philox groups
         bm = max(1, min(16, 8192 // bn))
         # Triton launches on the current device: make it out's (a model on cuda:1, say)
         guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
         with guard:
             _dropout_keep_mask_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-                out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn,
-                num_warps=8)
+                out, m, n, int(row_start), float(dropout_p), int(seed), BLOCK_M=bm, BLOCK_N=bn, num_warps=8
+            )
     return out.view(shape).bool()

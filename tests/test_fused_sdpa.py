@@ -10,6 +10,7 @@ No GPU runs this project's CPU suite, so the fused kernels are tested in two hal
     correct emulation is accepted and used; a perturbed, a raising and a NaN one are rejected, the
     op's result is then the materialized path's, and one warning says so.
 """
+
 import math
 import warnings
 
@@ -48,9 +49,10 @@ def test_padded_plumbing_on_meta(dtype, b, s, h, d, masked):
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     bias = fused_sdpa.key_bias(torch.ones((b, s), dtype=torch.bool), h, dtype)
     assert bias.shape == (b, h, s, s) and bias.dtype == dtype and bias.stride(-1) == 1
-    assert all(st % 16 == 0 for st in bias.stride()[:-1])            # the kernel's alignment
-    raw = A._scaled_dot_product_efficient_attention(q, k, v, _meta(bias) if masked else None, True, 0.0, False,
-                                                     scale=0.3)
+    assert all(st % 16 == 0 for st in bias.stride()[:-1])  # the kernel's alignment
+    raw = A._scaled_dot_product_efficient_attention(
+        q, k, v, _meta(bias) if masked else None, True, 0.0, False, scale=0.3
+    )
     assert raw[1].shape == (b, h, _ceil(s, 32))
     out, lse = fused_sdpa._padded_fwd_raw(qkv, mask, 0.3)
     assert out.shape == (b, s, h, d) and out.dtype == dtype and out.is_contiguous()
@@ -94,10 +96,10 @@ def test_varlen_plumbing_on_meta(monkeypatch, dtype, lengths):
     h, d = 3, 32
     t, b, mx = sum(lengths), len(lengths), max(lengths)
     qkv = torch.empty((t, 3, h, d), dtype=dtype, device="meta")
-    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(b)], dtype=torch.int32, device="meta")
+    cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(b)], dtype=torch.int32, device="meta")
     q = qkv[:, 0].unsqueeze(0)
     raw = A._efficient_attention_forward(q, q, q, None, cu, cu, mx, mx, 0.0, 0, True, scale=0.3)
-    assert raw[1].shape == (b, h, _ceil(mx, 32))                       # [sequences, h, ceil32(max)]
+    assert raw[1].shape == (b, h, _ceil(mx, 32))  # [sequences, h, ceil32(max)]
     out, lse = fused_sdpa._varlen_fwd_raw(qkv, cu, mx, 0.3)
     assert out.shape == (t, h, d) and out.dtype == dtype and out.is_contiguous()
     assert lse.shape == (h, t) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -110,11 +112,12 @@ def test_varlen_plumbing_on_meta(monkeypatch, dtype, lengths):
         calls.append((args, kwargs))
         qq = args[1]
         return torch.empty_like(qq), torch.empty_like(qq), torch.empty_like(qq), torch.empty(())
+
     monkeypatch.setattr(fused_sdpa, "VARLEN_BWD", record)
     dout = torch.empty((t, h, d), dtype=dtype, device="meta")
     dqkv = fused_sdpa._varlen_bwd_raw(dout, qkv, cu, mx, out, lse, 0.3)
     assert dqkv.shape == qkv.shape and dqkv.dtype == dtype
-    (args, kwargs), = calls
+    ((args, kwargs),) = calls
     p = _bind(A._efficient_attention_backward.default._schema, args, kwargs)
     for name in ("grad_out_", "query", "key", "value", "out"):
         assert p[name].shape == (1, t, h, d), name
@@ -137,7 +140,7 @@ def test_varlen_lse_layout_on_cpu():
     for i, (lo, n) in enumerate(zip([0, 5, 22], lengths)):
         vals = torch.arange(n, dtype=torch.float32) + 100 * i
         kern[i, :, :n] = vals
-        expect[:, lo:lo + n] = vals
+        expect[:, lo : lo + n] = vals
     seq, pos = fused_sdpa._token_index(cu, t, mx)
     assert torch.equal(kern[seq, :, pos].t(), expect)
 
@@ -182,11 +185,11 @@ class Emu:
         if self.fault == "raise":
             raise RuntimeError("cutlassF: no kernel found to launch!")
         x = x.clone()
-        flat = x.as_strided((x.numel(),), (1,))      # x's storage (dense, any layout)
+        flat = x.as_strided((x.numel(),), (1,))  # x's storage (dense, any layout)
         if self.fault == "nan":
             flat[0] = float("nan")
         elif self.fault == "perturb":
-            flat[0] += 1.0 + x.abs().max().item()      # what _verify says its bound catches
+            flat[0] += 1.0 + x.abs().max().item()  # what _verify says its bound catches
         return x
 
     def eff_fwd(self, q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
@@ -198,7 +201,7 @@ class Emu:
         p, lse = _probs(q, k, bias, scale)
         out = torch.empty((b, m, h, d), dtype=q.dtype).transpose(1, 2)
         out.copy_(p @ v.double())
-        buf = torch.full((b, h, _ceil(m, 32)), 1.0e4)                  # garbage in the padding
+        buf = torch.full((b, h, _ceil(m, 32)), 1.0e4)  # garbage in the padding
         buf[:, :, :m] = lse
         assert out.shape == meta[0].shape and buf.shape == meta[1].shape and buf.dtype == meta[1].dtype
         return self._out("fwd", out), buf, torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
@@ -210,9 +213,10 @@ class Emu:
         b, h, m, d = q.shape
         assert lse.shape == (b, h, _ceil(m, 32)) and lse.dtype == torch.float32
         assert lse.stride(0) % 8 == 0 and lse.stride(1) % 8 == 0
-        assert out.transpose(1, 2).is_contiguous()                       # BMHK, as the kernel reads it
+        assert out.transpose(1, 2).is_contiguous()  # BMHK, as the kernel reads it
         meta = A._scaled_dot_product_efficient_attention_backward(
-            *map(_meta, (go, q, k, v, bias, out, lse, seed, off)), 0.0, [True, True, True, False], False, scale=scale)
+            *map(_meta, (go, q, k, v, bias, out, lse, seed, off)), 0.0, [True, True, True, False], False, scale=scale
+        )
         p, _ = _probs(q, k, bias, scale, lse[:, :, :m])
         dq, dk, dv = (t.to(q.dtype) for t in _grads(go, q, k, v, out, p, scale))
         assert dq.shape == meta[0].shape
@@ -222,26 +226,46 @@ class Emu:
         c = cu.tolist()
         return list(zip(c[:-1], c[1:]))
 
-    def var_fwd(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, compute_lse, *, scale=None,
-                **_):
+    def var_fwd(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, compute_lse, *, scale=None, **_):
         self.calls["vfwd"] += 1
         assert bias is None and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and mask_type == 0
         assert compute_lse and dropout_p == 0.0 and q.shape[0] == 1
-        meta = A._efficient_attention_forward(*map(_meta, (q, k, v, None, cu_q, cu_k)), max_q, max_k, 0.0, 0, True,
-                                              scale=scale)
+        meta = A._efficient_attention_forward(
+            *map(_meta, (q, k, v, None, cu_q, cu_k)), max_q, max_k, 0.0, 0, True, scale=scale
+        )
         _, t, h, d = q.shape
         out = torch.empty_like(q)
         buf = torch.full((cu_q.numel() - 1, h, _ceil(max_q, 32)), 1.0e4)
         for i, (lo, hi) in enumerate(self._seqs(cu_q)):
-            qs, ks, vs = (x[0, lo:hi].transpose(0, 1) for x in (q, k, v))      # [h, L, d]
+            qs, ks, vs = (x[0, lo:hi].transpose(0, 1) for x in (q, k, v))  # [h, L, d]
             p, lse = _probs(qs, ks, None, scale)
             out[0, lo:hi] = (p @ vs.double()).transpose(0, 1).to(q.dtype)
-            buf[i, :, :hi - lo] = lse
+            buf[i, :, : hi - lo] = lse
         assert buf.shape == meta[1].shape and out.shape == meta[0].shape
         return self._out("vfwd", out), buf, torch.zeros(()), torch.zeros(()), max_q, max_k
 
-    def var_bwd(self, go, q, k, v, bias, out, cu_q, cu_k, max_q, max_k, lse, dropout_p, seed, off, mask_type,
-                bias_rg, *, scale=None, **_):
+    def var_bwd(
+        self,
+        go,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        lse,
+        dropout_p,
+        seed,
+        off,
+        mask_type,
+        bias_rg,
+        *,
+        scale=None,
+        **_,
+    ):
         self.calls["vbwd"] += 1
         assert bias is None and not bias_rg and dropout_p == 0.0 and mask_type == 0
         assert lse.shape == (cu_q.numel() - 1, q.shape[2], _ceil(max_q, 32))
@@ -250,7 +274,7 @@ class Emu:
         dq, dk, dv = (torch.zeros_like(q) for _ in range(3))
         for i, (lo, hi) in enumerate(self._seqs(cu_q)):
             sl = lambda x: x[0, lo:hi].transpose(0, 1)
-            p, _ = _probs(sl(q), sl(k), None, scale, lse[i, :, :hi - lo])
+            p, _ = _probs(sl(q), sl(k), None, scale, lse[i, :, : hi - lo])
             g = _grads(sl(go), sl(q), sl(k), sl(v), sl(out), p, scale)
             for dst, src in zip((dq, dk, dv), g):
                 dst[0, lo:hi] = src.transpose(0, 1).to(q.dtype)
@@ -271,6 +295,7 @@ def emulate(monkeypatch):
         monkeypatch.setattr(fused_sdpa, "VARLEN_FWD", emu.var_fwd)
         monkeypatch.setattr(fused_sdpa, "VARLEN_BWD", emu.var_bwd)
         return emu
+
     yield install
     fused_sdpa.reset()
 
@@ -280,7 +305,7 @@ def _padded_problem(dtype, d=32, seed=3):
     qkv = _rand((b, s, 3, h, d), seed, dtype)
     mask = torch.ones(b, s, dtype=torch.bool)
     mask[0, 9:] = False
-    mask[2] = False                                      # a sequence without keys
+    mask[2] = False  # a sequence without keys
     dout = _rand((b, s, h, d), seed + 1, dtype)
     return qkv, mask, dout, 0.8 / math.sqrt(d)
 
@@ -341,7 +366,7 @@ def test_correct_fused_padded_is_checked_then_used(emulate, dtype):
     assert (dqkv.double() - ref_d).abs().max() <= 2 * (m_d.double() - ref_d).abs().max() + floor * 4
     keys = mask.any(-1)
     torch.testing.assert_close(lse[keys], m_lse[keys], atol=0.05 if dtype == torch.bfloat16 else 1e-5, rtol=0)
-    assert torch.isinf(lse[2]).all() and (lse[2] > 0).all()               # the kernel's convention
+    assert torch.isinf(lse[2]).all() and (lse[2] > 0).all()  # the kernel's convention
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -352,7 +377,7 @@ def test_correct_fused_varlen_is_checked_then_used(emulate, dtype):
         warnings.simplefilter("error", fused_sdpa.FusedAttentionWarning)
         out, lse, dqkv = _varlen_op(qkv, cu, mx, dout, scale)
     assert emu.calls["vfwd"] == 2 and emu.calls["vbwd"] == 2, emu.calls
-    assert emu.calls["fwd"] == 0 and emu.calls["bwd"] == 0                 # no grouping into padded calls
+    assert emu.calls["fwd"] == 0 and emu.calls["bwd"] == 0  # no grouping into padded calls
     assert out.shape == (62, 2, 32) and out.is_contiguous() and out.dtype == dtype
     assert lse.shape == (2, 62) and lse.dtype == torch.float32 and lse.is_contiguous()
     m_out, m_lse = torch_impl.varlen_fwd_grouped(qkv, cu, mx, 0.0, scale, None)
@@ -382,7 +407,7 @@ def test_wrong_fused_padded_is_rejected(emulate, fault, direction):
     other = "bwd" if direction == "fwd" else "fwd"
     assert v[("cpu", None, dtype, 32, "padded", direction)] == "materialized"
     assert v[("cpu", None, dtype, 32, "padded", other)] == "fused"
-    assert emu.calls[direction] == 1                                       # the check only, never again
+    assert emu.calls[direction] == 1  # the check only, never again
     m_out, m_lse = torch_impl.materialized_fwd(qkv, mask, scale)
     m_d = torch_impl.materialized_bwd(dout, qkv, mask, scale)
     if direction == "fwd":
@@ -403,7 +428,7 @@ def test_wrong_fused_varlen_is_rejected(emulate, fault, direction):
     fw = [x for x in w if issubclass(x.category, fused_sdpa.FusedAttentionWarning)]
     assert len(fw) == 1, [str(x.message) for x in fw]
     assert emu.calls["v" + direction] == 1
-    assert emu.calls["fwd"] == 0 and emu.calls["bwd"] == 0         # the fallback: materialized groups
+    assert emu.calls["fwd"] == 0 and emu.calls["bwd"] == 0  # the fallback: materialized groups
     m_out, m_lse = torch_impl.varlen_fwd_grouped(qkv, cu, mx, 0.0, scale, None)
     if direction == "fwd":
         assert torch.equal(out, m_out) and torch.equal(lse, m_lse)
@@ -424,12 +449,12 @@ def test_exception_at_a_later_call_falls_back(emulate):
 
 def test_ineligible_calls_take_the_materialized_path(emulate):
     emu = emulate(Emu())
-    qkv, mask, dout, scale = _padded_problem(torch.float32, d=26)        # head dim not a multiple of 8
+    qkv, mask, dout, scale = _padded_problem(torch.float32, d=26)  # head dim not a multiple of 8
     _padded_op(qkv, mask, dout, scale)
-    qkv64, _, dout64, _ = _padded_problem(torch.float64)                 # float64: gradcheck's dtype
+    qkv64, _, dout64, _ = _padded_problem(torch.float64)  # float64: gradcheck's dtype
     _padded_op(qkv64, mask, dout64, scale)
     big, _, dout32, _ = _padded_problem(torch.float32, d=40)
-    _padded_op(big[..., 2:34], mask, dout32[..., :32], scale)            # a view 8 bytes off alignment
+    _padded_op(big[..., 2:34], mask, dout32[..., :32], scale)  # a view 8 bytes off alignment
     assert sum(emu.calls.values()) == 0 and fused_sdpa.verdicts() == {}
 
 
@@ -437,12 +462,12 @@ def test_no_check_during_capture(emulate, monkeypatch):
     emu = emulate(Emu())
     qkv, mask, dout, scale = _padded_problem(torch.float32)
     monkeypatch.setattr(fused_sdpa, "_capturing", lambda t: True)
-    _padded_op(qkv, mask, dout, scale)                      # unchecked key under capture: materialized
+    _padded_op(qkv, mask, dout, scale)  # unchecked key under capture: materialized
     assert sum(emu.calls.values()) == 0 and fused_sdpa.verdicts() == {}
     monkeypatch.setattr(fused_sdpa, "_capturing", lambda t: False)
-    _padded_op(qkv, mask, dout, scale)                      # checked and used outside the capture
+    _padded_op(qkv, mask, dout, scale)  # checked and used outside the capture
     monkeypatch.setattr(fused_sdpa, "_capturing", lambda t: True)
-    _padded_op(qkv, mask, dout, scale)                      # a kept verdict is honoured
+    _padded_op(qkv, mask, dout, scale)  # a kept verdict is honoured
     assert emu.calls["fwd"] == 3 and emu.calls["bwd"] == 3
 
 

@@ -2,6 +2,7 @@
 csrc/keep_mask_cpu.cpp): the exact bits of the Philox stream it is defined by, against the numpy
 re-implementation in bert_fast.testing, on every vector width this CPU has, any thread split, and
 without the compiled module."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,7 +34,7 @@ def oracle(shape, p, seed):
 def _isas():
     if _ext is None:
         return []
-    out, buf = [], torch.empty(1, dtype=torch.uint8)    # kept alive across the call
+    out, buf = [], torch.empty(1, dtype=torch.uint8)  # kept alive across the call
     for isa in ("scalar", "avx2", "avx512"):
         try:
             _ext.keep_mask_cpu(buf.data_ptr(), 1, 1, 0, 0.5, 1, isa)
@@ -110,7 +111,7 @@ def test_reference_dropout_mask_edges():
     assert _dispatch.reference_dropout_mask((4, 4), 0.5, None, "cpu") is None
     empty = _dispatch.reference_dropout_mask((0, 7), 0.5, seed, "cpu")
     assert empty.shape == (0, 7) and empty.dtype == torch.bool
-    tiny = _dispatch.reference_dropout_mask((64, 64), 1e-12, seed, "cpu")     # rounds to p = 0
+    tiny = _dispatch.reference_dropout_mask((64, 64), 1e-12, seed, "cpu")  # rounds to p = 0
     assert bool(tiny.all())
     almost = _dispatch.reference_dropout_mask((64, 64), 1 - 1e-12, seed, "cpu")  # rounds to p = 1
     assert not bool(almost.any())
@@ -130,4 +131,4 @@ def test_keep_fraction_and_independence(p):
     # neighbouring elements are not correlated (the 4 words of one Philox call included)
     x = a.float() - (1 - p)
     corr = (x[:, :-1] * x[:, 1:]).mean().item() / (p * (1 - p))
-    assert abs(corr) < 5 / n ** 0.5
+    assert abs(corr) < 5 / n**0.5

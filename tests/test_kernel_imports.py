@@ -4,6 +4,7 @@ linear.py and linear_tma.py used to import each other (linear_tma took jit helpe
 linear imported linear_tma inside a function to dodge the cycle); their shared pieces now live in
 kernels/_linear_common.py. Read from the sources (AST), so the test needs no GPU and no Triton run.
 """
+
 from __future__ import annotations
 
 import ast

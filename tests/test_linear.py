@@ -5,6 +5,7 @@ interpreter's tl.dot is wrong in bf16). Shapes are small because the interpreter
 Tolerance: the 2x rule of DESIGN.md (bert_fast.testing.assert_close_2x) against a float64 oracle,
 for y, dX, dW and db.
 """
+
 import importlib
 import json
 
@@ -15,10 +16,17 @@ from triton.runtime.errors import OutOfResources
 from bert_fast import reference
 from bert_fast.ops import _dispatch
 from bert_fast.ops.linear import linear
+from bert_fast.testing import (
+    assert_close_2x,
+    assert_reduction_close_2x,
+    distinct_tiles,
+    dtypes_for,
+    gpu_config_space,
+    pick_test_device,
+    tile_of,
+)
 
 linear_mod = importlib.import_module("bert_fast.ops.linear")
-from bert_fast.testing import (assert_close_2x, assert_reduction_close_2x, distinct_tiles, dtypes_for,
-                               gpu_config_space, pick_test_device, tile_of)
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
 pytestmark = pytest.mark.kernels("linear", "linear_tma")
@@ -44,7 +52,7 @@ def _kernels_of_the_backend(request):
 def _inputs(device, dtype, m_shape, k, n, bias=True, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(*m_shape, k, generator=g).to(device, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
     b = torch.randn(n, generator=g).to(device, dtype) if bias else None
     dy = torch.randn(*m_shape, n, generator=g).to(device, dtype)
     return x, w, b, dy
@@ -65,8 +73,13 @@ def _check(x, w, b, act, dy, backend, x_view=None):
     """Compare linear(...) against the float64 oracle with the 2x rule; x_view(leaf) -> the x fed in."""
     view = x_view or (lambda t: t)
     ours = _fwd_bwd(lambda a, c, d: linear(view(a), c, d, act, backend=backend), x, w, b, dy)
-    oracle = _fwd_bwd(lambda a, c, d: reference.linear(view(a), c, d, act),
-                      x.double(), w.double(), None if b is None else b.double(), dy.double())
+    oracle = _fwd_bwd(
+        lambda a, c, d: reference.linear(view(a), c, d, act),
+        x.double(),
+        w.double(),
+        None if b is None else b.double(),
+        dy.double(),
+    )
     same = _fwd_bwd(lambda a, c, d: reference.linear(view(a), c, d, act), x, w, b, dy)
     _check_2x(ours, oracle, same, rows=dy.numel() // dy.shape[-1], label=f" ({backend}, {act}, {x.dtype})")
 
@@ -121,15 +134,15 @@ def test_long_odd_k(device, k):
 def test_non_contiguous_x_and_dy(device, dtype, backend):
     m, k, n = 33, 96, 80
     # x: a transposed view (column-major [M, K]); dY: a transposed view too
-    xt = torch.randn(k, m, generator=torch.Generator().manual_seed(2)).to(device, dtype)   # [K, M]
+    xt = torch.randn(k, m, generator=torch.Generator().manual_seed(2)).to(device, dtype)  # [K, M]
     b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device, dtype)
-    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) / k ** 0.5).to(device, dtype)
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) / k**0.5).to(device, dtype)
     dy = torch.randn(n, m, generator=torch.Generator().manual_seed(4)).to(device, dtype).t()
     assert not dy.is_contiguous()
     _check(xt, w, b, "gelu", dy, backend, x_view=lambda t: t.t())
     # x: a column slice of a wider tensor (row stride != K), weight: a row slice
     wide = torch.randn(m, k + 17, generator=torch.Generator().manual_seed(5)).to(device, dtype)
-    _check(wide, w, b, "gelu_tanh", dy, backend, x_view=lambda t: t[:, 3:3 + k])
+    _check(wide, w, b, "gelu_tanh", dy, backend, x_view=lambda t: t[:, 3 : 3 + k])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,10 +157,11 @@ def test_leading_dims_no_bias(device, act, backend):
 def test_non_contiguous_weight(device):
     # weight given as a transposed view (column-major [N, K])
     x, _, b, dy = _inputs(device, DTYPES[0], (9,), 40, 24, seed=7)
-    wt = torch.randn(40, 24, generator=torch.Generator().manual_seed(8)).to(device, DTYPES[0]) / 40 ** 0.5
+    wt = torch.randn(40, 24, generator=torch.Generator().manual_seed(8)).to(device, DTYPES[0]) / 40**0.5
     ours = _fwd_bwd(lambda a, c, d: linear(a, c.t(), d, "gelu", backend="triton"), x, wt, b, dy)
-    oracle = _fwd_bwd(lambda a, c, d: reference.linear(a, c.t(), d, "gelu"),
-                      x.double(), wt.double(), b.double(), dy.double())
+    oracle = _fwd_bwd(
+        lambda a, c, d: reference.linear(a, c.t(), d, "gelu"), x.double(), wt.double(), b.double(), dy.double()
+    )
     same = _fwd_bwd(lambda a, c, d: reference.linear(a, c.t(), d, "gelu"), x, wt, b, dy)
     _check_2x(ours, oracle, same, rows=9)
 
@@ -167,20 +181,19 @@ def test_empty_m(device, backend):
 def test_only_some_grads(device):
     x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=9)
     w.requires_grad_(True)
-    y = linear(x, w, b, "gelu", backend="triton")             # x and b need no gradient
+    y = linear(x, w, b, "gelu", backend="triton")  # x and b need no gradient
     (dw,) = torch.autograd.grad(y, (w,), dy)
     wr = w.detach().double().requires_grad_(True)
     (dwr,) = torch.autograd.grad(reference.linear(x.double(), wr, b.double(), "gelu"), (wr,), dy.double())
     torch.testing.assert_close(dw.double(), dwr, atol=1e-4, rtol=1e-4)
-    with torch.no_grad():                                       # inference: no z saved, same y
+    with torch.no_grad():  # inference: no z saved, same y
         y2 = linear(x, w, b, "gelu", backend="triton")
     torch.testing.assert_close(y2, y.detach())
 
 
 def test_db_deterministic(device):
     x, w, b, dy = _inputs(device, torch.float32, (129,), 16, 40, seed=10)
-    runs = [_fwd_bwd(lambda a, c, d: linear(a, c, d, "gelu", backend="triton"), x, w, b, dy)[3]
-            for _ in range(2)]
+    runs = [_fwd_bwd(lambda a, c, d: linear(a, c, d, "gelu", backend="triton"), x, w, b, dy)[3] for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -210,10 +223,9 @@ def test_dispatch_table_and_default():
     for dev in table["devices"].values():
         for entry in dev["entries"].values():
             assert (entry["backend"] if isinstance(entry, dict) else entry) in ("triton", "cublas")
-    assert linear_mod.table_key("fwd", "gelu", torch.bfloat16, 16000, 3072, 768) == \
-        "fwd|gelu|bf16|M16384|N3072|K768"
+    assert linear_mod.table_key("fwd", "gelu", torch.bfloat16, 16000, 3072, 768) == "fwd|gelu|bf16|M16384|N3072|K768"
     assert linear_mod.m_bucket(1) == 16 and linear_mod.m_bucket(129) == 256
-    assert linear_mod.m_bucket(10 ** 6) == 16384
+    assert linear_mod.m_bucket(10**6) == 16384
     d = linear_mod.default_backend
     assert d((9, 0), "fwd", "gelu", torch.bfloat16, 16384, 3072, 768) == "triton"
     assert d((9, 0), "fwd", "none", torch.bfloat16, 16384, 2304, 768) == "cublas"
@@ -235,11 +247,19 @@ def test_tune_linear_dispatch_merges_a_partial_run():
     spec.loader.exec_module(tool)
     old = {"backend": "cublas", "triton_ms": 2.0, "cublas_ms": 1.0}
     new = {"backend": "triton", "triton_ms": 0.5, "cublas_ms": 1.0}
-    table = {"schema": 1, "devices": {"GPU A": {"capability": "sm90", "entries": {"k1": old, "k2": old}},
-                                      "GPU B": {"capability": "sm80", "entries": {"k1": old}}}}
+    table = {
+        "schema": 1,
+        "devices": {
+            "GPU A": {"capability": "sm90", "entries": {"k1": old, "k2": old}},
+            "GPU B": {"capability": "sm80", "entries": {"k1": old}},
+        },
+    }
     tool.merge_device_entries(table, "GPU A", {"capability": "sm90", "torch": "x"}, {"k2": new, "k3": new})
-    assert table["devices"]["GPU A"] == {"capability": "sm90", "torch": "x",
-                                         "entries": {"k1": old, "k2": new, "k3": new}}
+    assert table["devices"]["GPU A"] == {
+        "capability": "sm90",
+        "torch": "x",
+        "entries": {"k1": old, "k2": new, "k3": new},
+    }
     assert table["devices"]["GPU B"]["entries"] == {"k1": old}
     tool.merge_device_entries(table, "GPU C", {"capability": "sm100"}, {"k1": new})
     assert table["devices"]["GPU C"]["entries"] == {"k1": new}
@@ -248,6 +268,7 @@ def test_tune_linear_dispatch_merges_a_partial_run():
 # ----------------------------------------------------------------------------- the autotune search space
 def _gemm_space():
     from bert_fast.kernels import linear as K
+
     return distinct_tiles(gpu_config_space(K._gemm_configs))
 
 
@@ -256,8 +277,9 @@ def _tile_id(cfg):
     return f"{bm}x{bn}x{bk}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if pick_test_device().type == "cpu"
-                         else [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16] if pick_test_device().type == "cpu" else [torch.float16, torch.bfloat16]
+)
 @pytest.mark.parametrize("cfg", _gemm_space(), ids=_tile_id)
 def test_every_autotune_tile_of_the_gemm(device, cfg, dtype, monkeypatch, kernel_launches):
     """Each tile the pointer GEMM's autotuner may pick on a GPU (kernels/linear.py: the Hopper,
@@ -274,7 +296,7 @@ def test_every_autotune_tile_of_the_gemm(device, cfg, dtype, monkeypatch, kernel
     # specialization, not the tile, so a verdict must not carry over from one tile's test to the next
     monkeypatch.setenv("BERT_FAST_VERIFY", "off")
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "0")
-    if device.type == "cpu":     # warps and stages mean nothing to the interpreter
+    if device.type == "cpu":  # warps and stages mean nothing to the interpreter
         cfg = K._cfg(*tile_of(cfg.kwargs)[:3], 4, 1, group=cfg.kwargs["GROUP_M"])
     monkeypatch.setattr(K._linear_fwd_kernel, "configs", [cfg])
     bm, bn, bk, _ = tile_of(cfg.kwargs)
@@ -282,7 +304,7 @@ def test_every_autotune_tile_of_the_gemm(device, cfg, dtype, monkeypatch, kernel
     x, w, b, dy = _inputs(device, dtype, (s,), bk + 9, s, seed=bm + 3 * bn + 7 * bk)
     try:
         _check(x, w, b, "gelu", dy, "triton")
-    except OutOfResources as err:     # the Hopper tiles on a smaller part: the autotuner skips them too
+    except OutOfResources as err:  # the Hopper tiles on a smaller part: the autotuner skips them too
         pytest.skip(f"{_tile_id(cfg)} does not fit this GPU: {err}")
     ran = [tile_of(t)[:3] for t in kernel_launches.tiles("_linear_fwd_kernel")]
     assert ran == [(bm, bn, bk)] * 3, ran
@@ -374,11 +396,12 @@ def test_auto_backend_resolved_inside_the_ops(device):
     ref = reference.linear(x.double(), w.double(), b.double(), "gelu")
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
     dx, dw, db = torch.autograd.grad(y, (xs, ws, bs), dy)
-    gx, gw, gb = _fwd_bwd(lambda a, c, d: reference.linear(a, c, d, "gelu"),
-                          x.double(), w.double(), b.double(), dy.double())[1:]
+    gx, gw, gb = _fwd_bwd(
+        lambda a, c, d: reference.linear(a, c, d, "gelu"), x.double(), w.double(), b.double(), dy.double()
+    )[1:]
     for a, r in ((dx, gx), (dw, gw), (db, gb)):
         torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4)
-    if x.is_cuda:   # what linear() passes on CUDA with the default "auto"
+    if x.is_cuda:  # what linear() passes on CUDA with the default "auto"
         assert linear_mod.choose_backend(x, 24, 32, "gelu", "fwd", "auto", defer_auto=True) == "auto"
 
 
@@ -400,7 +423,7 @@ def test_gemm_kernels_compile_for_sm90_sm80():
     fail at launch, which the autotuner skips)."""
     from test_bias_gelu import run_offline_compile
 
-    rows = run_offline_compile(r'''
+    rows = run_offline_compile(r"""
 from bert_fast.kernels import linear as K
 names = "M N K M_BUCKET K_BUCKET KIND stride_am stride_bn stride_ym stride_zm".split()
 for cc in (90, 80):
@@ -420,5 +443,5 @@ for cc in (90, 80):
              cc, warps=8, label=f"dz {dt}")
     comp(K._linear_bwd_db_kernel, dict(PARTIAL="*fp32", DB="*fp32", R="i32", N="i32"),
          dict(BLOCK_R=32, BLOCK_N=128, INTERPRET=False), cc, label="db")
-''')
+""")
     assert len(rows) == 2 * (2 * 4 + 2 + 1)

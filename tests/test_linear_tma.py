@@ -5,6 +5,7 @@ on CUDA where it is used (compute capability >= 9), fp16/bf16 (fp32 stays on the
 there). Every test counts the launches of the TMA kernel, so a silent fallback to the pointer
 kernel fails it. Tolerance: the 2x rule of DESIGN.md through test_linear's ``_check``.
 """
+
 import os
 import re
 import shutil
@@ -13,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_linear import ACTS, _check, _inputs
 
 from bert_fast.kernels import linear as K
 from bert_fast.kernels import linear_tma
-from bert_fast.testing import (assert_close_2x, distinct_tiles, dtypes_for, gpu_config_space, pick_test_device,
-                               tile_of)
-from test_linear import ACTS, _check, _inputs
+from bert_fast.testing import assert_close_2x, distinct_tiles, dtypes_for, gpu_config_space, pick_test_device, tile_of
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
 pytestmark = pytest.mark.kernels("linear_tma")
@@ -26,8 +26,11 @@ DEVICE = pick_test_device()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, EPILOGUE_SPLIT): both epilogue variants. In the
 # interpreter small tiles, so that the test shapes below span several tiles and a K tail.
-CONFIGS = ([(32, 32, 32, 4, 1, 1), (32, 32, 32, 4, 1, 2)] if DEVICE.type == "cpu"
-           else [(64, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 2)])
+CONFIGS = (
+    [(32, 32, 32, 4, 1, 1), (32, 32, 32, 4, 1, 2)]
+    if DEVICE.type == "cpu"
+    else [(64, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 2)]
+)
 # (M, K, N): none a multiple of its tile; K leaves a tail of 8 columns
 SHAPE = (70, 40, 48) if DEVICE.type == "cpu" else (300, 200, 264)
 
@@ -56,8 +59,9 @@ def tma_kinds(monkeypatch, device):
 
 def _pin_config(monkeypatch, cfg):
     bm, bn, bk, warps, stages, split = cfg
-    monkeypatch.setattr(linear_tma._linear_tma_kernel, "configs",
-                        [linear_tma._cfg(bm, bn, bk, warps, stages, split=split)])
+    monkeypatch.setattr(
+        linear_tma._linear_tma_kernel, "configs", [linear_tma._cfg(bm, bn, bk, warps, stages, split=split)]
+    )
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "x".join(map(str, c[:3])) + f"-split{c[5]}")
@@ -107,7 +111,7 @@ def test_tma_split_k_weight_gradient(device, tma_kinds, monkeypatch, split_k):
     m, k, n = SHAPE
     x, w, b, dy = _inputs(device, dtypes_for(DEVICE)[-1], (m,), k, n, seed=26)
     _check(x, w, b, "gelu", dy, "triton")
-    assert K.KIND_DW in asked and K.KIND_FWD not in asked   # the forward has an epilogue: never split
+    assert K.KIND_DW in asked and K.KIND_FWD not in asked  # the forward has an epilogue: never split
     assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
 
 
@@ -116,8 +120,9 @@ def _tile_id(cfg):
     return f"{bm}x{bn}x{bk}-split{split}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE.type == "cpu"
-                         else [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16]
+)
 @pytest.mark.parametrize("cfg", distinct_tiles(gpu_config_space(linear_tma._configs)), ids=_tile_id)
 def test_every_autotune_tile_of_the_tma_gemm(device, cfg, dtype, tma_kinds, monkeypatch, kernel_launches):
     """Each tile the TMA GEMM's autotuner may pick on Hopper (kernels/linear_tma.py's list and its
@@ -130,7 +135,7 @@ def test_every_autotune_tile_of_the_tma_gemm(device, cfg, dtype, tma_kinds, monk
     # judged here against the oracle, tile by tile: the ops' first-use check keys its verdicts on the
     # specialization, not the tile, so a verdict must not carry over from one tile's test to the next
     monkeypatch.setenv("BERT_FAST_VERIFY", "off")
-    if device.type == "cpu":     # warps and stages mean nothing to the interpreter
+    if device.type == "cpu":  # warps and stages mean nothing to the interpreter
         cfg = linear_tma._cfg(*tile_of(cfg.kwargs)[:3], 4, 1, split=cfg.kwargs["EPILOGUE_SPLIT"])
     monkeypatch.setattr(linear_tma._linear_tma_kernel, "configs", [cfg])
     monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(linear_tma._linear_tma_kernel, "t", persist=False))
@@ -147,13 +152,13 @@ def test_every_autotune_tile_of_the_tma_gemm(device, cfg, dtype, tma_kinds, monk
 def test_split_k_choice():
     """Slices only for dW grids that leave most SMs idle (132 SMs, 128x128 tiles), >= 2048 of K each."""
     dw, dx = K.KIND_DW, K.KIND_DX
-    assert linear_tma._split_k(dw, 768, 768, 16384, 132) == 3      # BERT-base attention output: 36 tiles
-    assert linear_tma._split_k(dw, 1024, 1024, 16384, 132) == 2    # BERT-large: 64 tiles
-    assert linear_tma._split_k(dw, 768, 2304, 16384, 132) == 1     # QKV: 108 tiles
-    assert linear_tma._split_k(dw, 768, 768, 4096, 132) == 2       # bounded by K / 2048
-    assert linear_tma._split_k(dw, 64, 64, 1 << 20, 132) == 8      # at most 8
+    assert linear_tma._split_k(dw, 768, 768, 16384, 132) == 3  # BERT-base attention output: 36 tiles
+    assert linear_tma._split_k(dw, 1024, 1024, 16384, 132) == 2  # BERT-large: 64 tiles
+    assert linear_tma._split_k(dw, 768, 2304, 16384, 132) == 1  # QKV: 108 tiles
+    assert linear_tma._split_k(dw, 768, 768, 4096, 132) == 2  # bounded by K / 2048
+    assert linear_tma._split_k(dw, 64, 64, 1 << 20, 132) == 8  # at most 8
     assert linear_tma._split_k(dw, 768, 768, 1024, 132) == 1
-    assert linear_tma._split_k(dx, 768, 768, 16384, 132) == 1      # only the weight gradient
+    assert linear_tma._split_k(dx, 768, 768, 16384, 132) == 1  # only the weight gradient
 
 
 # ----------------------------------------------------------------------------- autotune winners on disk
@@ -177,15 +182,15 @@ def test_tuned_configs_persist_across_processes(tmp_path, monkeypatch):
     first, second = TunedConfigs(kernel, "t"), TunedConfigs(kernel, "t")
     assert first.lookup(dev, (1, 2)) is None and second.lookup(dev, (3, 4)) is None
     first.remember(dev, (1, 2), configs[1])
-    second.remember(dev, (3, 4), configs[0])          # its in-memory view predates first's write
+    second.remember(dev, (3, 4), configs[0])  # its in-memory view predates first's write
     files = list((tmp_path / "bert_fast_autotune").glob("t-*.json"))
     assert len(files) == 1
     later = TunedConfigs(kernel, "t")
     assert later.lookup(dev, (1, 2)) is configs[1] and later.lookup(dev, (3, 4)) is configs[0]
-    later.remember(dev, (5, 6), linear_tma._cfg(64, 64, 32, 4, 1))   # not one of the list's
+    later.remember(dev, (5, 6), linear_tma._cfg(64, 64, 32, 4, 1))  # not one of the list's
     assert later.lookup(dev, (5, 6)) is None
 
-    monkeypatch.setattr(kernel, "configs", configs[::-1])           # another list: another file
+    monkeypatch.setattr(kernel, "configs", configs[::-1])  # another list: another file
     assert TunedConfigs(kernel, "t").lookup(dev, (1, 2)) is None
     monkeypatch.setattr(kernel, "configs", configs)
     files[0].write_text("{not json")
@@ -224,7 +229,7 @@ def test_tma_launch_reuses_the_stored_winner(device, tma_kinds, tmp_path, monkey
     assert runs == [1] and len(tma_kinds) == 3
     assert len(list((tmp_path / "bert_fast_autotune").glob("linear_tma-*.json"))) == 1
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert_close_2x(outs[0], a.double() @ b.double(), a @ b, name="y")   # the 2x rule, not a 5% band
+    assert_close_2x(outs[0], a.double() @ b.double(), a @ b, name="y")  # the 2x rule, not a 5% band
 
 
 def test_tma_falls_back_where_tma_cannot_read(device, tma_kinds):
@@ -249,18 +254,18 @@ def test_usable_rules(monkeypatch):
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "1")
     a, b, y = t(64, 32), t(48, 32).t(), t(64, 48)
     assert linear_tma.usable(a, b, y)
-    assert linear_tma.usable(t(32, 64).t(), b, y)                 # A stored transposed
-    assert not linear_tma.usable(t(64, 7), t(48, 7).t(), y)      # 14-byte rows
-    assert not linear_tma.usable(t(64, 64)[:, ::2], b, y)        # no unit stride
-    shifted = t(64 * 32 + 1)[1:].view(64, 32)                   # pitch fine, base 2 bytes off
+    assert linear_tma.usable(t(32, 64).t(), b, y)  # A stored transposed
+    assert not linear_tma.usable(t(64, 7), t(48, 7).t(), y)  # 14-byte rows
+    assert not linear_tma.usable(t(64, 64)[:, ::2], b, y)  # no unit stride
+    shifted = t(64 * 32 + 1)[1:].view(64, 32)  # pitch fine, base 2 bytes off
     assert not linear_tma.usable(shifted, b, y)
-    assert not linear_tma.usable(a, b, t(48, 64).t())             # the output must be row-major
-    assert not linear_tma.usable(t(1, 32).expand(64, 32), b, y)   # broadcast rows (pitch 0)
-    assert not linear_tma.usable(t(64 * 8 + 24).as_strided((64, 32), (8, 1)), b, y)   # overlapping rows
-    assert not linear_tma.usable(a, t(1, 48).expand(32, 48), y)   # a broadcast gradient as B
+    assert not linear_tma.usable(a, b, t(48, 64).t())  # the output must be row-major
+    assert not linear_tma.usable(t(1, 32).expand(64, 32), b, y)  # broadcast rows (pitch 0)
+    assert not linear_tma.usable(t(64 * 8 + 24).as_strided((64, 32), (8, 1)), b, y)  # overlapping rows
+    assert not linear_tma.usable(a, t(1, 48).expand(32, 48), y)  # a broadcast gradient as B
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "0")
     assert not linear_tma.usable(a, b, y)
-    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "auto")             # auto: never in the interpreter
+    monkeypatch.setenv("BERT_FAST_GEMM_TMA", "auto")  # auto: never in the interpreter
     assert not linear_tma.usable(a, b, y)
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "yes")
     with pytest.raises(ValueError, match="BERT_FAST_GEMM_TMA"):
@@ -274,9 +279,9 @@ def test_auto_mode_on_cuda(monkeypatch):
     a = torch.empty(64, 32, device=dev, dtype=torch.bfloat16)
     b = torch.empty(48, 32, device=dev, dtype=torch.bfloat16).t()
     y = torch.empty(64, 48, device=dev, dtype=torch.bfloat16)
-    big_smem = linear_tma.smem_per_block(dev) >= 227 * 1024     # H100/H200/B200, not sm_120
+    big_smem = linear_tma.smem_per_block(dev) >= 227 * 1024  # H100/H200/B200, not sm_120
     assert linear_tma.usable(a, b, y) == (torch.cuda.get_device_capability()[0] >= 9 and big_smem)
-    assert not linear_tma.usable(a.float(), b.float(), y.float())   # fp32 keeps the IEEE pointer GEMM
+    assert not linear_tma.usable(a.float(), b.float(), y.float())  # fp32 keeps the IEEE pointer GEMM
 
 
 # ----------------------------------------------------------------------------- sm_90, offline
@@ -295,7 +300,7 @@ def _loop_depth_of_dots(ttgir: str) -> list[int]:
         s = line.strip()
         if s.startswith("}"):
             stack.pop()
-            if s.endswith("{"):            # "} else {"
+            if s.endswith("{"):  # "} else {"
                 stack.append("other")
             continue
         if "warp_group_dot " in s or "tt.dot " in s:
@@ -315,7 +320,8 @@ def test_tma_kernel_compiles_to_tma_and_wgmma_for_sm90(tmp_path):
     or mma.sync would compile and run, only slower."""
     from test_bias_gelu import run_offline_compile
 
-    rows = run_offline_compile(r'''
+    rows = run_offline_compile(
+        r"""
 import os
 os.environ.pop("BERT_FAST_AUTOTUNE", None)
 from bert_fast.kernels import linear_tma as T
@@ -346,7 +352,8 @@ for cfg in T._configs():
         comp(fn, types, consts, 90, warps=cfg.num_warps, stages=cfg.num_stages, label=label)
         open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
         open(os.path.join(OUT_DIR, label + ".ttgir"), "w").write(LAST["ttgir"])
-'''.replace("OUT_DIR", repr(str(tmp_path))))
+""".replace("OUT_DIR", repr(str(tmp_path)))
+    )
     cubins = sorted(tmp_path.glob("*.cubin"))
     count = lambda prefix: sum(row[0].startswith(prefix) for row in rows)
     assert len(cubins) == len(rows) and count("dwsplit") >= 1
@@ -361,11 +368,9 @@ for cfg in T._configs():
         pytest.skip("no cuobjdump to read the SASS with (shared memory was checked)")
     for cubin in cubins:
         sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
         for instr in ("HGMMA", "UTMALDG", "UTMASTG"):
             assert instr in sass, f"{cubin.stem}: no {instr} in the SASS"
         assert "LDGSTS" not in sass, f"{cubin.stem}: cp.async (LDGSTS) instead of TMA"
         stack = int(re.search(r"STACK:(\d+)", usage).group(1))
         assert stack == 0, f"{cubin.stem}: {stack} B of stack (register spills)"
-

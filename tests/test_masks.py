@@ -3,6 +3,7 @@
 Each accepted form gives transformers' output (on real tokens); a mask that is not a key-padding
 mask, and keywords that would change the result, raise clear errors.
 """
+
 import pytest
 import torch
 import transformers
@@ -14,9 +15,16 @@ DEVICE = pick_test_device()
 
 
 def _pair():
-    cfg = transformers.BertConfig(vocab_size=61, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                                  intermediate_size=64, max_position_embeddings=16,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=61,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     hf = transformers.BertModel(cfg).to(DEVICE).eval()
     fast = bert_fast.BertModel(cfg).to(DEVICE).eval()
@@ -31,11 +39,15 @@ def _forms(mask):
     b, s = mask.shape
     keep4 = mask[:, None, None, :].bool()
     minf = torch.finfo(torch.float32).min
-    outer = (mask[:, :, None] * mask[:, None, :]).bool()   # pad query rows fully masked
+    outer = (mask[:, :, None] * mask[:, None, :]).bool()  # pad query rows fully masked
     return {
-        "2d-long": mask, "2d-bool": mask.bool(), "2d-float01": mask.float(),
-        "3d-long": mask[:, None, :].expand(b, s, s).long(), "3d-bool": mask[:, None, :].expand(b, s, s).bool(),
-        "4d-b11s-bool": keep4, "4d-b1ss-bool": keep4.expand(b, 1, s, s),
+        "2d-long": mask,
+        "2d-bool": mask.bool(),
+        "2d-float01": mask.float(),
+        "3d-long": mask[:, None, :].expand(b, s, s).long(),
+        "3d-bool": mask[:, None, :].expand(b, s, s).bool(),
+        "4d-b11s-bool": keep4,
+        "4d-b1ss-bool": keep4.expand(b, 1, s, s),
         "4d-b11s-additive-finfo": (~keep4).float() * minf,
         "4d-b1ss-additive-1e4": ((~keep4).float() * -10000.0).expand(b, 1, s, s),
         "4d-additive-inf": torch.zeros(keep4.shape, device=mask.device).masked_fill(~keep4, float("-inf")),
@@ -47,11 +59,11 @@ def _forms(mask):
 def test_mask_form_matches_transformers(form):
     hf, fast, ids, mask = _pair()
     with torch.no_grad():
-        ref = hf(ids, attention_mask=mask).last_hidden_state   # the tokenizer's 2-D mask
+        ref = hf(ids, attention_mask=mask).last_hidden_state  # the tokenizer's 2-D mask
         out = fast(ids, attention_mask=_forms(mask)[form]).last_hidden_state
     real = mask.bool()
     assert (out - ref)[real].abs().max().item() <= 1e-5
-    assert out[~real].abs().max().item() == 0.0     # unpadded path: pads are zero
+    assert out[~real].abs().max().item() == 0.0  # unpadded path: pads are zero
 
 
 @pytest.mark.parametrize("form", ["4d-b11s-bool", "4d-b11s-additive-finfo", "4d-b1ss-bool"])
@@ -62,7 +74,7 @@ def test_4d_masks_are_accepted_by_transformers_too(form):
     with torch.no_grad():
         try:
             ref = hf(ids, attention_mask=m).last_hidden_state
-        except ValueError:   # transformers 4.41's SDPA path takes 2-D masks only: compare with that answer
+        except ValueError:  # transformers 4.41's SDPA path takes 2-D masks only: compare with that answer
             ref = hf(ids, attention_mask=mask).last_hidden_state
         out = fast(ids, attention_mask=m).last_hidden_state
     assert (out - ref)[mask.bool()].abs().max().item() <= 1e-5
@@ -76,16 +88,23 @@ def test_causal_mask_is_refused():
         fast(ids, attention_mask=causal)
 
 
-@pytest.mark.parametrize("bad,err,match", [
-    ("4d-float01", ValueError, "additive"),
-    ("4d-long", TypeError, "bool"),
-    ("5d", ValueError, "2-D"),
-    ("3d-shape", ValueError, "3-D"),
-])
+@pytest.mark.parametrize(
+    "bad,err,match",
+    [
+        ("4d-float01", ValueError, "additive"),
+        ("4d-long", TypeError, "bool"),
+        ("5d", ValueError, "2-D"),
+        ("3d-shape", ValueError, "3-D"),
+    ],
+)
 def test_bad_masks_raise_clear_errors(bad, err, match):
     _, fast, ids, mask = _pair()
-    m = {"4d-float01": mask[:, None, None, :].float(), "4d-long": mask[:, None, None, :].long(),
-         "5d": mask[:, None, None, None, :], "3d-shape": mask[:, None, :]}[bad]
+    m = {
+        "4d-float01": mask[:, None, None, :].float(),
+        "4d-long": mask[:, None, None, :].long(),
+        "5d": mask[:, None, None, None, :],
+        "3d-shape": mask[:, None, :],
+    }[bad]
     with pytest.raises(err, match=match):
         fast(ids, attention_mask=m)
 
@@ -94,8 +113,13 @@ def test_trainer_keywords():
     hf, fast, ids, mask = _pair()
     with torch.no_grad():
         ref = fast(ids, attention_mask=mask).last_hidden_state
-        out = fast(ids, attention_mask=mask, num_items_in_batch=torch.tensor(5), output_attentions=False,
-                   output_router_logits=False).last_hidden_state
+        out = fast(
+            ids,
+            attention_mask=mask,
+            num_items_in_batch=torch.tensor(5),
+            output_attentions=False,
+            output_router_logits=False,
+        ).last_hidden_state
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         fast(ids, attention_mask=mask, cu_seq_lens_q=torch.tensor([0, 7], dtype=torch.int32))
@@ -112,7 +136,7 @@ def test_trainer_keywords():
 def test_empty_batch_has_no_warnings(interpret, monkeypatch):
     import warnings
 
-    monkeypatch.setenv("TRITON_INTERPRET", interpret)   # kernels (interpreter) and the CPU path
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)  # kernels (interpreter) and the CPU path
     _, fast, ids, mask = _pair()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -3,6 +3,7 @@
 On the CPU the kernels run through the Triton interpreter (fp32); on CUDA the same tests run the
 compiled kernels and add the low-precision checks.
 """
+
 import os
 import tempfile
 import warnings
@@ -17,14 +18,23 @@ import bert_fast
 from bert_fast.testing import pick_test_device
 
 DEVICE = pick_test_device()
-ATOL = 1e-4   # fp32 parity bound on real tokens (issue: <= 1e-4 on real weights)
+ATOL = 1e-4  # fp32 parity bound on real tokens (issue: <= 1e-4 on real weights)
 
 
 def make_config(hidden=64, heads=4, layers=2, inter=None, act="gelu", vocab=97, max_pos=64, dropout=0.0, **kw):
     return transformers.BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers,
-        intermediate_size=inter or 2 * hidden, hidden_act=act, max_position_embeddings=max_pos,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, type_vocab_size=2, **kw)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_hidden_layers=layers,
+        intermediate_size=inter or 2 * hidden,
+        hidden_act=act,
+        max_position_embeddings=max_pos,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        type_vocab_size=2,
+        **kw,
+    )
 
 
 def pair(hf_cls, fast_cls, config, seed=0, **fast_kw):
@@ -64,7 +74,7 @@ def test_parity_random_configs(hidden, heads, act):
     assert max_diff_real(out.last_hidden_state, ref.last_hidden_state, mask) <= ATOL
     # pads are zero on the unpadded path
     assert out.last_hidden_state[~mask.bool()].abs().max().item() == 0.0
-    rows = mask[:, 0].bool()   # rows whose CLS is real: the pooler sees the same vector
+    rows = mask[:, 0].bool()  # rows whose CLS is real: the pooler sees the same vector
     assert (out.pooler_output[rows] - ref.pooler_output[rows]).abs().max().item() <= ATOL
 
 
@@ -85,8 +95,10 @@ def test_mask_dtypes_bool_int_float_agree(padded):
     _, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg, padded=padded)
     ids, mask, types = ragged_batch(cfg, [9, 4], 9)
     with torch.no_grad():
-        outs = [fast(ids, attention_mask=m, token_type_ids=types).last_hidden_state
-                for m in (mask, mask.bool(), mask.float(), mask.to(torch.int32))]
+        outs = [
+            fast(ids, attention_mask=m, token_type_ids=types).last_hidden_state
+            for m in (mask, mask.bool(), mask.float(), mask.to(torch.int32))
+        ]
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
 
@@ -96,7 +108,7 @@ def test_inputs_embeds_and_broadcast_position_ids_match_transformers():
     hf, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
     ids, mask, types = ragged_batch(cfg, [9, 5], 9)
     embeds = hf.embeddings.word_embeddings(ids)
-    pos = torch.arange(9, device=DEVICE)[None]          # [1, S], as transformers passes it
+    pos = torch.arange(9, device=DEVICE)[None]  # [1, S], as transformers passes it
     with torch.no_grad():
         ref = hf(inputs_embeds=embeds, attention_mask=mask, token_type_ids=types, position_ids=pos)
         out = fast(inputs_embeds=embeds, attention_mask=mask, token_type_ids=types, position_ids=pos)
@@ -133,10 +145,13 @@ def test_outputs_tuple_and_hidden_states():
 
 
 # derandomize: CI checks the same examples every run (a property failure must reproduce, not flicker)
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(heads=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([16, 24, 32]),
-       lengths=st.lists(st.integers(0, 10), min_size=1, max_size=3), act=st.sampled_from(["gelu", "gelu_new"]))
+@settings(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    heads=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from([16, 24, 32]),
+    lengths=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+    act=st.sampled_from(["gelu", "gelu_new"]),
+)
 def test_property_random_shapes(heads, head_dim, lengths, act):
     cfg = make_config(hidden=heads * head_dim, heads=heads, layers=1, act=act)
     hf, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg)
@@ -194,26 +209,47 @@ def _head_cases(cfg, b=3, s=8):
     mlm_labels[0, 3] = 5
     common = dict(input_ids=ids, attention_mask=mask, token_type_ids=types)
     return {
-        "BertForPreTraining": (dict(common, labels=mlm_labels.to(DEVICE),
-                                    next_sentence_label=torch.tensor([0, 1, 0][:b], device=DEVICE)), {}),
+        "BertForPreTraining": (
+            dict(common, labels=mlm_labels.to(DEVICE), next_sentence_label=torch.tensor([0, 1, 0][:b], device=DEVICE)),
+            {},
+        ),
         "BertForMaskedLM": (dict(common, labels=mlm_labels.to(DEVICE)), {}),
         "BertForNextSentencePrediction": (dict(common, labels=torch.tensor([1, 0, 1][:b], device=DEVICE)), {}),
-        "BertForSequenceClassification": (dict(common, labels=torch.tensor([2, 0, 1][:b], device=DEVICE)), {"num_labels": 3}),
+        "BertForSequenceClassification": (
+            dict(common, labels=torch.tensor([2, 0, 1][:b], device=DEVICE)),
+            {"num_labels": 3},
+        ),
         # pads labelled -100 as every collator does: at pads our hidden states are zero by design
-        "BertForTokenClassification": (dict(common, labels=torch.randint(0, 4, (b, s), generator=g).to(DEVICE)
-                                            .masked_fill(mask == 0, -100)), {"num_labels": 4}),
-        "BertForQuestionAnswering": (dict(common, start_positions=torch.tensor([1, 2, 0][:b], device=DEVICE),
-                                          end_positions=torch.tensor([3, 4, 1][:b], device=DEVICE)), {}),
+        "BertForTokenClassification": (
+            dict(common, labels=torch.randint(0, 4, (b, s), generator=g).to(DEVICE).masked_fill(mask == 0, -100)),
+            {"num_labels": 4},
+        ),
+        "BertForQuestionAnswering": (
+            dict(
+                common,
+                start_positions=torch.tensor([1, 2, 0][:b], device=DEVICE),
+                end_positions=torch.tensor([3, 4, 1][:b], device=DEVICE),
+            ),
+            {},
+        ),
     }
 
 
-@pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
-                                  "BertForSequenceClassification", "BertForTokenClassification",
-                                  "BertForQuestionAnswering"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BertForPreTraining",
+        "BertForMaskedLM",
+        "BertForNextSentencePrediction",
+        "BertForSequenceClassification",
+        "BertForTokenClassification",
+        "BertForQuestionAnswering",
+    ],
+)
 def test_heads_match_transformers(name):
     base = make_config(hidden=64, heads=2, layers=1)
     inputs, cfg_kw = _head_cases(base)[name]
-    if name == "BertForQuestionAnswering":   # full rows: see test_question_answering_padded_mode_matches_with_pads
+    if name == "BertForQuestionAnswering":  # full rows: see test_question_answering_padded_mode_matches_with_pads
         inputs = dict(inputs, attention_mask=torch.ones_like(inputs["attention_mask"]))
     cfg = make_config(hidden=64, heads=2, layers=1, **cfg_kw)
     hf, fast = pair(getattr(transformers, name), getattr(bert_fast, name), cfg)
@@ -226,7 +262,7 @@ def test_heads_match_transformers(name):
         if isinstance(val, torch.Tensor):
             assert out[key].shape == val.shape, key
             mask = inputs["attention_mask"].bool()
-            if val.dim() >= 2 and val.shape[:2] == mask.shape:   # per-token outputs: compare real tokens
+            if val.dim() >= 2 and val.shape[:2] == mask.shape:  # per-token outputs: compare real tokens
                 assert max_diff_real(out[key], val, mask) <= ATOL, key
             elif key == "loss" or val.dim() < 2 or val.shape[0] != mask.shape[0]:
                 assert (out[key] - val).abs().max().item() <= ATOL, key
@@ -282,8 +318,7 @@ def test_multiple_choice():
 def test_mlm_on_masked_positions_only(cls_name):
     cfg = make_config(hidden=64, heads=2, layers=1)
     inputs, _ = _head_cases(cfg)[cls_name]
-    hf, fast = pair(getattr(transformers, cls_name), getattr(bert_fast, cls_name), cfg,
-                    mlm_masked_positions_only=True)
+    hf, fast = pair(getattr(transformers, cls_name), getattr(bert_fast, cls_name), cfg, mlm_masked_positions_only=True)
     with torch.no_grad():
         ref = hf(**inputs)
         out = fast(**inputs)
@@ -351,7 +386,7 @@ def test_gradient_checkpointing_same_gradients_with_dropout(api, monkeypatch):
     assert len(calls) == 1
     kwargs_name = "gradient_checkpointing_kwargs" if api.startswith("gradient") else "activation_checkpointing_kwargs"
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)      # 5.23 deprecates the old name
+        warnings.simplefilter("ignore", FutureWarning)  # 5.23 deprecates the old name
         getattr(model, api)(**{kwargs_name: {"use_reentrant": False}})
     ckpt = grads()
     assert len(calls) == 2, f"{api}: layer 0 ran {len(calls)} time(s), expected a recompute in backward"
@@ -377,7 +412,7 @@ def test_eval_forward_sees_weight_writes_that_skip_the_version_counter():
 
     check()
     for name in ("query", "key", "value"):
-        for model in (fast, hf):      # the same edit on both, through .data (no version bump)
+        for model in (fast, hf):  # the same edit on both, through .data (no version bump)
             getattr(model.encoder.layer[0].attention.self, name).weight.data.mul_(0.5)
         check()
     if not hasattr(torch, "_fused_adamw_"):
@@ -388,7 +423,7 @@ def test_eval_forward_sees_weight_writes_that_skip_the_version_counter():
     out[mask.bool()].square().mean().backward()
     try:
         opt.step()
-    except RuntimeError as err:       # no fused AdamW kernel for this device
+    except RuntimeError as err:  # no fused AdamW kernel for this device
         pytest.skip(f"fused AdamW unavailable here: {err}")
     fast.eval()
     hf.load_state_dict(fast.state_dict())
@@ -405,20 +440,37 @@ def test_save_then_transformers_loads_strict_and_back():
         loaded, info = transformers.BertModel.from_pretrained(d, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         sd = loaded.state_dict()
-        assert all(k in sd for k in ["encoder.layer.0.attention.self.query.weight",
-                                     "encoder.layer.0.attention.self.key.weight",
-                                     "encoder.layer.0.attention.self.value.weight"])
+        assert all(
+            k in sd
+            for k in [
+                "encoder.layer.0.attention.self.query.weight",
+                "encoder.layer.0.attention.self.key.weight",
+                "encoder.layer.0.attention.self.value.weight",
+            ]
+        )
         loaded = loaded.to(DEVICE).eval()
         with torch.no_grad():
-            assert max_diff_real(loaded(ids, attention_mask=mask).last_hidden_state,
-                                 hf(ids, attention_mask=mask).last_hidden_state, mask) == 0.0
+            assert (
+                max_diff_real(
+                    loaded(ids, attention_mask=mask).last_hidden_state,
+                    hf(ids, attention_mask=mask).last_hidden_state,
+                    mask,
+                )
+                == 0.0
+            )
         hf.save_pretrained(d)
         again, info = bert_fast.BertModel.from_pretrained(d, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         assert isinstance(again, bert_fast.BertModel)
         with torch.no_grad():
-            assert max_diff_real(again.to(DEVICE).eval()(ids, attention_mask=mask).last_hidden_state,
-                                 fast(ids, attention_mask=mask).last_hidden_state, mask) == 0.0
+            assert (
+                max_diff_real(
+                    again.to(DEVICE).eval()(ids, attention_mask=mask).last_hidden_state,
+                    fast(ids, attention_mask=mask).last_hidden_state,
+                    mask,
+                )
+                == 0.0
+            )
 
 
 def test_legacy_gamma_beta_checkpoint():
@@ -429,8 +481,10 @@ def test_legacy_gamma_beta_checkpoint():
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         f = os.path.join(d, "model.safetensors")
-        legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-                  for k, v in load_file(f).items()}
+        legacy = {
+            k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+            for k, v in load_file(f).items()
+        }
         assert any(k.endswith("gamma") for k in legacy)
         save_file(legacy, f, metadata={"format": "pt"})
         loaded = bert_fast.BertModel.from_pretrained(d)
@@ -446,8 +500,12 @@ def test_qkv_cache_follows_weight_updates():
         fast(ids, attention_mask=mask)
         for m in (hf, fast):
             m.encoder.layer[0].attention.self.key.weight.mul_(1.5)
-        assert max_diff_real(fast(ids, attention_mask=mask).last_hidden_state,
-                             hf(ids, attention_mask=mask).last_hidden_state, mask) <= ATOL
+        assert (
+            max_diff_real(
+                fast(ids, attention_mask=mask).last_hidden_state, hf(ids, attention_mask=mask).last_hidden_state, mask
+            )
+            <= ATOL
+        )
 
 
 def test_optimize_transformers_sequence_classification_in_place():
@@ -460,7 +518,7 @@ def test_optimize_transformers_sequence_classification_in_place():
     params_before = [p.data_ptr() for p in model.parameters()]
     assert bert_fast.optimize(model) is model
     assert isinstance(model.bert, bert_fast.BertModel)
-    assert [p.data_ptr() for p in model.parameters()] == params_before   # shared, not copied
+    assert [p.data_ptr() for p in model.parameters()] == params_before  # shared, not copied
     with torch.no_grad():
         after = model(ids, attention_mask=mask, token_type_ids=types).logits
     assert (after - before).abs().max().item() <= ATOL
@@ -472,7 +530,7 @@ def test_torch_compile_padded_has_no_graph_break():
     hf, fast = pair(transformers.BertModel, bert_fast.BertModel, cfg, padded=True)
     ids, mask, _ = ragged_batch(cfg, [6, 4], 6)
     torch._dynamo.reset()
-    compiled = torch.compile(fast, backend="aot_eager", fullgraph=True)   # fullgraph: a break raises
+    compiled = torch.compile(fast, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
     with torch.no_grad():
         out = compiled(ids, attention_mask=mask).last_hidden_state
         ref = hf(ids, attention_mask=mask).last_hidden_state
@@ -574,8 +632,12 @@ def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
     # and bf16), against ~0.01 before, which bf16 rounding alone could mimic.
     with torch.no_grad():
         for layer in fast.encoder.layer:
-            for w, k in ((layer.attention.self.query.weight, 6.0), (layer.attention.self.key.weight, 6.0),
-                         (layer.attention.self.value.weight, 4.0), (layer.attention.output.dense.weight, 4.0)):
+            for w, k in (
+                (layer.attention.self.query.weight, 6.0),
+                (layer.attention.self.key.weight, 6.0),
+                (layer.attention.self.value.weight, 4.0),
+                (layer.attention.output.dense.weight, 4.0),
+            ):
                 w.mul_(k)
     fast = fast.to(torch.bfloat16)
     runner = CudaGraphRunner(fast, batch_buckets=(1, 4), seq_buckets=(128,), warmup=0)
@@ -594,14 +656,14 @@ def test_cuda_graph_runner_bf16_bert_shapes_and_input_checks():
         runner(torch.full_like(ids, cfg.vocab_size), attention_mask=mask)
     with pytest.raises(ValueError, match="attention_mask"):
         runner(ids, attention_mask=mask[:, :64])
-    runner.capture(4, 128)              # a second bucket shares the first one's fused QKV weights
+    runner.capture(4, 128)  # a second bucket shares the first one's fused QKV weights
     qkv = runner._graphs[(1, 128)]["qkv"]
     assert runner._graphs[(4, 128)]["qkv"] is qkv and set(qkv) == {0, 1}
     with torch.no_grad():
         fast.encoder.layer[0].attention.self.query.weight.mul_(0.5)
         eager2 = fast(ids, attention_mask=mask, token_type_ids=types, padded=True).last_hidden_state
-    assert diff(eager2, eager) > 10 * tol                                  # eager sees the new weights
-    stale = runner(ids, attention_mask=mask, token_type_ids=types)       # the graph: the frozen QKV
+    assert diff(eager2, eager) > 10 * tol  # eager sees the new weights
+    stale = runner(ids, attention_mask=mask, token_type_ids=types)  # the graph: the frozen QKV
     assert diff(stale.last_hidden_state, out.last_hidden_state) <= tol
     assert diff(stale.last_hidden_state, eager2) > 10 * tol
     runner.reset()

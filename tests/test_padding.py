@@ -1,4 +1,5 @@
 """bert_fast.model.padding: unpad / pad round trips on any mask pattern, zeros at pads, gradients."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ def _mask(kind: str) -> torch.Tensor:
         m[2, 6:] = 0
     elif kind == "holes":
         m[1, ::2] = 0
-        m[3] = 0                      # a fully padded row
+        m[3] = 0  # a fully padded row
     elif kind == "left":
         m[0, :4] = 0
     return m

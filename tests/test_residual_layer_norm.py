@@ -1,6 +1,7 @@
 """residual_layer_norm: LayerNorm(dropout(x) + residual), forward and all four gradients vs a float64
 oracle under the 2x rule, dropout statistics/reproducibility, checkpointing, determinism, opcheck,
 gradcheck and input validation. Runs on the CPU interpreter and on CUDA."""
+
 import math
 
 import numpy as np
@@ -9,10 +10,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch
-from bert_fast.ops import residual_layer_norm, residual_layer_norm_dropout_mask
-from bert_fast.testing import (assert_close_2x, assert_reduction_close_2x, dtypes_for, philox4x32_10,
-                               pick_test_device, uint32_to_uniform_float)
+from bert_fast.ops import _dispatch, residual_layer_norm, residual_layer_norm_dropout_mask
+from bert_fast.testing import (
+    assert_close_2x,
+    assert_reduction_close_2x,
+    dtypes_for,
+    philox4x32_10,
+    pick_test_device,
+    uint32_to_uniform_float,
+)
 
 # every test launches one of these kernels (tests/conftest.py counts them) unless marked no_kernels
 pytestmark = pytest.mark.kernels("residual_layer_norm")
@@ -76,9 +82,9 @@ def test_residual_layer_norm_2x(device, m, n, dtype):
 def test_residual_layer_norm_noncontiguous(device, dtype):
     n = 384
     x0, r0, w, b, _ = _inputs(2 * 9, n + 40, dtype, device, seed=5)
-    x = x0[::2, :n]                                   # strided rows
-    r = r0[1::2, 40:]                                 # other row stride, column offset
-    dy = torch.randn(n, 9).to(device, dtype).t()      # transposed gradient
+    x = x0[::2, :n]  # strided rows
+    r = r0[1::2, 40:]  # other row stride, column offset
+    dy = torch.randn(n, 9).to(device, dtype).t()  # transposed gradient
     w, b = w[:n], b[:n]
     assert not (x.is_contiguous() or r.is_contiguous() or dy.is_contiguous())
     y, grads = _fwd_bwd(residual_layer_norm, (x, r, w, b), dy)
@@ -87,7 +93,7 @@ def test_residual_layer_norm_noncontiguous(device, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_residual_layer_norm_leading_dims(device, dtype):
-    x, r, w, b, dy = _inputs(5, 768, dtype, device, seed=6, lead=(2,))    # [B, S, N]
+    x, r, w, b, dy = _inputs(5, 768, dtype, device, seed=6, lead=(2,))  # [B, S, N]
     y, grads = _fwd_bwd(lambda *t: residual_layer_norm(*t, eps=1e-5), (x, r, w, b), dy)
     assert y.shape == (2, 5, 768)
     y64, g64 = _fwd_bwd(_ref(eps=1e-5), (x, r, w, b), dy, torch.float64)
@@ -151,7 +157,7 @@ def test_dropout_applied_mask_is_the_philox_mask_of_the_drawn_seed(device):
     assert torch.equal(grads[0] != 0, want), "the backward's mask is not the Philox mask of the drawn seed"
     seed_t = torch.tensor([seed], dtype=torch.int64)
     assert torch.equal(residual_layer_norm_dropout_mask(x.shape, p, seed_t, device), want)
-    _check_2x(y, grads, (x, r, w, b), dy, dropout_p=p, mask=want)   # the forward's mask too
+    _check_2x(y, grads, (x, r, w, b), dy, dropout_p=p, mask=want)  # the forward's mask too
 
 
 @pytest.mark.no_kernels("seed drawing, host side")
@@ -177,7 +183,7 @@ def test_dropout_seed_reproducibility(device):
     y3 = residual_layer_norm(x, r, w, b, dropout_p=0.1)
     y4 = residual_layer_norm(x, r, w, b, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
     y5 = residual_layer_norm(x, r, w, b, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(y1, y2) and torch.equal(y4, y5)     # bitwise: the kernels are deterministic
+    assert torch.equal(y1, y2) and torch.equal(y4, y5)  # bitwise: the kernels are deterministic
     assert not torch.equal(y1, y3)
     y0 = residual_layer_norm(x, r, w, b, dropout_p=0.0)
     assert not torch.equal(y0, y1)
@@ -199,12 +205,13 @@ def test_dropout_offsets_do_not_wrap(device):
     """Rows whose Philox counter row * cdiv(N, 4) + col // 4 passes 2^32 get fresh random numbers
     (int64 offsets: the high word feeds the second counter word)."""
     from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+
     n, seed = 1024, 987654321
     groups = n // 4
     base = dropout_keep_mask((4, n), 0.5, seed, device)
-    wrapped = dropout_keep_mask((4, n), 0.5, seed, device, row_start=2 ** 32 // groups)   # counter 2^32 + ...
+    wrapped = dropout_keep_mask((4, n), 0.5, seed, device, row_start=2**32 // groups)  # counter 2^32 + ...
     assert not torch.equal(base, wrapped)
-    far = dropout_keep_mask((4, n), 0.5, seed, device, row_start=3 * 2 ** 31 // groups)
+    far = dropout_keep_mask((4, n), 0.5, seed, device, row_start=3 * 2**31 // groups)
     assert 0.3 < far.float().mean().item() < 0.7
     # independent of tiling / rows requested: row 2 alone equals row 2 of the block
     assert torch.equal(dropout_keep_mask((1, n), 0.5, seed, device, row_start=2)[0], base[2])
@@ -216,7 +223,7 @@ def _numpy_keep_mask(m, n, p, seed, row_start=0):
     cols = np.arange(n, dtype=np.uint64)[None, :]
     off = rows * np.uint64((n + 3) // 4) + cols // np.uint64(4)
     zero = np.zeros_like(off)
-    words = philox4x32_10(off, off >> np.uint64(32), zero, zero, seed)     # (lo32, hi32, 0, 0)
+    words = philox4x32_10(off, off >> np.uint64(32), zero, zero, seed)  # (lo32, hi32, 0, 0)
     word = np.choose(np.broadcast_to((cols % np.uint64(4)).astype(np.int64), off.shape), words)
     return uint32_to_uniform_float(word) >= np.float32(p)
 
@@ -224,10 +231,15 @@ def _numpy_keep_mask(m, n, p, seed, row_start=0):
 @pytest.mark.no_kernels("the numpy Philox oracle against known answers")
 def test_numpy_philox_known_answers():
     """bert_fast.testing.philox4x32_10 against the Random123 known-answer vectors (key = (seed_lo, seed_hi))."""
-    kat = [((0, 0, 0, 0), 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-           ((0xFFFFFFFF,) * 4, 0xFFFFFFFFFFFFFFFF, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), 0x299F31D0A4093822,
-            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    kat = [
+        ((0, 0, 0, 0), 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, 0xFFFFFFFFFFFFFFFF, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            0x299F31D0A4093822,
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
     for ctr, key, want in kat:
         got = tuple(int(w) for w in philox4x32_10(*ctr, key))
         assert got == want, [hex(g) for g in got]
@@ -239,9 +251,10 @@ def test_dropout_mask_matches_numpy_philox(device, n):
     key = 64-bit seed, word j -> column 4g + j, keep = uniform >= p. Bit-exact, incl. rows whose
     element offset passes 2^32 (row_start 2^32 // N) and whose counter passes 2^32."""
     from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+
     m, p = 6, 0.4
     for seed in (12345, 0x299F31D0A4093822):
-        for row_start in (0, 2 ** 32 // n, 2 ** 32 // ((n + 3) // 4) + 1):
+        for row_start in (0, 2**32 // n, 2**32 // ((n + 3) // 4) + 1):
             got = dropout_keep_mask((m, n), p, seed, device, row_start=row_start).cpu().numpy()
             want = _numpy_keep_mask(m, n, p, seed, row_start)
             assert (got == want).all(), (seed, row_start, np.argwhere(got != want)[:5])
@@ -253,6 +266,7 @@ def test_dropout_mask_same_in_fwd_bwd_and_debug_kernel(device, m, n):
     their tiles: N = 3000 runs the forward/backward as one 4096-column tile, the debug kernel as 1024-column
     tiles; small N packs several rows per program."""
     from bert_fast.kernels import residual_layer_norm as K
+
     p, seed, eps = 0.5, 0x123456789AB, 1e-5
     debug = K.dropout_keep_mask((m, n), p, seed, device)
     assert torch.equal(debug.cpu(), torch.from_numpy(_numpy_keep_mask(m, n, p, seed)))
@@ -279,7 +293,7 @@ def test_dropout_checkpoint_recompute(device):
         torch.manual_seed(42)
         fn = lambda *a: residual_layer_norm(*a, dropout_p=0.25) * 1.5
         y = checkpoint(fn, *ins, use_reentrant=False) if use_ckpt else fn(*ins)
-        torch.manual_seed(777)   # the RNG moves on before backward; checkpoint must restore it
+        torch.manual_seed(777)  # the RNG moves on before backward; checkpoint must restore it
         return y, torch.autograd.grad(y, ins, dy)
 
     y1, g1 = run(False)
@@ -323,7 +337,7 @@ def test_gradcheck_fp64(device, p):
     x, r, w, b, _ = _inputs(3, 6, torch.float64, device, seed=13)
     ins = [t.requires_grad_(True) for t in (x, r, w, b)]
 
-    def fn(*a):   # a fresh generator per call: every evaluation uses the same mask
+    def fn(*a):  # a fresh generator per call: every evaluation uses the same mask
         return residual_layer_norm(*a, eps=1e-5, dropout_p=p, generator=torch.Generator().manual_seed(3))
 
     assert torch.autograd.gradcheck(fn, ins)
@@ -337,8 +351,10 @@ def test_opcheck(device):
     torch.library.opcheck(op, (*ins, 1e-5, 0.0, None))
     torch.library.opcheck(op, (*ins, 1e-5, 0.1, seed))
     _, mean, rstd = op(x, r, w, b, 1e-5, 0.1, seed)
-    torch.library.opcheck(torch.ops.bert_fast.residual_layer_norm_bwd.default,
-                          (dy, x.detach(), r.detach(), w.detach(), b.detach(), mean, rstd, 1e-5, 0.1, seed))
+    torch.library.opcheck(
+        torch.ops.bert_fast.residual_layer_norm_bwd.default,
+        (dy, x.detach(), r.detach(), w.detach(), b.detach(), mean, rstd, 1e-5, 0.1, seed),
+    )
 
 
 @pytest.mark.no_kernels("validation raises before any launch")
@@ -368,7 +384,7 @@ def test_kernels_compile_for_sm90_sm80():
     a GPU and without the interpreter (see tests/test_bias_gelu.py::run_offline_compile)."""
     from test_bias_gelu import run_offline_compile
 
-    rows = run_offline_compile(r'''
+    rows = run_offline_compile(r"""
 from bert_fast.kernels import residual_layer_norm as K
 for cc in (90, 80):
     for dt in ("fp16", "bf16", "fp32", "fp64"):
@@ -389,5 +405,5 @@ for cc in (90, 80):
                      n_iters="i32"), c, cc, warps=w, label=f"bwd {dt} N{n} drop={drop}")
     comp(K._dropout_keep_mask_kernel, dict(OUT="*i8", M="i32", N="i32", row_start="i64",
          dropout_p="fp32", seed="i64"), dict(BLOCK_M=8, BLOCK_N=1024), cc, warps=8, label="keep mask")
-''')
+""")
     assert len(rows) == 2 * (4 * 2 * 2 * 2 + 1)

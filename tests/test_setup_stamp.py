@@ -3,6 +3,7 @@ settings (the README's second install command rebuilt the extension, ~2 min, tha
 just built). Runs ``python setup.py build_ext --inplace`` in a copy of the build files with a
 fake ``cmake`` (records its calls, writes a dummy module) and a fake pybind11, so it takes seconds.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,8 @@ def tree(tmp_path):
     fakes = tmp_path / "fakes"
     (fakes / "pybind11").mkdir(parents=True)
     (fakes / "pybind11" / "__init__.py").write_text(
-        "__version__ = '0.0-fake'\ndef get_cmake_dir():\n    return '/nonexistent'\n")
+        "__version__ = '0.0-fake'\ndef get_cmake_dir():\n    return '/nonexistent'\n"
+    )
     cmake = fakes / "cmake"
     cmake.write_text(FAKE_CMAKE.format(python=sys.executable, suffix=sysconfig.get_config_var("EXT_SUFFIX")))
     cmake.chmod(0o755)
@@ -56,8 +58,14 @@ def tree(tmp_path):
 
 
 def _build(src, env, **extra):
-    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=src,
-                       env={**env, **extra}, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=src,
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout + r.stderr
 
@@ -74,20 +82,20 @@ def test_second_build_is_skipped_and_changes_rebuild(tree):
     assert module.with_name(module.name + ".stamp").is_file()
     first = module.read_bytes()
 
-    out = _build(src, env)                                     # nothing changed: no CMake run
+    out = _build(src, env)  # nothing changed: no CMake run
     assert _cmake_calls(log) == 1 and "skipping the CMake build" in out
     assert module.read_bytes() == first
 
     (src / "csrc" / "embedding_cpu.cpp").write_text((src / "csrc" / "embedding_cpu.cpp").read_text() + "\n// x\n")
-    _build(src, env)                                           # a source changed
+    _build(src, env)  # a source changed
     assert _cmake_calls(log) == 2
 
-    _build(src, env, BERT_FAST_CUDA_ARCHS="90-real")           # a build setting changed
+    _build(src, env, BERT_FAST_CUDA_ARCHS="90-real")  # a build setting changed
     assert _cmake_calls(log) == 3
     _build(src, env, BERT_FAST_CUDA_ARCHS="90-real")
     assert _cmake_calls(log) == 3
 
-    module.write_bytes(b"not the module the stamp names")      # the module itself changed
+    module.write_bytes(b"not the module the stamp names")  # the module itself changed
     _build(src, env, BERT_FAST_CUDA_ARCHS="90-real")
     assert _cmake_calls(log) == 4
 

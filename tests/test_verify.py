@@ -7,6 +7,7 @@ implementation's result, warns once naming the kernel, keeps the verdict on disk
 process honours it without launching the kernel. A correct kernel passes and a second process
 calls the torch implementation 0 times. Verdicts go to a temporary directory (BERT_FAST_VERIFY_DIR).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,8 +40,10 @@ class Case:
 
     def inputs(self, device, seed=0):
         g = torch.Generator().manual_seed(seed)
-        return {k: (v.to(device).requires_grad_() if v.is_floating_point() else v.to(device))
-                for k, v in self._make(g).items()}
+        return {
+            k: (v.to(device).requires_grad_() if v.is_floating_point() else v.to(device))
+            for k, v in self._make(g).items()
+        }
 
     def forward(self, inp, dropout_p=0.0):
         return self._forward(inp) if dropout_p == 0.0 else self._dropout_forward(inp, dropout_p)
@@ -59,14 +62,22 @@ def _ln(g, n):
 
 def _embedding_make(g):
     h = 24
-    return {"ids": torch.randint(0, 30, (2, 5), generator=g), "tt": torch.randint(0, 2, (2, 5), generator=g),
-            "word": _randn(g, 30, h), "pos": _randn(g, 8, h), "type": _randn(g, 2, h), **_ln(g, h)}
+    return {
+        "ids": torch.randint(0, 30, (2, 5), generator=g),
+        "tt": torch.randint(0, 2, (2, 5), generator=g),
+        "word": _randn(g, 30, h),
+        "pos": _randn(g, 8, h),
+        "type": _randn(g, 2, h),
+        **_ln(g, h),
+    }
 
 
 def _emb(i, p=0.0):
     from bert_fast.ops import embedding_layer_norm
-    return embedding_layer_norm(i["ids"], None, i["tt"], i["word"], i["pos"], i["type"], i["w"], i["b"], 1e-12,
-                                p, padding_idx=0)
+
+    return embedding_layer_norm(
+        i["ids"], None, i["tt"], i["word"], i["pos"], i["type"], i["w"], i["b"], 1e-12, p, padding_idx=0
+    )
 
 
 def _key_mask(device):
@@ -80,51 +91,84 @@ CU = [0, 4, 4, 11]
 
 def _cases():
     from bert_fast.ops import attention, bias_gelu, linear, residual_layer_norm, varlen_attention
+
     cu = lambda i: torch.tensor(CU, dtype=torch.int32, device=i["qkv"].device)
     return [
-        Case("linear", "bert_fast.kernels.linear",
-             {"fwd": ("bert_fast.kernels.linear", "linear_fwd"), "bwd": ("bert_fast.kernels.linear", "gemm")},
-             {"fwd": "linear_fwd", "bwd": "linear_bwd"},
-             lambda g: {"x": _randn(g, 12, 32), "w": 0.2 * _randn(g, 24, 32), "b": _randn(g, 24)},
-             lambda i: linear(i["x"], i["w"], i["b"], "gelu")),
-        Case("bias_gelu", "bert_fast.kernels.bias_gelu",
-             {"fwd": ("bert_fast.kernels.bias_gelu", "bias_gelu_fwd"),
-              "bwd": ("bert_fast.kernels.bias_gelu", "bias_gelu_bwd")},
-             {"fwd": "bias_gelu_fwd", "bwd": "bias_gelu_bwd"},
-             lambda g: {"x": _randn(g, 6, 40), "b": _randn(g, 40)},
-             lambda i: bias_gelu(i["x"], i["b"])),
-        Case("residual_layer_norm", "bert_fast.kernels.residual_layer_norm",
-             {"fwd": ("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_fwd"),
-              "bwd": ("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_bwd")},
-             {"fwd": "residual_layer_norm_fwd", "bwd": "residual_layer_norm_bwd"},
-             lambda g: {"x": _randn(g, 6, 48), "r": _randn(g, 6, 48), **_ln(g, 48)},
-             lambda i: residual_layer_norm(i["x"], i["r"], i["w"], i["b"], 1e-5),
-             lambda i, p: residual_layer_norm(i["x"], i["r"], i["w"], i["b"], 1e-5, p)),
-        Case("attention", "bert_fast.kernels.attention",
-             {"fwd": ("bert_fast.kernels.attention", "attention_fwd"),
-              "bwd": ("bert_fast.kernels.attention", "attention_bwd")},
-             {"fwd": "attention_fwd", "bwd": "attention_bwd"},
-             lambda g: {"qkv": _randn(g, 2, 9, 3, 2, 16)},
-             lambda i: attention(i["qkv"], _key_mask(i["qkv"].device)),
-             lambda i, p: attention(i["qkv"], _key_mask(i["qkv"].device), p)),
-        Case("varlen_attention", "bert_fast.kernels.attention",
-             {"fwd": ("bert_fast.kernels.attention", "attention_fwd"),
-              "bwd": ("bert_fast.kernels.attention", "attention_bwd")},
-             {"fwd": "varlen_attention_fwd", "bwd": "varlen_attention_bwd"},
-             lambda g: {"qkv": _randn(g, 11, 3, 2, 16)},
-             lambda i: varlen_attention(i["qkv"], cu(i), 7)),
-        Case("embedding", "bert_fast._C embedding",
-             {"fwd": ("bert_fast.ops.embedding", "_launch_fwd"), "bwd": ("bert_fast.ops.embedding", "_launch_bwd")},
-             {"fwd": "embedding_fwd", "bwd": "embedding_bwd"},
-             _embedding_make, _emb, _emb),
+        Case(
+            "linear",
+            "bert_fast.kernels.linear",
+            {"fwd": ("bert_fast.kernels.linear", "linear_fwd"), "bwd": ("bert_fast.kernels.linear", "gemm")},
+            {"fwd": "linear_fwd", "bwd": "linear_bwd"},
+            lambda g: {"x": _randn(g, 12, 32), "w": 0.2 * _randn(g, 24, 32), "b": _randn(g, 24)},
+            lambda i: linear(i["x"], i["w"], i["b"], "gelu"),
+        ),
+        Case(
+            "bias_gelu",
+            "bert_fast.kernels.bias_gelu",
+            {
+                "fwd": ("bert_fast.kernels.bias_gelu", "bias_gelu_fwd"),
+                "bwd": ("bert_fast.kernels.bias_gelu", "bias_gelu_bwd"),
+            },
+            {"fwd": "bias_gelu_fwd", "bwd": "bias_gelu_bwd"},
+            lambda g: {"x": _randn(g, 6, 40), "b": _randn(g, 40)},
+            lambda i: bias_gelu(i["x"], i["b"]),
+        ),
+        Case(
+            "residual_layer_norm",
+            "bert_fast.kernels.residual_layer_norm",
+            {
+                "fwd": ("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_fwd"),
+                "bwd": ("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_bwd"),
+            },
+            {"fwd": "residual_layer_norm_fwd", "bwd": "residual_layer_norm_bwd"},
+            lambda g: {"x": _randn(g, 6, 48), "r": _randn(g, 6, 48), **_ln(g, 48)},
+            lambda i: residual_layer_norm(i["x"], i["r"], i["w"], i["b"], 1e-5),
+            lambda i, p: residual_layer_norm(i["x"], i["r"], i["w"], i["b"], 1e-5, p),
+        ),
+        Case(
+            "attention",
+            "bert_fast.kernels.attention",
+            {
+                "fwd": ("bert_fast.kernels.attention", "attention_fwd"),
+                "bwd": ("bert_fast.kernels.attention", "attention_bwd"),
+            },
+            {"fwd": "attention_fwd", "bwd": "attention_bwd"},
+            lambda g: {"qkv": _randn(g, 2, 9, 3, 2, 16)},
+            lambda i: attention(i["qkv"], _key_mask(i["qkv"].device)),
+            lambda i, p: attention(i["qkv"], _key_mask(i["qkv"].device), p),
+        ),
+        Case(
+            "varlen_attention",
+            "bert_fast.kernels.attention",
+            {
+                "fwd": ("bert_fast.kernels.attention", "attention_fwd"),
+                "bwd": ("bert_fast.kernels.attention", "attention_bwd"),
+            },
+            {"fwd": "varlen_attention_fwd", "bwd": "varlen_attention_bwd"},
+            lambda g: {"qkv": _randn(g, 11, 3, 2, 16)},
+            lambda i: varlen_attention(i["qkv"], cu(i), 7),
+        ),
+        Case(
+            "embedding",
+            "bert_fast._C embedding",
+            {"fwd": ("bert_fast.ops.embedding", "_launch_fwd"), "bwd": ("bert_fast.ops.embedding", "_launch_bwd")},
+            {"fwd": "embedding_fwd", "bwd": "embedding_bwd"},
+            _embedding_make,
+            _emb,
+            _emb,
+        ),
     ]
 
 
 CASES = _cases()
 BY_NAME = {c.name: c for c in CASES}
 KINDS = ("compile", "launch", "perturb", "nan")
-REASONS = {"compile": "raised CompilationError", "launch": "raised RuntimeError: CUDA error",
-           "perturb": "exceeds the bound", "nan": "NaN/Inf"}
+REASONS = {
+    "compile": "raised CompilationError",
+    "launch": "raised RuntimeError: CUDA error",
+    "perturb": "exceeds the bound",
+    "nan": "NaN/Inf",
+}
 
 
 def leaves(inp):
@@ -147,6 +191,7 @@ def run(case, inp, dropout_p=0.0, seed=1234):
 # ----------------------------------------------------------------------------- instruments
 def _compile_error():
     from triton.compiler.errors import CompilationError
+
     return CompilationError(None, None, "injected: ptxas fatal: Unsupported .target 'sm_999'")
 
 
@@ -208,6 +253,7 @@ class Spy:
                 out = _real(*args, **kwargs)
                 self.last[_dir] = out
                 return out
+
             monkeypatch.setattr(torch_impl, name, wrapper)
 
 
@@ -348,10 +394,10 @@ def _child(stores, device):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT"))
-    return json.loads(line[len("REPORT"):])
+    return json.loads(line[len("REPORT") :])
 
 
-FOLLOWS = {"residual_layer_norm", "attention", "varlen_attention", "embedding"}   # backward follows forward
+FOLLOWS = {"residual_layer_norm", "attention", "varlen_attention", "embedding"}  # backward follows forward
 
 
 def test_fresh_process_honours_verdicts(tmp_path, monkeypatch, device):
@@ -399,17 +445,20 @@ DROPOUT_CASES = [BY_NAME["residual_layer_norm"], BY_NAME["attention"], BY_NAME["
 
 def _kernel_mask(case, inp, seed):
     """The keep-mask the kernel applies for the op's seed (drawn the way the op draws it)."""
-    out, mask = None, None
+    mask = None
     torch.manual_seed(seed)
     if case.name == "residual_layer_norm":
         from bert_fast.ops import residual_layer_norm
+
         _, mask = residual_layer_norm(inp["x"], inp["r"], inp["w"], inp["b"], 1e-5, 0.25, return_dropout_mask=True)
     elif case.name == "attention":
         from bert_fast.ops import attention
+
         _, mask = attention(inp["qkv"], _key_mask(inp["qkv"].device), 0.25, return_dropout_mask=True)
     else:
         from bert_fast.ops import _dispatch
         from bert_fast.ops.embedding import _dropout_keep_mask
+
         seed_t = _dispatch.draw_seed(0.25)
         mask = _dropout_keep_mask(10, 24, 0.25, seed_t, inp["word"].device)
     return mask
@@ -445,12 +494,13 @@ def test_dropout_forward_fallback_draws_its_own_stream(case, kind, store, monkey
     assert torch.equal(out, ref_out)
     for g, r in zip(grads, ref_grads):
         assert (g is None and r is None) or torch.equal(g, r)
-    if case.name != "embedding":   # the ops' return_dropout_mask names the torch implementation's mask
+    if case.name != "embedding":  # the ops' return_dropout_mask names the torch implementation's mask
         monkeypatch.delenv("BERT_FAST_BACKEND")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KernelFallbackWarning)
             mask = _kernel_mask(case, inp, 7)
         from bert_fast.ops import _dispatch
+
         torch.manual_seed(7)
         seed_t = _dispatch.draw_seed(0.25)
         assert torch.equal(mask, _dispatch.reference_dropout_mask(mask.shape, 0.25, seed_t, mask.device))
@@ -479,12 +529,12 @@ def test_modes_always_and_off(store, monkeypatch, device):
     monkeypatch.setenv("BERT_FAST_VERIFY", "always")
     run(case, inp)
     run(case, inp)
-    assert spy.calls == {"fwd": 2, "bwd": 2}                # a check every call
+    assert spy.calls == {"fwd": 2, "bwd": 2}  # a check every call
     monkeypatch.setenv("BERT_FAST_VERIFY", "off")
     calls = {}
     inject(monkeypatch, case, "fwd", "nan", calls)
     out, _ = run(case, inp)
-    assert torch.isnan(out).any() and spy.calls["fwd"] == 2    # unchecked: the kernel's NaN comes through
+    assert torch.isnan(out).any() and spy.calls["fwd"] == 2  # unchecked: the kernel's NaN comes through
     monkeypatch.setenv("BERT_FAST_VERIFY", "sometimes")
     with pytest.raises(ValueError, match="BERT_FAST_VERIFY"):
         run(case, inp)
@@ -504,7 +554,7 @@ def test_cuda_graph_capture_never_checks(store, monkeypatch, device):
     assert calls.get("fwd", 0) == 0 and spy.calls == {"fwd": 1} and not _verdicts(store)
     monkeypatch.setattr(_verify, "_capturing", lambda dev: False)
     with torch.no_grad():
-        case.forward(inp)                                   # the warm-up: checked, passes
+        case.forward(inp)  # the warm-up: checked, passes
     monkeypatch.setattr(_verify, "_capturing", lambda dev: True)
     with torch.no_grad():
         case.forward(inp)
@@ -515,6 +565,7 @@ def test_torch_compile_fullgraph(store, monkeypatch, device):
     """The check lives inside the custom op: torch.compile(fullgraph=True) traces the op without a
     break, and the compiled call is checked (and falls back) like the eager one."""
     from bert_fast.ops import bias_gelu
+
     case = BY_NAME["bias_gelu"]
     inject(monkeypatch, case, "fwd", "nan", {})
     spy = Spy(monkeypatch, case)
@@ -535,13 +586,13 @@ def test_store_merge_atomic_and_fail_wins(tmp_path, monkeypatch):
     path = tmp_path / "op-x.json"
     ident = {"op": "op"}
     assert _verify._write(path, ident, "fwd|a", {"verdict": "pass"})
-    assert _verify._write(path, ident, "fwd|b", {"verdict": "fail", "reason": "r"})   # merged, not replaced
-    assert _verify._write(path, ident, "fwd|b", {"verdict": "pass"})                  # a pass never hides a fail
+    assert _verify._write(path, ident, "fwd|b", {"verdict": "fail", "reason": "r"})  # merged, not replaced
+    assert _verify._write(path, ident, "fwd|b", {"verdict": "pass"})  # a pass never hides a fail
     entries = _verify._read(path)
     assert entries["fwd|a"]["verdict"] == "pass" and entries["fwd|b"]["verdict"] == "fail"
     assert not list(tmp_path.glob("*.tmp"))
     path.write_text("{not json")
-    assert _verify._read(path) == {}                                                   # corrupt: check again
+    assert _verify._read(path) == {}  # corrupt: check again
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
@@ -590,12 +641,33 @@ def test_strict_mode_keeps_kernel_bugs_visible_to_the_parity_tests(tmp_path):
     tests_dir = Path(__file__).resolve().parent
 
     def parity(mode):
-        env = dict(os.environ, PLANT_VERIFY=mode, BERT_FAST_VERIFY_DIR=str(tmp_path / mode),
-                   PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               "-p", "plant_bias_gelu", str(tests_dir / "test_bias_gelu.py"),
-                               "-k", "test_bias_gelu_2x and none-7-312"],
-                              cwd=tests_dir.parent, env=env, capture_output=True, text=True, timeout=300)
+        env = dict(
+            os.environ,
+            PLANT_VERIFY=mode,
+            BERT_FAST_VERIFY_DIR=str(tmp_path / mode),
+            PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        )
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-x",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "plant_bias_gelu",
+                str(tests_dir / "test_bias_gelu.py"),
+                "-k",
+                "test_bias_gelu_2x and none-7-312",
+            ],
+            cwd=tests_dir.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     hidden, strict = parity("first"), parity("strict")
     assert hidden.returncode == 0 and "passed" in hidden.stdout, hidden.stdout[-2000:]

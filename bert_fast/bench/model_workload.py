@@ -8,9 +8,7 @@ import os
 from pathlib import Path
 from typing import List, Sequence
 
-# PRESETS and step_flops are model facts; they are imported here for this module's callers
-# (benchmarks/bench_model.py, tests/test_training.py). New code imports bert_fast.model.facts.
-from bert_fast.model.facts import PRESETS, step_flops  # noqa: F401
+from bert_fast.model.facts import PRESETS
 
 
 def local_minilm():

@@ -63,6 +63,7 @@ torch.distributed FSDP2 (torch 2.6+): fully_shard swaps a module's class for a d
 its own on it. ``base_class`` maps the subclass back, and ``is_understood_hook`` accepts FSDP's
 own hooks (they fire anyway: layers are called as modules), so FSDP2-wrapped layers stay fused.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
 
 # torch and transformers are imported inside the functions: ``import bert_fast`` runs
 # check_transformers_floor() and must stay light (``bert-fast --help`` imports neither).
+
 
 # ----------------------------------------------------------------------------- attention masks
 def attention_implementation(config) -> str:
@@ -114,7 +116,8 @@ def attention_mask_for_modules(keep: torch.Tensor, dtype: torch.dtype, config):
     raise CompatibilityError(
         f"bert_fast runs unfused pieces through transformers' attention modules, but cannot build the "
         f"attention mask of attn_implementation={impl!r} ({describe()}): use 'sdpa' or 'eager' for a "
-        "model with hooks or custom modules, or remove them so that the model runs fused")
+        "model with hooks or custom modules, or remove them so that the model runs fused"
+    )
 
 
 # ----------------------------------------------------------------------------- hooks and checkpoints
@@ -131,22 +134,24 @@ def is_understood_hook(fn) -> bool:
     """A hook whose effect the fused forward reproduces or that fires anyway: transformers'
     output-capturing and input-require-grads hooks, and FSDP2's per-module hooks."""
     if getattr(fn, "__name__", "") in _TRANSFORMERS_HOOKS and (getattr(fn, "__module__", "") or "").startswith(
-            "transformers."):
+        "transformers."
+    ):
         return True
     return _is_fsdp_hook(fn)
 
 
 def wants_input_grads(word_embeddings: nn.Module) -> bool:
     """Whether transformers' enable_input_require_grads() hook is on the word embeddings."""
-    return any(getattr(f, "__name__", "") == "make_inputs_require_grads"
-               for f in word_embeddings._forward_hooks.values())
+    return any(
+        getattr(f, "__name__", "") == "make_inputs_require_grads" for f in word_embeddings._forward_hooks.values()
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _gradient_checkpointing_layer():
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:     # transformers < 4.52
+    except ImportError:  # transformers < 4.52
         return None
     return GradientCheckpointingLayer
 
@@ -240,15 +245,31 @@ def accepts_var_kwargs(fn: Callable) -> bool:
 
 # What the fused forward reads from each module of a transformers BertModel (probe_model).
 _EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
-_LAYER_PARTS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.self.dropout",
-                "attention.output.dense", "attention.output.LayerNorm", "attention.output.dropout",
-                "intermediate.dense", "intermediate.intermediate_act_fn", "output.dense", "output.LayerNorm",
-                "output.dropout")
+_LAYER_PARTS = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.self.dropout",
+    "attention.output.dense",
+    "attention.output.LayerNorm",
+    "attention.output.dropout",
+    "intermediate.dense",
+    "intermediate.intermediate_act_fn",
+    "output.dense",
+    "output.LayerNorm",
+    "output.dropout",
+)
 
 # The calls exact mode makes into transformers' modules: (class name, positional args, keywords).
-_EXACT_CALLS = (("BertAttention", 2, ()), ("BertSelfAttention", 1, ("attention_mask",)),
-                ("BertSelfOutput", 2, ()), ("BertIntermediate", 1, ()), ("BertOutput", 2, ()),
-                ("BertLayer", 2, ()), ("BertEncoder", 1, ("attention_mask",)))
+_EXACT_CALLS = (
+    ("BertAttention", 2, ()),
+    ("BertSelfAttention", 1, ("attention_mask",)),
+    ("BertSelfOutput", 2, ()),
+    ("BertIntermediate", 1, ()),
+    ("BertOutput", 2, ()),
+    ("BertLayer", 2, ()),
+    ("BertEncoder", 1, ("attention_mask",)),
+)
 
 
 def _get(module: nn.Module, dotted: str):
@@ -295,8 +316,10 @@ def incompatibility(model: nn.Module) -> Optional[str]:
     reason = probe_model(model) or probe_signatures()
     if reason is None:
         return None
-    return (f"bert_fast does not recognise the BertModel of {describe()}: {reason}. Please report it "
-            "to bert_fast with this message")
+    return (
+        f"bert_fast does not recognise the BertModel of {describe()}: {reason}. Please report it "
+        "to bert_fast with this message"
+    )
 
 
 def warn_fallback(reason: str) -> None:

@@ -6,6 +6,7 @@ syncs, so the runner uses the padded encoder (masked attention; no unpadding, wh
 data-dependent): inputs are copied into the bucket's static buffers with the extra rows and
 columns masked out, which leaves the real positions' results unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
@@ -31,8 +32,13 @@ class CudaGraphRunner:
     capture, call ``reset()``.
     """
 
-    def __init__(self, model: BertModel, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-                 seq_buckets: Sequence[int] = DEFAULT_SEQ_BUCKETS, warmup: int = 2):
+    def __init__(
+        self,
+        model: BertModel,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        seq_buckets: Sequence[int] = DEFAULT_SEQ_BUCKETS,
+        warmup: int = 2,
+    ):
         if not isinstance(model, BertModel):
             raise TypeError(f"CudaGraphRunner needs a bert_fast.BertModel, got {type(model).__name__}")
         device = model.embeddings.word_embeddings.weight.device
@@ -91,21 +97,34 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=self._pool, stream=side):
                     out = self.model(ids, attention_mask=mask, token_type_ids=types, padded=True)
             self._pool = graph.pool()
-        entry = {"graph": graph, "ids": ids, "mask": mask, "types": types,
-                 "last": out.last_hidden_state, "pooled": out.pooler_output, "qkv": qkv}
+        entry = {
+            "graph": graph,
+            "ids": ids,
+            "mask": mask,
+            "types": types,
+            "last": out.last_hidden_state,
+            "pooled": out.pooler_output,
+            "qkv": qkv,
+        }
         self._graphs[key] = entry
         return entry
 
-    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                      token_type_ids: Optional[torch.Tensor]) -> None:
+    def _check_inputs(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], token_type_ids: Optional[torch.Tensor]
+    ) -> None:
         """Host-side validation before a replay (the kernels' own range checks are skipped inside
         a graph): shapes, and the id ranges in one fused min/max reduction (one sync)."""
         shape = tuple(input_ids.shape)
-        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                           or tuple(attention_mask.shape) != shape):
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != shape
+        ):
+            got = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
             raise ValueError(f"attention_mask must have the shape of input_ids {shape}, got {got}")
-        if token_type_ids is not None:     # as the model: the shape of input_ids or broadcastable to it
+        if token_type_ids is not None:  # as the model: the shape of input_ids or broadcastable to it
             ok = isinstance(token_type_ids, torch.Tensor)
             if ok:
                 try:
@@ -113,21 +132,38 @@ class CudaGraphRunner:
                 except RuntimeError:
                     ok = False
             if not ok:
-                got = tuple(token_type_ids.shape) if isinstance(token_type_ids, torch.Tensor) else type(token_type_ids).__name__
-                raise ValueError(f"token_type_ids must have the shape of input_ids {shape} (or broadcast to it), got {got}")
+                got = (
+                    tuple(token_type_ids.shape)
+                    if isinstance(token_type_ids, torch.Tensor)
+                    else type(token_type_ids).__name__
+                )
+                raise ValueError(
+                    f"token_type_ids must have the shape of input_ids {shape} (or broadcast to it), got {got}"
+                )
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             return
         config = self.model.config
-        check_index_ranges((
-            ("input_ids", input_ids, config.vocab_size, "the config's vocab_size"),
-            ("token_type_ids", None if token_type_ids is None else token_type_ids.to(input_ids.device),
-             config.type_vocab_size, "the config's type_vocab_size")))
+        check_index_ranges(
+            (
+                ("input_ids", input_ids, config.vocab_size, "the config's vocab_size"),
+                (
+                    "token_type_ids",
+                    None if token_type_ids is None else token_type_ids.to(input_ids.device),
+                    config.type_vocab_size,
+                    "the config's type_vocab_size",
+                ),
+            )
+        )
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 token_type_ids: Optional[torch.Tensor] = None):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+    ):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape

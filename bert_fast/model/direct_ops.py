@@ -11,6 +11,7 @@ checks the two paths agree bit for bit), minus the overhead. Dropout is never on
 The object mirrors the subset of ``bert_fast.ops`` the model uses, so a layer runs unchanged on
 either (``layer.layer_forward`` with ``batch.ops`` = bert_fast.ops or direct_ops).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,9 +28,13 @@ _ACT = {None: None, "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 def usable(t: Tensor, training: bool) -> bool:
     """Whether the model may run its layers on these direct calls for tensors like ``t``."""
     # Not under autocast: there the custom ops' public functions cast as nn.Linear does.
-    return (not training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(t.device.type)
-            and _dispatch.implementation_for(t.device, t.dtype, uses_dot=True) == "torch")
+    return (
+        not training
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(t.device.type)
+        and _dispatch.implementation_for(t.device, t.dtype, uses_dot=True) == "torch"
+    )
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
@@ -38,8 +43,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     return y.view(*x.shape[:-1], n)
 
 
-def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                        dropout_p: float = 0.0) -> Tensor:
+def residual_layer_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float, dropout_p: float = 0.0
+) -> Tensor:
     assert dropout_p == 0.0, "direct ops run inference only"
     return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, 0.0, None)[0]
 
@@ -49,15 +55,25 @@ def attention(qkv: Tensor, attention_mask: Optional[Tensor], dropout_p: float = 
     return torch_impl.attention_fwd(qkv, attention_mask, 0.0, 1.0 / math.sqrt(qkv.shape[-1]), None)[0]
 
 
-def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
-                     validate: bool = False) -> Tensor:
+def varlen_attention(
+    qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0, validate: bool = False
+) -> Tensor:
     assert dropout_p == 0.0, "direct ops run inference only"
-    return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, 0.0,
-                                           1.0 / math.sqrt(qkv.shape[-1]), None)[0]
+    return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, 0.0, 1.0 / math.sqrt(qkv.shape[-1]), None)[0]
 
 
-def dense_self_attention(h: Tensor, wq: Tensor, bq: Tensor, wk: Tensor, bk: Tensor, wv: Tensor, bv: Tensor,
-                         batch: int, seqlen: int, heads: int) -> Tensor:
+def dense_self_attention(
+    h: Tensor,
+    wq: Tensor,
+    bq: Tensor,
+    wk: Tensor,
+    bk: Tensor,
+    wv: Tensor,
+    bv: Tensor,
+    batch: int,
+    seqlen: int,
+    heads: int,
+) -> Tensor:
     """Self-attention context [T, H] of ``batch`` packed sequences that all have ``seqlen`` tokens
     (a dense batch: every row of the varlen layout is one [seqlen] block, in order).
 

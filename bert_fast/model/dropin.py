@@ -14,6 +14,7 @@ disabled or merged adapters).
 Cost: one walk over the module tree per forward (~100 modules for MiniLM), a type lookup and four
 dict truth tests each; measured in benchmarks/NOTES.md ("drop-in check").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,11 +39,29 @@ def _hf_classes(*names) -> Tuple[type, ...]:
 
 # Modules whose forward the fast path reproduces (or that it calls itself, like the pooler).
 # BertSdpaSelfAttention & co. exist in transformers 4.x only.
-_PLAIN_TYPES = frozenset((nn.Linear, nn.LayerNorm, nn.Embedding, nn.Dropout, nn.ModuleList, nn.Tanh,
-                          *_hf_classes("BertEmbeddings", "BertEncoder", "BertLayer", "BertAttention",
-                                       "BertSelfAttention", "BertSdpaSelfAttention",
-                                       "BertFlashAttention2", "BertSelfOutput", "BertIntermediate",
-                                       "BertOutput", "BertPooler")))
+_PLAIN_TYPES = frozenset(
+    (
+        nn.Linear,
+        nn.LayerNorm,
+        nn.Embedding,
+        nn.Dropout,
+        nn.ModuleList,
+        nn.Tanh,
+        *_hf_classes(
+            "BertEmbeddings",
+            "BertEncoder",
+            "BertLayer",
+            "BertAttention",
+            "BertSelfAttention",
+            "BertSdpaSelfAttention",
+            "BertFlashAttention2",
+            "BertSelfOutput",
+            "BertIntermediate",
+            "BertOutput",
+            "BertPooler",
+        ),
+    )
+)
 
 
 # Hooks whose effect the fast forward reproduces, or that fire anyway (compat.is_understood_hook):
@@ -79,15 +98,17 @@ def global_hooks() -> Optional[str]:
 @dataclass
 class LoraTerm:
     """One active adapter on one Linear: y += scaling * B(A(dropout(x)))."""
-    a: torch.Tensor             # lora_A weight [r, in]
-    b: torch.Tensor             # lora_B weight [out, r]
+
+    a: torch.Tensor  # lora_A weight [r, in]
+    b: torch.Tensor  # lora_B weight [out, r]
     scaling: float
-    dropout: Optional[nn.Module]    # None when it is the identity (p == 0, eval, nn.Identity)
+    dropout: Optional[nn.Module]  # None when it is the identity (p == 0, eval, nn.Identity)
 
 
 @dataclass
 class LinearTerms:
     """What a (possibly LoRA-wrapped) Linear computes: x W^T + bias + sum of LoRA terms."""
+
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     lora: List[LoraTerm]
@@ -133,13 +154,19 @@ def linear_terms(m: nn.Module) -> LinearTerms:
     terms = []
     for name in m.active_adapters:
         if name in m.lora_A:
-            terms.append(LoraTerm(m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]),
-                                  _active_dropout(m.lora_dropout[name])))
+            terms.append(
+                LoraTerm(
+                    m.lora_A[name].weight,
+                    m.lora_B[name].weight,
+                    float(m.scaling[name]),
+                    _active_dropout(m.lora_dropout[name]),
+                )
+            )
     return LinearTerms(base.weight, base.bias, terms)
 
 
 # ----------------------------------------------------------------------------- the walk
-_FAST_TYPES: frozenset = frozenset()   # our class-swapped BertLayer / BertEncoder (set by modeling.py)
+_FAST_TYPES: frozenset = frozenset()  # our class-swapped BertLayer / BertEncoder (set by modeling.py)
 
 
 def register_fast_types(*types: type) -> None:
@@ -159,7 +186,7 @@ def _module_reason(m: nn.Module, t: type, expected_act: type) -> Optional[str]:
             return "parametrization (" + ", ".join(m.parametrizations.keys()) + ")"
         if t is expected_act:
             return _hook_reason(m)
-        t = compat.base_class(t)    # FSDP2's fully_shard subclass of a layer is that layer
+        t = compat.base_class(t)  # FSDP2's fully_shard subclass of a layer is that layer
         if t not in _PLAIN_TYPES and t not in _FAST_TYPES:
             return f"type {t.__module__}.{t.__qualname__}"
     if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:

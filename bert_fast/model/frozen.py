@@ -20,6 +20,7 @@ hooks and LoRA adapters take the normal path; the copies are never part of the s
 live in a table beside the model, not on it: ``deepcopy``, pickling and ``save_pretrained`` never
 see them).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
+
 _DTYPES = (torch.float32, torch.bfloat16)
 
 # model -> {layer index: _FrozenLayer}; weak keys: a model that goes away takes its copies along
@@ -40,8 +42,11 @@ _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def available() -> bool:
     """oneDNN's prepacked linear is in this torch build (and can run bf16 here when asked)."""
     try:
-        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
 
@@ -59,13 +64,16 @@ def dtype_supported(dtype: torch.dtype) -> bool:
 
 class _PackedLinear:
     """One linear layer on a prepacked weight: y = act(x W^T + b)."""
+
     __slots__ = ("weight", "bias", "n", "k", "nbytes")
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor]):
         self.n, self.k = weight.shape
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.bias = None if bias is None else bias.detach().contiguous().clone()
-        self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+        self.nbytes = weight.numel() * weight.element_size() + (
+            0 if bias is None else bias.numel() * bias.element_size()
+        )
 
     def __call__(self, x: Tensor, activation: Optional[str] = None) -> Tensor:
         x2 = x.reshape(-1, self.k)
@@ -74,8 +82,9 @@ class _PackedLinear:
         if activation is None:
             y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight, self.bias, "none", [], "")
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight, self.bias, "gelu", [],
-                                                   GELU_APPROXIMATE[activation])
+            y = torch.ops.mkldnn._linear_pointwise(
+                x2.contiguous(), self.weight, self.bias, "gelu", [], GELU_APPROXIMATE[activation]
+            )
         return y.view(*x.shape[:-1], self.n)
 
 
@@ -100,6 +109,7 @@ def _stamp(tensors) -> Tuple:
 class _FrozenLayer:
     """One layer's packed weights: a GEMM set for layer.layer_forward (see gemms.py): ``qkv``,
     ``out``, ``up`` (GELU fused) and ``down`` are callables ``(x, activation=None) -> y``."""
+
     __slots__ = ("sources", "stamp", "dtype", "qkv", "out", "up", "down")
 
     def __init__(self, linears, dtype: torch.dtype):
@@ -112,7 +122,8 @@ class _FrozenLayer:
             b = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias]).to(dtype)
             self.qkv = _PackedLinear(w, b)
             self.out, self.up, self.down = (
-                _PackedLinear(m.weight.to(dtype), None if m.bias is None else m.bias.to(dtype)) for m in (o, i, d))
+                _PackedLinear(m.weight.to(dtype), None if m.bias is None else m.bias.to(dtype)) for m in (o, i, d)
+            )
 
     def fresh(self, linears, dtype: torch.dtype) -> bool:
         if dtype != self.dtype:
@@ -153,8 +164,9 @@ def freeze(model) -> int:
         raise ValueError(f"freeze() packs weights for CPU inference; this model is on {weight.device}")
     dtype = weight.dtype
     if not dtype_supported(dtype):
-        raise ValueError(f"freeze() packs float32 or bfloat16 weights (bfloat16 where this CPU runs oneDNN "
-                         f"bf16), got {dtype}")
+        raise ValueError(
+            f"freeze() packs float32 or bfloat16 weights (bfloat16 where this CPU runs oneDNN bf16), got {dtype}"
+        )
     store: Dict[int, _FrozenLayer] = {}
     for i, layer in enumerate(model.encoder.layer):
         linears = _linears(layer)

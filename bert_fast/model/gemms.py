@@ -16,6 +16,7 @@ of the layer forward.
 Also here: the QKV weight concatenation (``fused_qkv``, ``frozen_qkv`` for CUDA-graph capture)
 and the LoRA terms added into a base GEMM's output.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -35,13 +36,12 @@ def cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor
 
 
 # ----------------------------------------------------------------------------- the fused QKV weight
-_FROZEN_QKV = "_bert_fast_frozen_qkv"    # attribute set on a BertSelfAttention by frozen_qkv()
+_FROZEN_QKV = "_bert_fast_frozen_qkv"  # attribute set on a BertSelfAttention by frozen_qkv()
 
 
 def _cat_qkv(self_attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     parts = (self_attn.query, self_attn.key, self_attn.value)
-    return (torch.cat([cast(p.weight, dtype) for p in parts]),
-            torch.cat([cast(p.bias, dtype) for p in parts]))
+    return (torch.cat([cast(p.weight, dtype) for p in parts]), torch.cat([cast(p.bias, dtype) for p in parts]))
 
 
 def fused_qkv(self_attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +66,7 @@ def frozen_qkv(model, store: dict):
     not tracked)."""
     layers = [layer.attention.self for layer in model.encoder.layer]
     for i, self_attn in enumerate(layers):
-        self_attn.__dict__[_FROZEN_QKV] = store.setdefault(i, {})   # not a buffer: never saved
+        self_attn.__dict__[_FROZEN_QKV] = store.setdefault(i, {})  # not a buffer: never saved
     try:
         yield store
     finally:
@@ -101,8 +101,10 @@ def _lora_delta(x: torch.Tensor, terms: list, dtype: torch.dtype, o=ops):
     ranks = [t.a.shape[0] for _, t in order]
     blocks = []
     for i, (rows, _) in enumerate(terms):
-        row = [(cast(t.b, dtype) * t.scaling) if owner == i else u.new_zeros((rows, r))
-               for (owner, t), r in zip(order, ranks)]
+        row = [
+            (cast(t.b, dtype) * t.scaling) if owner == i else u.new_zeros((rows, r))
+            for (owner, t), r in zip(order, ranks)
+        ]
         blocks.append(torch.cat(row, dim=1))
     return u, torch.cat(blocks, dim=0)
 
@@ -129,6 +131,7 @@ def linear(x: torch.Tensor, lin: dropin.LinearTerms, dtype: torch.dtype, activat
 class ModuleGemms:
     """The four GEMMs of a transformers BertLayer on its own Linear modules (plain or natively run
     peft LoRA), in ``dtype``, through op namespace ``o`` (bert_fast.ops or direct_ops)."""
+
     __slots__ = ("layer", "dtype", "o")
 
     def __init__(self, layer, dtype: torch.dtype, o=ops):
@@ -150,15 +153,22 @@ class ModuleGemms:
         if not type(sa.query) is type(sa.key) is type(sa.value) is torch.nn.Linear:
             return None
         d = self.dtype
-        return (cast(sa.query.weight, d), cast(sa.query.bias, d), cast(sa.key.weight, d), cast(sa.key.bias, d),
-                cast(sa.value.weight, d), cast(sa.value.bias, d))
+        return (
+            cast(sa.query.weight, d),
+            cast(sa.query.bias, d),
+            cast(sa.key.weight, d),
+            cast(sa.key.bias, d),
+            cast(sa.value.weight, d),
+            cast(sa.value.bias, d),
+        )
 
     def out(self, ctx: torch.Tensor) -> torch.Tensor:
         return linear(ctx, dropin.linear_terms(self.layer.attention.output.dense), self.dtype, o=self.o)
 
     def up(self, h1: torch.Tensor, activation: Optional[str] = None) -> torch.Tensor:
-        return linear(h1, dropin.linear_terms(self.layer.intermediate.dense), self.dtype, activation=activation,
-                      o=self.o)
+        return linear(
+            h1, dropin.linear_terms(self.layer.intermediate.dense), self.dtype, activation=activation, o=self.o
+        )
 
     def down(self, f: torch.Tensor) -> torch.Tensor:
         return linear(f, dropin.linear_terms(self.layer.output.dense), self.dtype, o=self.o)

@@ -6,6 +6,7 @@ constructor keywords: ``padded`` (see BertModel) and, for the two MLM heads,
 ``mlm_masked_positions_only``: when labels are given, run the MLM head only on the labelled
 positions (the ~15% BERT masks), returning logits [num_masked, vocab] instead of [B, S, vocab].
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,11 @@ def _fast_head(hf_cls):
         hf_cls.__init__(self, config, *args, **kwargs)
         to_fast_bert(self.bert, padded=padded)
 
-    cls = type(hf_cls.__name__, (hf_cls,), {"__init__": __init__, "__module__": __name__,
-                                            "__doc__": f"{hf_cls.__name__} with bert_fast's encoder."})
+    cls = type(
+        hf_cls.__name__,
+        (hf_cls,),
+        {"__init__": __init__, "__module__": __name__, "__doc__": f"{hf_cls.__name__} with bert_fast's encoder."},
+    )
     return cls
 
 
@@ -52,14 +56,37 @@ class BertForMaskedLM(transformers.BertForMaskedLM):
         to_fast_bert(self.bert, padded=padded)
         self.mlm_masked_positions_only = mlm_masked_positions_only
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, return_dict=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        return_dict=None,
+        **kwargs,
+    ):
         if not (self.mlm_masked_positions_only and labels is not None):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
-                                   token_type_ids=token_type_ids, position_ids=position_ids,
-                                   inputs_embeds=inputs_embeds, labels=labels, return_dict=return_dict, **kwargs)
-        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                        position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                return_dict=return_dict,
+                **kwargs,
+            )
+        out = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
         rows, targets = _masked_rows(out.last_hidden_state, labels)
         logits = self.cls(rows)
         loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), targets)
@@ -75,23 +102,51 @@ class BertForPreTraining(transformers.BertForPreTraining):
         to_fast_bert(self.bert, padded=padded)
         self.mlm_masked_positions_only = mlm_masked_positions_only
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, next_sentence_label=None, return_dict=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        next_sentence_label=None,
+        return_dict=None,
+        **kwargs,
+    ):
         if not (self.mlm_masked_positions_only and labels is not None):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
-                                   token_type_ids=token_type_ids, position_ids=position_ids,
-                                   inputs_embeds=inputs_embeds, labels=labels,
-                                   next_sentence_label=next_sentence_label, return_dict=return_dict, **kwargs)
-        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                        position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                next_sentence_label=next_sentence_label,
+                return_dict=return_dict,
+                **kwargs,
+            )
+        out = self.bert(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
         rows, targets = _masked_rows(out.last_hidden_state, labels)
         prediction_scores, seq_relationship = self.cls(rows, out.pooler_output)
         loss = None
         if next_sentence_label is not None:
             ce = CrossEntropyLoss()
-            loss = (ce(prediction_scores.view(-1, self.config.vocab_size), targets)
-                    + ce(seq_relationship.view(-1, 2), next_sentence_label.view(-1)))
-        result = BertForPreTrainingOutput(loss=loss, prediction_logits=prediction_scores,
-                                          seq_relationship_logits=seq_relationship,
-                                          hidden_states=out.hidden_states)
+            loss = ce(prediction_scores.view(-1, self.config.vocab_size), targets) + ce(
+                seq_relationship.view(-1, 2), next_sentence_label.view(-1)
+            )
+        result = BertForPreTrainingOutput(
+            loss=loss,
+            prediction_logits=prediction_scores,
+            seq_relationship_logits=seq_relationship,
+            hidden_states=out.hidden_states,
+        )
         return result if return_dict is not False else result.to_tuple()

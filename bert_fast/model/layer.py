@@ -20,6 +20,7 @@ Data flow of one layer (DESIGN.md):
     f   = gemms.up(h1, gelu)                [.., I]   GELU fused into the GEMM
     h   = LN(gemms.down(f) + h1)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,9 +41,10 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
 @dataclass
 class Batch:
     """What every layer needs to know about the batch layout, and which pieces run unfused."""
+
     padded: bool
-    unpadded: Optional[Unpadded]         # varlen path
-    mask: Optional[torch.Tensor]         # padded path: [B, S] key-padding mask
+    unpadded: Optional[Unpadded]  # varlen path
+    mask: Optional[torch.Tensor]  # padded path: [B, S] key-padding mask
     batch: int
     seqlen: int
     # Exact mode (some piece runs through its module's forward): per layer index, the blocks
@@ -84,18 +86,28 @@ def call_hf(module, batch: Batch, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------- embeddings
-def embeddings_forward(emb, input_ids, inputs_embeds, position_ids, token_type_ids, batch: Batch,
-                       training: bool) -> torch.Tensor:
+def embeddings_forward(
+    emb, input_ids, inputs_embeds, position_ids, token_type_ids, batch: Batch, training: bool
+) -> torch.Tensor:
     """Embedding sum + LayerNorm + dropout of transformers' BertEmbeddings ``emb``, for the real
     tokens only on the varlen path ([T, H]), every position on the padded one ([B, S, H])."""
     p = emb.dropout.p if training else 0.0
     indices = None if batch.padded else batch.unpadded.indices
     if inputs_embeds is None:
         return ops.embedding_layer_norm(
-            input_ids, position_ids, token_type_ids, emb.word_embeddings.weight,
-            emb.position_embeddings.weight, emb.token_type_embeddings.weight, emb.LayerNorm.weight,
-            emb.LayerNorm.bias, eps=emb.LayerNorm.eps, dropout_p=p,
-            padding_idx=emb.word_embeddings.padding_idx, indices=indices)
+            input_ids,
+            position_ids,
+            token_type_ids,
+            emb.word_embeddings.weight,
+            emb.position_embeddings.weight,
+            emb.token_type_embeddings.weight,
+            emb.LayerNorm.weight,
+            emb.LayerNorm.bias,
+            eps=emb.LayerNorm.eps,
+            dropout_p=p,
+            padding_idx=emb.word_embeddings.padding_idx,
+            indices=indices,
+        )
     # inputs_embeds: the word vectors are given, so only positions and token types are looked up.
     b, s = inputs_embeds.shape[:2]
     if position_ids is None:
@@ -133,20 +145,21 @@ def attention_block(sa, gemms, h: torch.Tensor, batch: Batch, heads: int, traini
     p_attn = sa.dropout.p if training else 0.0
     qkv = gemms.qkv(h)
     if batch.padded:
-        ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads),
-                          batch.mask, dropout_p=p_attn)
+        ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads), batch.mask, dropout_p=p_attn)
     else:
         # cu_seqlens comes from unpad(), valid by construction: skip the per-call host-sync check.
-        ctx = o.varlen_attention(qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens,
-                                 u.max_seqlen, dropout_p=p_attn, validate=False)
+        ctx = o.varlen_attention(
+            qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens, u.max_seqlen, dropout_p=p_attn, validate=False
+        )
     return ctx.reshape(h.shape)
 
 
 def _residual_ln(o, x: torch.Tensor, residual: torch.Tensor, out_module, dtype, training: bool) -> torch.Tensor:
     """LayerNorm(dropout(x) + residual) of a BertSelfOutput / BertOutput (its LayerNorm, dropout)."""
     ln = out_module.LayerNorm
-    return o.residual_layer_norm(x, residual, cast(ln.weight, dtype), cast(ln.bias, dtype), ln.eps,
-                                 out_module.dropout.p if training else 0.0)
+    return o.residual_layer_norm(
+        x, residual, cast(ln.weight, dtype), cast(ln.bias, dtype), ln.eps, out_module.dropout.p if training else 0.0
+    )
 
 
 def layer_forward(layer, index: int, h: torch.Tensor, batch: Batch, config, training: bool) -> torch.Tensor:

@@ -17,6 +17,7 @@ GEMM+bias+GELU, GEMM, residual+dropout+LN -> pad once (pads are zero) -> transfo
 ``padded=True`` keeps all B*S positions with the key-padding mask applied inside the attention
 kernel and matches transformers at every position, pads included.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,9 +25,11 @@ from typing import Dict, FrozenSet, Optional
 
 import torch
 import transformers
-from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttentions,
-                                           BaseModelOutputWithPoolingAndCrossAttentions)
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPastAndCrossAttentions,
+    BaseModelOutputWithPoolingAndCrossAttentions,
+)
 
 from bert_fast.model import compat, direct_ops, dropin, frozen
 from bert_fast.model.gemms import cast
@@ -37,21 +40,22 @@ from bert_fast.model.padding import pad, unpad
 logger = logging.getLogger("bert_fast")
 
 
-
 def check_config(config) -> None:
     """Raise a clear error for every BERT variant this encoder does not implement."""
     act = config.hidden_act
     if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported by bert_fast; use one of {sorted(ACTIVATIONS)}")
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise NotImplementedError("bert_fast implements the BERT encoder only: is_decoder and "
-                                  "add_cross_attention must be False")
+        raise NotImplementedError(
+            "bert_fast implements the BERT encoder only: is_decoder and add_cross_attention must be False"
+        )
     pos = getattr(config, "position_embedding_type", "absolute")
     if pos not in (None, "absolute"):
         raise NotImplementedError(f"position_embedding_type={pos!r} is not supported (only 'absolute')")
     if config.hidden_size % config.num_attention_heads:
-        raise ValueError(f"hidden_size={config.hidden_size} is not a multiple of "
-                         f"num_attention_heads={config.num_attention_heads}")
+        raise ValueError(
+            f"hidden_size={config.hidden_size} is not a multiple of num_attention_heads={config.num_attention_heads}"
+        )
     # Any head dim runs: those the attention kernel does not cover (outside 16..128) take the torch
     # implementation of the same op, with one warning (bert_fast/ops/attention.py).
 
@@ -71,8 +75,9 @@ class BertEncoder(transformers.models.bert.modeling_bert.BertEncoder):
     """transformers' BertEncoder (class-swapped, same parameters) running our layers, so that hooks
     on the encoder fire as on transformers."""
 
-    def forward(self, hidden_states: torch.Tensor, batch: Batch, checkpointed: bool = False,
-                collect=None) -> BaseModelOutputWithPastAndCrossAttentions:
+    def forward(
+        self, hidden_states: torch.Tensor, batch: Batch, checkpointed: bool = False, collect=None
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
         h = hidden_states
         for layer in self.layer:
             if not isinstance(layer, BertLayer):
@@ -95,7 +100,7 @@ dropin.register_fast_types(BertLayer, BertEncoder)
 def _unfused_blocks(found: Dict[str, str], num_layers: int):
     """From ``dropin.find_unfused``'s paths: (embeddings unfused?, {layer index: blocks})."""
     all_blocks = frozenset(("attention", "intermediate", "output"))
-    if "*" in found:   # global hooks: every module must be called
+    if "*" in found:  # global hooks: every module must be called
         return True, {i: all_blocks for i in range(num_layers)}
     embeddings, layers = False, {}
     for path in found:
@@ -127,12 +132,13 @@ def _check_kwargs(kwargs: dict) -> None:
         if value is None or value is False:
             continue
         if key in _REFUSED_KWARGS:
-            raise ValueError(f"{key} (packed sequences for flash attention) is not supported by "
-                             "bert_fast.BertModel.forward: pass a padded batch with attention_mask; "
-                             "bert_fast unpads it itself")
+            raise ValueError(
+                f"{key} (packed sequences for flash attention) is not supported by "
+                "bert_fast.BertModel.forward: pass a padded batch with attention_mask; "
+                "bert_fast unpads it itself"
+            )
         if key == "is_causal":
-            raise ValueError("is_causal=True is not supported: bert_fast implements the bidirectional "
-                             "BERT encoder")
+            raise ValueError("is_causal=True is not supported: bert_fast implements the bidirectional BERT encoder")
 
 
 def _selected_hidden_states(flag, count: int) -> Optional[FrozenSet[int]]:
@@ -210,31 +216,63 @@ class BertModel(transformers.BertModel):
             return
         self.bert_fast_logged.add(key)
         pieces = "; ".join(f"{p} ({r})" for p, r in sorted(found.items()))
-        logger.warning("bert_fast: %d piece(s) of %s run through their own forward, unfused, on "
-                       "transformers' padded layout, so that they compute what they compute on "
-                       "transformers: %s", len(found), type(self).__name__, pieces)
+        logger.warning(
+            "bert_fast: %d piece(s) of %s run through their own forward, unfused, on "
+            "transformers' padded layout, so that they compute what they compute on "
+            "transformers: %s",
+            len(found),
+            type(self).__name__,
+            pieces,
+        )
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_hidden_states=None, return_dict=None, output_attentions=None,
-                encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
-                use_cache=None, head_mask=None, padded: Optional[bool] = None, cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        output_hidden_states=None,
+        return_dict=None,
+        output_attentions=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        head_mask=None,
+        padded: Optional[bool] = None,
+        cache=None,
+        **kwargs,
+    ):
         config = self.config
         if self.__dict__.get("bert_fast_fallback"):
-            given = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                         position_ids=position_ids, inputs_embeds=inputs_embeds,
-                         output_hidden_states=output_hidden_states, return_dict=return_dict,
-                         output_attentions=output_attentions, encoder_hidden_states=encoder_hidden_states,
-                         encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values,
-                         use_cache=use_cache, head_mask=head_mask, cache=cache)
+            given = dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                output_hidden_states=output_hidden_states,
+                return_dict=return_dict,
+                output_attentions=output_attentions,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                head_mask=head_mask,
+                cache=cache,
+            )
             return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         # From the keyword or from the config: one path, one answer (as transformers reads them).
         if output_attentions is None:
             output_attentions = getattr(config, "output_attentions", False)
         if output_attentions:
-            raise ValueError("output_attentions=True (as a keyword or config.output_attentions) is not "
-                             "supported: bert_fast's flash attention never materializes the attention "
-                             "probabilities; use transformers' BertModel with attn_implementation='eager' "
-                             "to inspect them")
+            raise ValueError(
+                "output_attentions=True (as a keyword or config.output_attentions) is not "
+                "supported: bert_fast's flash attention never materializes the attention "
+                "probabilities; use transformers' BertModel with attn_implementation='eager' "
+                "to inspect them"
+            )
         if encoder_hidden_states is not None or encoder_attention_mask is not None:
             raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
         if past_key_values is not None or cache is not None:
@@ -246,8 +284,9 @@ class BertModel(transformers.BertModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else getattr(config, "output_hidden_states", False))
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states", False)
+        )
         selected = _selected_hidden_states(output_hidden_states, len(self.encoder.layer) + 1)
         return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
         emb = self.embeddings
@@ -262,8 +301,7 @@ class BertModel(transformers.BertModel):
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
         b, s = source.shape[:2]
         if position_ids is None and s > config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
-                             f"{config.max_position_embeddings}")
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={config.max_position_embeddings}")
         if attention_mask is None:
             attention_mask = torch.ones((b, s), dtype=torch.bool, device=device)
         else:
@@ -278,17 +316,26 @@ class BertModel(transformers.BertModel):
         embeddings_unfused, unfused = _unfused_blocks(found, len(self.encoder.layer))
         padded = bool(found) or (self.padded if padded is None else bool(padded))
 
-        batch = Batch(padded=padded, unpadded=None if padded else unpad(attention_mask),
-                       mask=attention_mask if padded else None, batch=b, seqlen=s, unfused=unfused,
-                       hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs)
+        batch = Batch(
+            padded=padded,
+            unpadded=None if padded else unpad(attention_mask),
+            mask=attention_mask if padded else None,
+            batch=b,
+            seqlen=s,
+            unfused=unfused,
+            hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs,
+        )
         if embeddings_unfused:
-            h = emb(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids,
-                    inputs_embeds=inputs_embeds)
+            h = emb(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                token_type_ids=token_type_ids,
+                inputs_embeds=inputs_embeds,
+            )
         else:
-            h = embeddings_forward(emb, input_ids, inputs_embeds, position_ids, token_type_ids, batch,
-                                   self.training)
+            h = embeddings_forward(emb, input_ids, inputs_embeds, position_ids, token_type_ids, batch, self.training)
             if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
-                h.requires_grad_(True)    # what transformers' enable_input_require_grads hook does
+                h.requires_grad_(True)  # what transformers' enable_input_require_grads hook does
         # The residual stream stays in the parameters' dtype, as on transformers: under autocast
         # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
         # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
@@ -310,12 +357,17 @@ class BertModel(transformers.BertModel):
 
         if selected is not None:
             collect(h)
-        encoder_ckpt = (self.training and torch.is_grad_enabled() and not _LAYER_CHECKPOINTS_ITSELF
-                        and getattr(self.encoder, "gradient_checkpointing", False))
+        encoder_ckpt = (
+            self.training
+            and torch.is_grad_enabled()
+            and not _LAYER_CHECKPOINTS_ITSELF
+            and getattr(self.encoder, "gradient_checkpointing", False)
+        )
         if isinstance(self.encoder, BertEncoder):
-            h = self.encoder(h, batch, checkpointed=encoder_ckpt,
-                             collect=collect if selected is not None else None).last_hidden_state
-        else:   # a user's own encoder class (reported by unfused_pieces): called as transformers does
+            h = self.encoder(
+                h, batch, checkpointed=encoder_ckpt, collect=collect if selected is not None else None
+            ).last_hidden_state
+        else:  # a user's own encoder class (reported by unfused_pieces): called as transformers does
             h = first(call_hf(self.encoder, batch, h, attention_mask=batch.hf_mask))
             h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h
 
@@ -328,7 +380,8 @@ class BertModel(transformers.BertModel):
         if not return_dict:
             return tuple(v for v in (last, pooled, hidden_states) if v is not None)
         return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=last, pooler_output=pooled, hidden_states=hidden_states)
+            last_hidden_state=last, pooler_output=pooled, hidden_states=hidden_states
+        )
 
 
 def to_fast_bert(module: transformers.BertModel, padded: bool = False) -> transformers.BertModel:

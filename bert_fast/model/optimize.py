@@ -1,4 +1,5 @@
 """bert_fast.optimize(model): put the fast encoder into an existing transformers model, in place."""
+
 from __future__ import annotations
 
 import torch
@@ -27,10 +28,10 @@ def optimize(model: torch.nn.Module, padded: bool = False, freeze: bool = False)
         raise TypeError(f"{type(model).__name__} contains no transformers.BertModel to optimize")
     from bert_fast.model.modeling import check_config
 
-    for m in targets:   # validate all first: never leave a model half converted
+    for m in targets:  # validate all first: never leave a model half converted
         check_config(m.config)
     for m in targets:
         m = to_fast_bert(m, padded=padded)
-        if freeze and isinstance(m, BertModel):   # not after a warned fallback (compat.py)
+        if freeze and isinstance(m, BertModel):  # not after a warned fallback (compat.py)
             m.freeze()
     return model

@@ -3,6 +3,7 @@
 The encoder runs on the T real tokens only (T = attention_mask.sum(), not B*S), so padding costs
 nothing between the embedding gather and the final scatter.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,9 +14,10 @@ import torch
 @dataclass
 class Unpadded:
     """Where the real tokens of a [B, S] batch are, packed row after row."""
-    indices: torch.Tensor      # int64 [T]: flat positions (b * S + s) of the real tokens, in order
-    cu_seqlens: torch.Tensor   # int32 [B+1]: sequence b is packed rows cu_seqlens[b]:cu_seqlens[b+1]
-    max_seqlen: int            # longest sequence (host int: the attention grid needs it)
+
+    indices: torch.Tensor  # int64 [T]: flat positions (b * S + s) of the real tokens, in order
+    cu_seqlens: torch.Tensor  # int32 [B+1]: sequence b is packed rows cu_seqlens[b]:cu_seqlens[b+1]
+    max_seqlen: int  # longest sequence (host int: the attention grid needs it)
     batch: int
     seqlen: int
 
@@ -49,5 +51,5 @@ def pad(hidden: torch.Tensor, where: Unpadded) -> torch.Tensor:
         # no pads: the packed rows are already in [B, S] order (indices = 0..T-1)
         return hidden.view(shape)
     out = hidden.new_zeros((where.batch * where.seqlen,) + tuple(hidden.shape[1:]))
-    out.index_copy_(0, where.indices, hidden)      # in place into the fresh zeros: one pass less
+    out.index_copy_(0, where.indices, hidden)  # in place into the fresh zeros: one pass less
     return out.view(shape)

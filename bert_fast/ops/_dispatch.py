@@ -22,6 +22,7 @@ The rule, in order:
 The embedding is the one op with a compiled CPU kernel: see bert_fast/ops/embedding.py for how it
 maps these three names.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -108,16 +109,18 @@ def deterministic() -> bool:
 
 
 # ----------------------------------------------------------------------------- validation
-def check_tensor(name: str, t, *, ndim: Optional[int | Sequence[int]] = None,
-                 dtypes: Optional[Iterable[torch.dtype]] = None) -> None:
+def check_tensor(
+    name: str, t, *, ndim: Optional[int | Sequence[int]] = None, dtypes: Optional[Iterable[torch.dtype]] = None
+) -> None:
     """Raise TypeError/ValueError naming ``name`` when ``t`` is not a tensor of the right kind."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
-            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, "
-                             f"got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}"
+            )
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
@@ -128,15 +131,13 @@ def check_same_device(**tensors) -> None:
     """Raise ValueError naming the tensors when they are not all on one device."""
     devices = {k: v.device for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     if len(set(devices.values())) > 1:
-        raise ValueError("tensors must be on one device, got "
-                         + ", ".join(f"{k} on {d}" for k, d in devices.items()))
+        raise ValueError("tensors must be on one device, got " + ", ".join(f"{k} on {d}" for k, d in devices.items()))
 
 
 def check_same_dtype(**tensors) -> None:
     dtypes = {k: v.dtype for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     if len(set(dtypes.values())) > 1:
-        raise TypeError("tensors must share one dtype, got "
-                        + ", ".join(f"{k}: {d}" for k, d in dtypes.items()))
+        raise TypeError("tensors must share one dtype, got " + ", ".join(f"{k}: {d}" for k, d in dtypes.items()))
 
 
 def check_dropout_p(p) -> float:
@@ -167,15 +168,15 @@ def seed_value(seed: Optional[torch.Tensor]) -> int:
     return 0 if seed is None else int(seed.reshape(-1)[0].item())
 
 
-def reference_dropout_mask(shape, dropout_p: float, seed: Optional[torch.Tensor],
-                           device) -> Optional[torch.Tensor]:
+def reference_dropout_mask(shape, dropout_p: float, seed: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     """The keep-mask of the torch and reference implementations: a function of (seed, shape)
     alone (bert_fast/ops/keep_mask.py: a Philox stream, vectorized and threaded on the host), so
     backward and checkpoint recomputation rebuild the forward's mask. (The Triton kernels draw
     their own Philox layouts; all are Bernoulli(1 - p), none claims to reproduce another's bits.)"""
     if seed is None or dropout_p == 0.0:
         return None
-    from bert_fast.ops.keep_mask import keep_mask   # deferred: keep_mask imports the compiled module
+    from bert_fast.ops.keep_mask import keep_mask  # deferred: keep_mask imports the compiled module
+
     return keep_mask(shape, dropout_p, seed_value(seed), device)
 
 
@@ -199,12 +200,13 @@ def op_impl(fn):
       dtype; the public functions decide the dtype (``linear`` casts as nn.Linear does).
     Wraps the function, keeping its signature, so torch.library.custom_op can infer the schema.
     """
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t = args[0]
         other_gpu = t.is_cuda and t.device.index != torch.cuda.current_device()
         autocast_on = torch.is_autocast_enabled(t.device.type)
-        if not (other_gpu or autocast_on):          # the usual case: no context managers
+        if not (other_gpu or autocast_on):  # the usual case: no context managers
             return fn(*args, **kwargs)
         with contextlib.ExitStack() as stack:
             if other_gpu:

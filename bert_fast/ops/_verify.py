@@ -81,6 +81,7 @@ that a perturbation of one element by (1 + max |T|) fails it. It is looser than 
 the inputs are badly conditioned (large scores, rows whose mean dwarfs their spread), as it must
 be: there the torch implementation's own error is that large.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -98,8 +99,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["KernelCheckError", "KernelFallbackWarning", "Check", "run", "compare", "mode", "reset",
-           "verdict", "store_dir", "REPORT_COMMAND"]
+__all__ = [
+    "KernelCheckError",
+    "KernelFallbackWarning",
+    "Check",
+    "run",
+    "compare",
+    "mode",
+    "reset",
+    "verdict",
+    "store_dir",
+    "REPORT_COMMAND",
+]
 
 ENV = "BERT_FAST_VERIFY"
 DIR_ENV = "BERT_FAST_VERIFY_DIR"
@@ -156,9 +167,15 @@ def aligned(*tensors: Optional[Tensor]) -> bool:
 # ----------------------------------------------------------------------------- identity and store
 _COMMON_SOURCES = ("bert_fast.ops._verify", "bert_fast.ops.torch_impl", "bert_fast.ops._dispatch")
 SOURCES = {
-    "linear": ("bert_fast.kernels.linear", "bert_fast.kernels.linear_tma", "bert_fast.kernels._linear_common",
-               "bert_fast.kernels.bias_gelu", "bert_fast.kernels.tuned_configs", "bert_fast.kernels._device",
-               "bert_fast.ops.linear"),
+    "linear": (
+        "bert_fast.kernels.linear",
+        "bert_fast.kernels.linear_tma",
+        "bert_fast.kernels._linear_common",
+        "bert_fast.kernels.bias_gelu",
+        "bert_fast.kernels.tuned_configs",
+        "bert_fast.kernels._device",
+        "bert_fast.ops.linear",
+    ),
     "bias_gelu": ("bert_fast.kernels.bias_gelu", "bert_fast.ops.bias_gelu"),
     "residual_layer_norm": ("bert_fast.kernels.residual_layer_norm", "bert_fast.ops.residual_layer_norm"),
     "attention": ("bert_fast.kernels.attention", "bert_fast.kernels._device", "bert_fast.ops.attention"),
@@ -194,7 +211,7 @@ def source_hash(op: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def device_label(device: torch.device) -> str:
-    """"NVIDIA H100 80GB HBM3 sm_90" on CUDA; "cpu (Triton interpreter)" under TRITON_INTERPRET=1."""
+    """ "NVIDIA H100 80GB HBM3 sm_90" on CUDA; "cpu (Triton interpreter)" under TRITON_INTERPRET=1."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
@@ -208,12 +225,18 @@ def device_label(device: torch.device) -> str:
 def _versions() -> dict:
     try:
         import triton
+
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - the embedding's kernel needs no Triton
         triton_version = None
     import bert_fast
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-            "bert_fast": getattr(bert_fast, "__version__", None)}
+
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "bert_fast": getattr(bert_fast, "__version__", None),
+    }
 
 
 def store_dir() -> Path:
@@ -225,6 +248,7 @@ def store_dir() -> Path:
     root = None
     try:
         import triton
+
         knobs = getattr(triton, "knobs", None)
         root = getattr(getattr(knobs, "cache", None), "dir", None) if knobs is not None else None
     except Exception:  # noqa: BLE001
@@ -245,13 +269,12 @@ def _store_path(op: str, device: torch.device) -> tuple[Path, dict]:
 def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):      # none yet, or unreadable: check again
+    except (OSError, ValueError):  # none yet, or unreadable: check again
         return {}
     entries = data.get("verdicts") if isinstance(data, dict) else None
     if not isinstance(entries, dict):
         return {}
-    return {k: v for k, v in entries.items()
-            if isinstance(v, dict) and v.get("verdict") in (PASS, FAIL)}
+    return {k: v for k, v in entries.items() if isinstance(v, dict) and v.get("verdict") in (PASS, FAIL)}
 
 
 def _write(path: Path, ident: dict, entry_key: str, entry: dict) -> bool:
@@ -276,8 +299,8 @@ def _spec_str(direction: str, spec: tuple) -> str:
 
 
 # ----------------------------------------------------------------------------- in-memory state
-_VERDICTS: dict = {}      # (op, direction, spec, device) -> PASS | FAIL | UNCHECKED
-_REASONS: dict = {}       # key -> reason of a FAIL
+_VERDICTS: dict = {}  # (op, direction, spec, device) -> PASS | FAIL | UNCHECKED
+_REASONS: dict = {}  # key -> reason of a FAIL
 _WARNED: set = set()
 
 
@@ -304,7 +327,7 @@ def _load(op: str, direction: str, spec: tuple, device: torch.device, key) -> Op
 
 
 def verdict(op: str, direction: str, spec: tuple, device: torch.device) -> Optional[str]:
-    """"pass", "fail", "unchecked" or None (never checked) for one specialization."""
+    """ "pass", "fail", "unchecked" or None (never checked) for one specialization."""
     return _load(op, direction, spec, device, (op, direction, spec, device))
 
 
@@ -316,9 +339,10 @@ def kernel_selected(op: str, direction: str, spec: tuple, device: torch.device) 
     return verdict(op, direction, spec, device) != FAIL
 
 
-def _record(op, direction, spec, device, key, v: str, reason: Optional[str] = None,
-            ratio: Optional[float] = None) -> Optional[Path]:
-    if v == PASS and _VERDICTS.get(key) == PASS:      # BERT_FAST_VERIFY=always: already on disk
+def _record(
+    op, direction, spec, device, key, v: str, reason: Optional[str] = None, ratio: Optional[float] = None
+) -> Optional[Path]:
+    if v == PASS and _VERDICTS.get(key) == PASS:  # BERT_FAST_VERIFY=always: already on disk
         return None
     _VERDICTS[key] = v
     if v == FAIL:
@@ -333,19 +357,24 @@ def _record(op, direction, spec, device, key, v: str, reason: Optional[str] = No
 
 
 def _describe(label, op, direction, spec, device) -> str:
-    if callable(label):             # a label that costs something to build is built only when needed
+    if callable(label):  # a label that costs something to build is built only when needed
         label = label()
     return f"kernel {label} ({op} {direction}, specialization {_spec_str(direction, spec)}, on {device_label(device)})"
 
 
 def _fail_message(label, op, direction, spec, device, reason, where: Optional[Path], kept: bool) -> str:
     what = _describe(label, op, direction, spec, device)
-    head = (f"bert_fast: {what} failed its check earlier on this machine: {reason}."
-            if kept else f"bert_fast: {what} failed its first-use check: {reason}.")
+    head = (
+        f"bert_fast: {what} failed its check earlier on this machine: {reason}."
+        if kept
+        else f"bert_fast: {what} failed its first-use check: {reason}."
+    )
     store = f" (verdict kept in {where})" if where is not None else ""
-    return (f"{head} This op uses the torch implementation for it from now on{store}; results stay "
-            f"correct, only slower. Please run `{REPORT_COMMAND}` and attach report.json to an issue "
-            f"of the bert_fast project.")
+    return (
+        f"{head} This op uses the torch implementation for it from now on{store}; results stay "
+        f"correct, only slower. Please run `{REPORT_COMMAND}` and attach report.json to an issue "
+        f"of the bert_fast project."
+    )
 
 
 def _warn_once(key, message: str) -> None:
@@ -361,7 +390,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    """"Type: message" on one line: the first line and, when the message has more (a Triton compile
+    """ "Type: message" on one line: the first line and, when the message has more (a Triton compile
     error starts with the source location), its last."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
@@ -370,11 +399,20 @@ def _first_line(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- the check
-def run(op: str, direction: str, spec: tuple, device: torch.device, *, label, dtype: torch.dtype,
-        kernel: Callable[[], Any], fallback: Callable[[Optional[Tensor]], Any],
-        checks: Callable[[Any, Any, Optional[Tensor]], Sequence["Check"]],
-        kernel_mask: Optional[Callable[[], Tensor]] = None,
-        follows: Optional[tuple] = None) -> Any:
+def run(
+    op: str,
+    direction: str,
+    spec: tuple,
+    device: torch.device,
+    *,
+    label,
+    dtype: torch.dtype,
+    kernel: Callable[[], Any],
+    fallback: Callable[[Optional[Tensor]], Any],
+    checks: Callable[[Any, Any, Optional[Tensor]], Sequence["Check"]],
+    kernel_mask: Optional[Callable[[], Tensor]] = None,
+    follows: Optional[tuple] = None,
+) -> Any:
     """The kernel's result for one call of ``op``, checked the first time its specialization runs.
 
     label:           the kernel's name for messages (a string, or a function returning it).
@@ -390,7 +428,7 @@ def run(op: str, direction: str, spec: tuple, device: torch.device, *, label, dt
         return kernel()
     key = (op, direction, spec, device)
     if follows is not None and _load(op, follows[0], follows[1], device, (op,) + tuple(follows) + (device,)) == FAIL:
-        return fallback(None)          # the forward fell back: its saved tensors are the torch implementation's
+        return fallback(None)  # the forward fell back: its saved tensors are the torch implementation's
     v = _VERDICTS.get(key)
     if v is None:
         v = _load(op, direction, spec, device, key)
@@ -402,7 +440,7 @@ def run(op: str, direction: str, spec: tuple, device: torch.device, *, label, dt
             raise KernelCheckError(message)
         _warn_once(key, message)
         return _stand_in(direction, fallback, kernel_mask)
-    if _capturing(device):             # never checked, and no host reads are allowed now
+    if _capturing(device):  # never checked, and no host reads are allowed now
         return _stand_in(direction, fallback, kernel_mask)
     return _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, checks, kernel_mask)
 
@@ -415,8 +453,10 @@ def _stand_in(direction: str, fallback, kernel_mask):
     try:
         keep = kernel_mask()
     except Exception as exc:  # noqa: BLE001
-        raise RuntimeError("bert_fast: the backward cannot stand in for the kernel: the kernel's dropout "
-                           f"mask could not be rebuilt ({_first_line(exc)})") from exc
+        raise RuntimeError(
+            "bert_fast: the backward cannot stand in for the kernel: the kernel's dropout "
+            f"mask could not be rebuilt ({_first_line(exc)})"
+        ) from exc
     return fallback(keep)
 
 
@@ -432,7 +472,7 @@ def _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, 
     try:
         kout = kernel()
         keep = kernel_mask() if kernel_mask is not None else None
-        if device.type == "cuda":      # an asynchronous launch fault surfaces here, named as the kernel's
+        if device.type == "cuda":  # an asynchronous launch fault surfaces here, named as the kernel's
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any compile or launch failure of the kernel
         return failed(f"it raised {_first_line(exc)}", exc, lambda: _stand_in(direction, fallback, kernel_mask))
@@ -440,8 +480,11 @@ def _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, 
         tout = fallback(keep)
     except Exception as exc:  # noqa: BLE001 - nothing to compare with: keep the kernel, unchecked
         _VERDICTS[key] = UNCHECKED
-        _log.warning("bert_fast: could not check %s: the torch implementation raised %s",
-                     _describe(label, op, direction, spec, device), _first_line(exc))
+        _log.warning(
+            "bert_fast: could not check %s: the torch implementation raised %s",
+            _describe(label, op, direction, spec, device),
+            _first_line(exc),
+        )
         return kout
     try:
         reason, ratio = compare(checks(kout, tout, keep), dtype, device)
@@ -449,16 +492,18 @@ def _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, 
         if m == "strict":
             raise
         _VERDICTS[key] = UNCHECKED
-        _log.warning("bert_fast: could not compare %s: %s", _describe(label, op, direction, spec, device),
-                     _first_line(exc))
+        _log.warning(
+            "bert_fast: could not compare %s: %s", _describe(label, op, direction, spec, device), _first_line(exc)
+        )
         return kout
     if reason is None:
         _record(op, direction, spec, device, key, PASS, ratio=ratio)
         return kout
     # with dropout, a forward falls back to its own stream (its backward will follow it); a
     # backward keeps the kernel forward's mask, which ``tout`` was computed with
-    return failed(reason, None, (lambda: fallback(None)) if (direction == "fwd" and keep is not None)
-                  else (lambda: tout))
+    return failed(
+        reason, None, (lambda: fallback(None)) if (direction == "fwd" and keep is not None) else (lambda: tout)
+    )
 
 
 # ----------------------------------------------------------------------------- the bound
@@ -468,6 +513,7 @@ class Check:
     implementation's), with the magnitudes of the bound (module docstring); each magnitude is None,
     a number or a tensor broadcastable to the output. ``where``: the positions compared (bool,
     broadcastable), None for all."""
+
     name: str
     actual: Tensor
     expected: Tensor
@@ -475,7 +521,7 @@ class Check:
     dot: Any = None
     acc: Any = None
     where: Optional[Tensor] = None
-    rel: float = 0.0        # a further relative error the kernel is documented to have (dropout_rel)
+    rel: float = 0.0  # a further relative error the kernel is documented to have (dropout_rel)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -488,7 +534,7 @@ def _tf32(dtype: torch.dtype, device: torch.device) -> float:
     if dtype != torch.float32 or device.type != "cuda":
         return 0.0
     on = bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-    return 2.0 ** -11 if on else 0.0
+    return 2.0**-11 if on else 0.0
 
 
 def _as(t, like: Tensor, work: torch.dtype):
@@ -525,13 +571,17 @@ def compare(checks: Sequence[Check], dtype: torch.dtype, device: torch.device) -
         bad = where & fin_e & ~fin_a & (ee.abs() < 0.5 * torch.finfo(a.dtype).max)
         if bool(bad.any()):
             idx = _index(bad)
-            return (f"{c.name}: {int(bad.sum())} of {bad.numel()} values are NaN/Inf where the torch "
-                    f"implementation's are finite (first at index {idx}: {aa[idx].item()} vs "
-                    f"{ee[idx].item()})"), float("inf")
+            return (
+                f"{c.name}: {int(bad.sum())} of {bad.numel()} values are NaN/Inf where the torch "
+                f"implementation's are finite (first at index {idx}: {aa[idx].item()} vs "
+                f"{ee[idx].item()})"
+            ), float("inf")
         mag, dot, acc = _as(c.mag, ee, w), _as(c.dot, ee, w), _as(c.acc, ee, w)
         te = ee.abs()
-        tol = SAFETY * ((u + c.rel) * (te + mag + dot) + utf * dot + ua * (acc + 16.0 * (te + mag + dot))) \
+        tol = (
+            SAFETY * ((u + c.rel) * (te + mag + dot) + utf * dot + ua * (acc + 16.0 * (te + mag + dot)))
             + SAFETY * torch.finfo(a.dtype).tiny
+        )
         if not isinstance(tol, Tensor):
             tol = torch.full_like(ee, float(tol))
         tol = torch.nan_to_num(tol.expand_as(ee), nan=float("inf"))
@@ -542,9 +592,11 @@ def compare(checks: Sequence[Check], dtype: torch.dtype, device: torch.device) -
         if not r <= 1.0:
             idx = _index(ratio == ratio.max())
             outside = int((ratio > 1.0).sum())
-            return (f"{c.name}: |kernel - torch| = {abs(aa[idx] - ee[idx]).item():.4g} at index {idx} "
-                    f"(kernel {aa[idx].item():.6g}, torch {ee[idx].item():.6g}) exceeds the bound "
-                    f"{tol[idx].item():.3g}; {outside} of {ratio.numel()} values outside it"), r
+            return (
+                f"{c.name}: |kernel - torch| = {abs(aa[idx] - ee[idx]).item():.4g} at index {idx} "
+                f"(kernel {aa[idx].item():.6g}, torch {ee[idx].item():.6g}) exceeds the bound "
+                f"{tol[idx].item():.3g}; {outside} of {ratio.numel()} values outside it"
+            ), r
     return None, worst
 
 
@@ -554,7 +606,7 @@ def _index(mask: Tensor) -> tuple:
 
 
 # ----------------------------------------------------------------------------- shared magnitudes
-GELU_SLOPE = 1.13      # max |gelu'(z)| (erf: 1.129 at z = 2.42; the tanh form 1.130); |gelu''| <= 0.8
+GELU_SLOPE = 1.13  # max |gelu'(z)| (erf: 1.129 at z = 2.42; the tanh form 1.130); |gelu''| <= 0.8
 
 
 def dropout_rel(dtype: torch.dtype, dropout_p: float) -> float:
@@ -578,8 +630,9 @@ def absf(t: Optional[Tensor], dtype: torch.dtype = torch.float32) -> Optional[Te
     return t.detach().abs().to(work)
 
 
-def layer_norm_checks(h: Tensor, hmag: Tensor, weight: Tensor, bias: Tensor, outs_k, outs_t,
-                      scale: float = 1.0, prefix: str = "") -> list:
+def layer_norm_checks(
+    h: Tensor, hmag: Tensor, weight: Tensor, bias: Tensor, outs_k, outs_t, scale: float = 1.0, prefix: str = ""
+) -> list:
     """Checks of a LayerNorm forward (y [rows, N] (times the dropout ``scale``), mean, rstd [rows])
     whose input ``h`` [rows, N] (recomputed in fp32) is a sum of terms of magnitude ``hmag``.
 
@@ -600,15 +653,29 @@ def layer_norm_checks(h: Tensor, hmag: Tensor, weight: Tensor, bias: Tensor, out
     base = absf(weight, h.dtype) * (2.0 + yhat) * kappa
     y_shape = y_t.shape
     return [
-        Check(prefix + "y", y_k, y_t, mag=(scale * 2.0 * base).reshape(y_shape), acc=(scale * n * base).reshape(y_shape)),
-        Check(prefix + "mean", mean_k, mean_t, mag=(2.0 * hmax).reshape(mean_t.shape), acc=(n * hmax).reshape(mean_t.shape)),
-        Check(prefix + "rstd", rstd_k, rstd_t, mag=(2.0 * rstd * kappa).reshape(rstd_t.shape),
-              acc=(n * rstd * kappa).reshape(rstd_t.shape)),
+        Check(
+            prefix + "y", y_k, y_t, mag=(scale * 2.0 * base).reshape(y_shape), acc=(scale * n * base).reshape(y_shape)
+        ),
+        Check(
+            prefix + "mean",
+            mean_k,
+            mean_t,
+            mag=(2.0 * hmax).reshape(mean_t.shape),
+            acc=(n * hmax).reshape(mean_t.shape),
+        ),
+        Check(
+            prefix + "rstd",
+            rstd_k,
+            rstd_t,
+            mag=(2.0 * rstd * kappa).reshape(rstd_t.shape),
+            acc=(n * rstd * kappa).reshape(rstd_t.shape),
+        ),
     ]
 
 
-def layer_norm_bwd_magnitudes(h: Tensor, hmag: Tensor, dy: Tensor, weight: Tensor, mean: Tensor,
-                              rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def layer_norm_bwd_magnitudes(
+    h: Tensor, hmag: Tensor, dy: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dh magnitude [rows, N], |dy| (1 + |yhat| + 2 kappa) [rows, N], |dy| [rows, N]) of a LayerNorm
     backward from the saved statistics, all fp32: dh = rstd (g - mean(g) - yhat mean(g yhat)) with
     g = dy w is at most rstd G (2 + |yhat|) (G = max_row |g|), and the torch implementation's

@@ -28,6 +28,7 @@ torch and reference paths ``_dispatch.reference_dropout_mask`` of shape [B, head
 ([B, heads, S, S]; varlen: [B, heads, max_seqlen, max_seqlen], sequence b in its top-left corner),
 or None when dropout is off.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,7 +54,7 @@ _WARNED_HEAD_DIMS: set = set()
 
 
 def _impl(qkv: Tensor) -> str:
-    """"kernel", "torch" or "reference" for qkv (the kernels have no float64 and cover head dims
+    """ "kernel", "torch" or "reference" for qkv (the kernels have no float64 and cover head dims
     16..128: torch runs the rest, the latter with one warning per head dim)."""
     impl = _dispatch.implementation(qkv, uses_dot=True)
     if impl != "kernel":
@@ -64,10 +65,13 @@ def _impl(qkv: Tensor) -> str:
     if not KERNEL_HEAD_DIMS[0] <= d <= KERNEL_HEAD_DIMS[1]:
         if d not in _WARNED_HEAD_DIMS:
             _WARNED_HEAD_DIMS.add(d)
-            warnings.warn(f"bert_fast: head dim {d} is outside {KERNEL_HEAD_DIMS[0]}..{KERNEL_HEAD_DIMS[1]}, "
-                          "which the attention kernel covers; attention runs torch's implementation of "
-                          "the same op (SDPA / batched GEMMs, same layout), correct but slower", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"bert_fast: head dim {d} is outside {KERNEL_HEAD_DIMS[0]}..{KERNEL_HEAD_DIMS[1]}, "
+                "which the attention kernel covers; attention runs torch's implementation of "
+                "the same op (SDPA / batched GEMMs, same layout), correct but slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return "torch"
     return impl
 
@@ -78,6 +82,7 @@ def _use_triton(qkv: Tensor) -> bool:
 
 def _kernels():
     from bert_fast.kernels import attention as k
+
     return k
 
 
@@ -93,8 +98,14 @@ def _reference_lse_padded(qkv: Tensor, key_mask: Optional[Tensor], scale: float)
     return lse.masked_fill(torch.isneginf(lse), float("inf")).float().contiguous()
 
 
-def _reference_attention_bwd(qkv: Tensor, key_mask: Optional[Tensor], dout: Tensor, dropout_p: float,
-                             scale: float, dropout_mask: Optional[Tensor]) -> Tensor:
+def _reference_attention_bwd(
+    qkv: Tensor,
+    key_mask: Optional[Tensor],
+    dout: Tensor,
+    dropout_p: float,
+    scale: float,
+    dropout_mask: Optional[Tensor],
+) -> Tensor:
     """d(qkv) of reference.attention in plain torch ops, in qkv's dtype (the CPU backward).
 
     (Not autograd: a custom op's implementation runs below the autograd dispatch key, where
@@ -102,7 +113,7 @@ def _reference_attention_bwd(qkv: Tensor, key_mask: Optional[Tensor], dout: Tens
     Z the dropout scale mask, O = (P*Z) V:  dV = (P*Z)^T dO, dP = (dO V^T) * Z,
     dS = P * (dP - rowsum(dP * P)), dQ = scale dS K, dK = scale dS^T Q.
     """
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))           # [B, h, S, d]
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # [B, h, S, d]
     do = dout.transpose(1, 2)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if key_mask is not None:
@@ -121,15 +132,22 @@ def _reference_attention_bwd(qkv: Tensor, key_mask: Optional[Tensor], dout: Tens
     ds = probs * (dp - (dp * probs).sum(dim=-1, keepdim=True))
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    return torch.stack([dq, dk, dv], dim=2).transpose(1, 3).contiguous()   # [B, S, 3, h, d]
+    return torch.stack([dq, dk, dv], dim=2).transpose(1, 3).contiguous()  # [B, S, 3, h, d]
 
 
 def _reference_dropout_mask(batch, nheads, seqlen, dropout_p, seed, device):
     return _dispatch.reference_dropout_mask((batch, nheads, seqlen, seqlen), dropout_p, seed, device)
 
 
-def _dropout_mask(qkv: Tensor, batch: int, nheads: int, seqlen: int, dropout_p: float,
-                  seed: Optional[Tensor], spec: Optional[tuple] = None) -> Optional[Tensor]:
+def _dropout_mask(
+    qkv: Tensor,
+    batch: int,
+    nheads: int,
+    seqlen: int,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    spec: Optional[tuple] = None,
+) -> Optional[Tensor]:
     """The exact keep-mask of the path that runs on ``qkv`` (None when dropout is off); ``spec``:
     the forward's specialization, whose failed check means the torch implementation ran."""
     if seed is None or dropout_p == 0.0:
@@ -146,8 +164,16 @@ KERNEL = "bert_fast.kernels.attention (Triton)"
 def _spec(qkv: Tensor, layout: str, has_mask: bool, seqlen: int, dropout_p: float) -> tuple:
     """What the kernels are specialized and tuned on: layout, dtype, key mask, dropout, heads, head
     dim, the sequence-length bucket (their autotune key), alignment. The backward adds its dQ path."""
-    return (layout, qkv.dtype, has_mask, dropout_p > 0.0, qkv.shape[-2], qkv.shape[-1],
-            _verify.bucket(seqlen), _verify.aligned(qkv))
+    return (
+        layout,
+        qkv.dtype,
+        has_mask,
+        dropout_p > 0.0,
+        qkv.shape[-2],
+        qkv.shape[-1],
+        _verify.bucket(seqlen),
+        _verify.aligned(qkv),
+    )
 
 
 def _bwd_spec(fwd_spec: tuple, dout: Tensor) -> tuple:
@@ -158,40 +184,53 @@ def _bwd_spec(fwd_spec: tuple, dout: Tensor) -> tuple:
 def _kernel_mask(qkv: Tensor, batch: int, seqlen: int, dropout_p: float, seed: Optional[Tensor]):
     if seed is None or dropout_p == 0.0:
         return None
-    return lambda: _kernels().dropout_mask(batch, qkv.shape[-2], seqlen, dropout_p, _dispatch.seed_value(seed),
-                                           qkv.device)
+    return lambda: _kernels().dropout_mask(
+        batch, qkv.shape[-2], seqlen, dropout_p, _dispatch.seed_value(seed), qkv.device
+    )
 
 
 # The torch implementation as the backward's bounds use it, for P^T x (magnitudes, not a fallback
 # call: bound at import, so whatever wraps torch_impl's functions later sees only fallback calls).
-TORCH_ATTENTION = (torch_impl.attention_fwd, torch_impl.attention_bwd, torch_impl.varlen_attention_fwd,
-                   torch_impl.varlen_attention_bwd)
+TORCH_ATTENTION = (
+    torch_impl.attention_fwd,
+    torch_impl.attention_bwd,
+    torch_impl.varlen_attention_fwd,
+    torch_impl.varlen_attention_bwd,
+)
 _fwd_checks = attention_bounds.fwd_checks
 
 
 def _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t):
-    return attention_bounds.bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale,
-                                       k, t, TORCH_ATTENTION)
+    return attention_bounds.bwd_checks(
+        dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t, TORCH_ATTENTION
+    )
 
 
 # ----------------------------------------------------------------------------- padded ops
 @torch.library.custom_op("bert_fast::attention_fwd", mutates_args=())
 @_dispatch.op_impl
-def attention_fwd(qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, softmax_scale: float,
-                  seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def attention_fwd(
+    qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, softmax_scale: float, seed: Optional[Tensor]
+) -> Tuple[Tensor, Tensor]:
     b, s, _, h, d = qkv.shape
     if qkv.numel() == 0:
         return qkv.new_empty((b, s, h, d)), torch.empty((b, h, s), device=qkv.device, dtype=torch.float32)
     impl = _impl(qkv)
     if impl == "kernel":
         return _verify.run(
-            "attention", "fwd", _spec(qkv, "padded", key_mask is not None, s, dropout_p), qkv.device,
-            label=KERNEL, dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_fwd(qkv, key_mask, None, s, softmax_scale, dropout_p,
-                                                    _dispatch.seed_value(seed)),
+            "attention",
+            "fwd",
+            _spec(qkv, "padded", key_mask is not None, s, dropout_p),
+            qkv.device,
+            label=KERNEL,
+            dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_fwd(
+                qkv, key_mask, None, s, softmax_scale, dropout_p, _dispatch.seed_value(seed)
+            ),
             kernel_mask=_kernel_mask(qkv, b, s, dropout_p, seed),
             fallback=lambda keep: torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed, keep=keep),
-            checks=lambda k, t, _keep: _fwd_checks(qkv, None, key_mask, s, dropout_p, softmax_scale, k, t))
+            checks=lambda k, t, _keep: _fwd_checks(qkv, None, key_mask, s, dropout_p, softmax_scale, k, t),
+        )
     if impl == "torch":
         return torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed)
     mask = _reference_dropout_mask(b, h, s, dropout_p, seed, qkv.device)
@@ -207,8 +246,16 @@ def _(qkv, key_mask, dropout_p, softmax_scale, seed):
 
 @torch.library.custom_op("bert_fast::attention_bwd", mutates_args=())
 @_dispatch.op_impl
-def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-                  dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
+def attention_bwd(
+    dout: Tensor,
+    qkv: Tensor,
+    key_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    seed: Optional[Tensor],
+) -> Tensor:
     if qkv.numel() == 0:
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     impl = _impl(qkv)
@@ -216,15 +263,32 @@ def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Te
         b, s = qkv.shape[0], qkv.shape[1]
         spec = _spec(qkv, "padded", key_mask is not None, s, dropout_p)
         return _verify.run(
-            "attention", "bwd", _bwd_spec(spec, dout), qkv.device, label=KERNEL, dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_bwd(dout, qkv, key_mask, None, s, out, lse, softmax_scale,
-                                                    dropout_p, _dispatch.seed_value(seed), _dispatch.deterministic()),
+            "attention",
+            "bwd",
+            _bwd_spec(spec, dout),
+            qkv.device,
+            label=KERNEL,
+            dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_bwd(
+                dout,
+                qkv,
+                key_mask,
+                None,
+                s,
+                out,
+                lse,
+                softmax_scale,
+                dropout_p,
+                _dispatch.seed_value(seed),
+                _dispatch.deterministic(),
+            ),
             kernel_mask=_kernel_mask(qkv, b, s, dropout_p, seed),
-            fallback=lambda keep: torch_impl.attention_bwd(dout, qkv, key_mask, out, lse, dropout_p, softmax_scale,
-                                                           seed, keep=keep),
-            checks=lambda k, t, _keep: _bwd_checks(dout, qkv, None, None, key_mask, s, dropout_p, softmax_scale,
-                                                   k, t),
-            follows=("fwd", spec))
+            fallback=lambda keep: torch_impl.attention_bwd(
+                dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed, keep=keep
+            ),
+            checks=lambda k, t, _keep: _bwd_checks(dout, qkv, None, None, key_mask, s, dropout_p, softmax_scale, k, t),
+            follows=("fwd", spec),
+        )
     if impl == "torch":
         return torch_impl.attention_bwd(dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed)
     b, s, _, h, _ = qkv.shape
@@ -249,8 +313,7 @@ def _backward(ctx, dout, _dlse):
     qkv, key_mask, out, lse, seed = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None
-    dqkv = torch.ops.bert_fast.attention_bwd(dout, qkv, key_mask, out, lse, ctx.dropout_p,
-                                             ctx.softmax_scale, seed)
+    dqkv = torch.ops.bert_fast.attention_bwd(dout, qkv, key_mask, out, lse, ctx.dropout_p, ctx.softmax_scale, seed)
     return dqkv, None, None, None, None
 
 
@@ -266,8 +329,9 @@ def _reference_varlen(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, see
 
 @torch.library.custom_op("bert_fast::varlen_attention_fwd", mutates_args=())
 @_dispatch.op_impl
-def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
-                         softmax_scale: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def varlen_attention_fwd(
+    qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, softmax_scale: float, seed: Optional[Tensor]
+) -> Tuple[Tensor, Tensor]:
     t, _, h, d = qkv.shape
     if qkv.numel() == 0:
         return qkv.new_empty((t, h, d)), torch.empty((h, t), device=qkv.device, dtype=torch.float32)
@@ -275,15 +339,21 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
     if impl == "kernel":
         batch = cu_seqlens.numel() - 1
         return _verify.run(
-            "attention", "fwd", _spec(qkv, "varlen", False, max_seqlen, dropout_p), qkv.device,
-            label=KERNEL, dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_fwd(qkv, None, cu_seqlens, max_seqlen, softmax_scale, dropout_p,
-                                                    _dispatch.seed_value(seed)),
+            "attention",
+            "fwd",
+            _spec(qkv, "varlen", False, max_seqlen, dropout_p),
+            qkv.device,
+            label=KERNEL,
+            dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_fwd(
+                qkv, None, cu_seqlens, max_seqlen, softmax_scale, dropout_p, _dispatch.seed_value(seed)
+            ),
             kernel_mask=_kernel_mask(qkv, batch, max_seqlen, dropout_p, seed),
-            fallback=lambda keep: torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, dropout_p,
-                                                                  softmax_scale, seed, keep=keep),
-            checks=lambda k, t, _keep: _fwd_checks(qkv, cu_seqlens, None, max_seqlen, dropout_p, softmax_scale,
-                                                   k, t))
+            fallback=lambda keep: torch_impl.varlen_attention_fwd(
+                qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, keep=keep
+            ),
+            checks=lambda k, t, _keep: _fwd_checks(qkv, cu_seqlens, None, max_seqlen, dropout_p, softmax_scale, k, t),
+        )
     if impl == "torch":
         return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
     out = _reference_varlen(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed).contiguous()
@@ -303,35 +373,64 @@ def _(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
 
 @torch.library.custom_op("bert_fast::varlen_attention_bwd", mutates_args=())
 @_dispatch.op_impl
-def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
-                         lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor]) -> Tensor:
+def varlen_attention_bwd(
+    dout: Tensor,
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    seed: Optional[Tensor],
+) -> Tensor:
     if qkv.numel() == 0:
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     impl = _impl(qkv)
     if impl == "kernel":
         spec = _spec(qkv, "varlen", False, max_seqlen, dropout_p)
         return _verify.run(
-            "attention", "bwd", _bwd_spec(spec, dout), qkv.device, label=KERNEL, dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_bwd(dout, qkv, None, cu_seqlens, max_seqlen, out, lse,
-                                                    softmax_scale, dropout_p, _dispatch.seed_value(seed),
-                                                    _dispatch.deterministic()),
+            "attention",
+            "bwd",
+            _bwd_spec(spec, dout),
+            qkv.device,
+            label=KERNEL,
+            dtype=qkv.dtype,
+            kernel=lambda: _kernels().attention_bwd(
+                dout,
+                qkv,
+                None,
+                cu_seqlens,
+                max_seqlen,
+                out,
+                lse,
+                softmax_scale,
+                dropout_p,
+                _dispatch.seed_value(seed),
+                _dispatch.deterministic(),
+            ),
             kernel_mask=_kernel_mask(qkv, cu_seqlens.numel() - 1, max_seqlen, dropout_p, seed),
-            fallback=lambda keep: torch_impl.varlen_attention_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse,
-                                                                  dropout_p, softmax_scale, seed, keep=keep),
-            checks=lambda k, t, _keep: _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, None, max_seqlen, dropout_p,
-                                                   softmax_scale, k, t),
-            follows=("fwd", spec))
+            fallback=lambda keep: torch_impl.varlen_attention_bwd(
+                dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, seed, keep=keep
+            ),
+            checks=lambda k, t, _keep: _bwd_checks(
+                dout, qkv, cu_seqlens, max_seqlen, None, max_seqlen, dropout_p, softmax_scale, k, t
+            ),
+            follows=("fwd", spec),
+        )
     if impl == "torch":
-        return torch_impl.varlen_attention_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p,
-                                               softmax_scale, seed)
+        return torch_impl.varlen_attention_bwd(
+            dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, seed
+        )
     mask = _reference_dropout_mask(cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, dropout_p, seed, qkv.device)
     dqkv = torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     bounds = cu_seqlens.tolist()
     for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         if hi > lo:
-            m = None if mask is None else mask[i:i + 1, :, : hi - lo, : hi - lo]
-            dqkv[lo:hi] = _reference_attention_bwd(qkv[lo:hi].unsqueeze(0), None, dout[lo:hi].unsqueeze(0),
-                                                   dropout_p, softmax_scale, m)[0]
+            m = None if mask is None else mask[i : i + 1, :, : hi - lo, : hi - lo]
+            dqkv[lo:hi] = _reference_attention_bwd(
+                qkv[lo:hi].unsqueeze(0), None, dout[lo:hi].unsqueeze(0), dropout_p, softmax_scale, m
+            )[0]
     return dqkv
 
 
@@ -352,8 +451,9 @@ def _backward_varlen(ctx, dout, _dlse):
     qkv, cu_seqlens, out, lse, seed = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
-    dqkv = torch.ops.bert_fast.varlen_attention_bwd(dout, qkv, cu_seqlens, ctx.max_seqlen, out, lse,
-                                                    ctx.dropout_p, ctx.softmax_scale, seed)
+    dqkv = torch.ops.bert_fast.varlen_attention_bwd(
+        dout, qkv, cu_seqlens, ctx.max_seqlen, out, lse, ctx.dropout_p, ctx.softmax_scale, seed
+    )
     return dqkv, None, None, None, None, None
 
 
@@ -367,8 +467,9 @@ def _check_qkv(qkv, varlen: bool) -> None:
     if qkv.dim() != (4 if varlen else 5):
         raise ValueError(f"qkv must be {layout} ({4 if varlen else 5} dimensions), got shape {tuple(qkv.shape)}")
     if qkv.shape[-3] != 3:
-        raise ValueError(f"qkv must be {layout}: dimension {qkv.dim() - 3} must be 3 (q, k, v), "
-                         f"got shape {tuple(qkv.shape)}")
+        raise ValueError(
+            f"qkv must be {layout}: dimension {qkv.dim() - 3} must be 3 (q, k, v), got shape {tuple(qkv.shape)}"
+        )
     if qkv.shape[-1] < 1:
         raise ValueError(f"head dim (last dimension of qkv) must be >= 1, got shape {tuple(qkv.shape)}")
 
@@ -376,8 +477,11 @@ def _check_qkv(qkv, varlen: bool) -> None:
 def _softmax_scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
-    if (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
-            or not math.isfinite(softmax_scale)):
+    if (
+        not isinstance(softmax_scale, (int, float))
+        or isinstance(softmax_scale, bool)
+        or not math.isfinite(softmax_scale)
+    ):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -388,8 +492,10 @@ def _compact_mask(attention_mask: Tensor, qkv: Tensor) -> Tensor:
     if not isinstance(attention_mask, Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
     if attention_mask.is_floating_point() or attention_mask.is_complex():
-        raise TypeError(f"attention_mask must be bool or integer (1 = attend), got {attention_mask.dtype}; "
-                        "additive float masks are not accepted")
+        raise TypeError(
+            f"attention_mask must be bool or integer (1 = attend), got {attention_mask.dtype}; "
+            "additive float masks are not accepted"
+        )
     b, s = qkv.shape[0], qkv.shape[1]
     if tuple(attention_mask.shape) != (b, s):
         raise ValueError(f"attention_mask must have shape [B, S] = {[b, s]}, got {list(attention_mask.shape)}")
@@ -426,7 +532,7 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, qkv: Tensor, validate: bool = True
         stats = torch.stack([cu[0], cu[-1], (diffs < 0).any().to(torch.int32), diffs.max()])
     else:
         stats = torch.stack([cu[0], cu[0], cu[0] * 0, cu[0] * 0])
-    first, last, decreasing, longest = (int(v) for v in stats.tolist())     # the one host sync
+    first, last, decreasing, longest = (int(v) for v in stats.tolist())  # the one host sync
     if first != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {first}")
     if decreasing:
@@ -454,9 +560,14 @@ def backend(device, dtype) -> str:
     return _dispatch.describe(impl, device, label)
 
 
-def attention(qkv: Tensor, attention_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
-              softmax_scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
-              return_dropout_mask: bool = False):
+def attention(
+    qkv: Tensor,
+    attention_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    return_dropout_mask: bool = False,
+):
     """softmax(q k^T * scale, padded keys masked) v for qkv [B, S, 3, heads, d] -> [B, S, heads, d].
 
     attention_mask: None or bool/integer [B, S], nonzero = real token. It masks keys only: every
@@ -480,9 +591,16 @@ def attention(qkv: Tensor, attention_mask: Optional[Tensor] = None, dropout_p: f
     return out
 
 
-def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
-                     softmax_scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
-                     return_dropout_mask: bool = False, validate: bool = True):
+def varlen_attention(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    return_dropout_mask: bool = False,
+    validate: bool = True,
+):
     """Attention over packed sequences: qkv [T, 3, heads, d], cu_seqlens int32 [B+1] -> [T, heads, d].
 
     Sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (empty sequences allowed); tokens attend
@@ -501,6 +619,7 @@ def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p
     seed = _dispatch.draw_seed(p, generator)
     out, _ = torch.ops.bert_fast.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, p, scale, seed)
     if return_dropout_mask:
-        return out, _dropout_mask(qkv, cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, p, seed,
-                                  _spec(qkv, "varlen", False, max_seqlen, p))
+        return out, _dropout_mask(
+            qkv, cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, p, seed, _spec(qkv, "varlen", False, max_seqlen, p)
+        )
     return out

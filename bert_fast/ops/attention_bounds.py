@@ -2,6 +2,7 @@
 from torch's in the dtype it runs in, per output element (bert_fast/ops/_verify.py compares with
 them). Used by the op's check (attention.py) and by the fused-SDPA self-check (fused_sdpa.py); it
 imports neither, nor torch_impl, so that the three import one way."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,17 +44,18 @@ def fwd_checks(qkv, cu_seqlens, key_mask, seqlen, dropout_p, scale, k, t):
     sq = Seqs(qkv, cu_seqlens)
     d = qkv.shape[-1]
     sd = 1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0
-    sigma = scale * sq.q.norm(dim=-1) * sq.seqmax(sq.k.norm(dim=-1))          # [..., h]
-    vbar = sq.seqmax(sq.v)                                                    # [..., h, d]
+    sigma = scale * sq.q.norm(dim=-1) * sq.seqmax(sq.k.norm(dim=-1))  # [..., h]
+    vbar = sq.seqmax(sq.v)  # [..., h, d]
     out_mag = sd * vbar * (3.0 + 2.0 * sigma)[..., None]
     out_acc = sd * vbar * (seqlen + (2 * d + 4) * sigma + 4.0)[..., None]
-    lse_sigma = sigma.t() if cu_seqlens is not None else sigma.transpose(1, 2)   # lse's layout
+    lse_sigma = sigma.t() if cu_seqlens is not None else sigma.transpose(1, 2)  # lse's layout
     where = None
     if key_mask is not None:
         where = key_mask.to(torch.bool).any(dim=-1)[:, None, None]
-    return [_verify.Check("out", k[0], t[0], mag=out_mag, acc=out_acc),
-            _verify.Check("lse", k[1], t[1], mag=2.0 * lse_sigma, acc=(d + 4) * lse_sigma + seqlen + 4.0,
-                          where=where)]
+    return [
+        _verify.Check("out", k[0], t[0], mag=out_mag, acc=out_acc),
+        _verify.Check("lse", k[1], t[1], mag=2.0 * lse_sigma, acc=(d + 4) * lse_sigma + seqlen + 4.0, where=where),
+    ]
 
 
 def bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t, torch_attention):
@@ -78,12 +80,13 @@ def bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, s
     else:
         o, lse = pt_varlen_fwd(q32, cu_seqlens, max_seqlen, 0.0, scale, None)
         pt = lambda x: pt_varlen_bwd(x, q32, cu_seqlens, max_seqlen, o, lse, 0.0, scale, None)[:, 2]
-    mags = {"dq": 2.0 * scale * big * sq.seqmax(sq.k),
-            "dk": pt(2.0 * scale * big * sq.q),
-            "dv": pt(sd * ado * (1.0 + 2.0 * sigma)[..., None])}
+    mags = {
+        "dq": 2.0 * scale * big * sq.seqmax(sq.k),
+        "dk": pt(2.0 * scale * big * sq.q),
+        "dv": pt(sd * ado * (1.0 + 2.0 * sigma)[..., None]),
+    }
     checks = []
     for i, name in enumerate(("dq", "dk", "dv")):
         part = (lambda g: g[:, :, i]) if cu_seqlens is None else (lambda g: g[:, i])
-        checks.append(_verify.Check(name, part(k), part(t), mag=mags[name],
-                                    acc=(seqlen + d + 8) * mags[name]))
+        checks.append(_verify.Check(name, part(k), part(t), mag=mags[name], acc=(seqlen + d + 8) * mags[name]))
     return checks

@@ -6,6 +6,7 @@ place on x + b, backward aten.gelu_backward) on the CPU and as the CUDA fallback
 reference when forced. Outputs are always contiguous. The kernel is checked against the torch
 implementation the first time each specialization runs (bert_fast/ops/_verify.py).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -46,34 +47,51 @@ def _bwd_checks(dy, x, bias, k, t):
     g = _verify.absf(dy) * (_verify.GELU_SLOPE + _verify.absf(x) + _verify.absf(bias))
     rows = g.numel() // max(g.shape[-1], 1)
     gsum = g.reshape(rows, -1).sum(dim=0)
-    return [_verify.Check("dx", k[0], t[0], mag=g),
-            _verify.Check("dbias", k[1], t[1], mag=gsum, acc=(rows + 2) * gsum)]
+    return [_verify.Check("dx", k[0], t[0], mag=g), _verify.Check("dbias", k[1], t[1], mag=gsum, acc=(rows + 2) * gsum)]
 
 
 def verified_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
     """The kernel's gelu(x + bias), checked at first use against the torch implementation
     (bert_fast/ops/_verify.py); also the GELU epilogue of linear's cuBLAS path."""
+
     def kernel():
         from bert_fast.kernels.bias_gelu import bias_gelu_fwd as launch
+
         return launch(_as_2d(x), bias, approximate).view(x.shape)
 
-    return _verify.run("bias_gelu", "fwd", _spec(approximate, x, bias), x.device, label=KERNEL,
-                       dtype=x.dtype, kernel=kernel,
-                       fallback=lambda _keep: torch_impl.bias_gelu_fwd(x, bias, approximate).contiguous(),
-                       checks=lambda k, t, _keep: _fwd_checks(x, bias, k, t))
+    return _verify.run(
+        "bias_gelu",
+        "fwd",
+        _spec(approximate, x, bias),
+        x.device,
+        label=KERNEL,
+        dtype=x.dtype,
+        kernel=kernel,
+        fallback=lambda _keep: torch_impl.bias_gelu_fwd(x, bias, approximate).contiguous(),
+        checks=lambda k, t, _keep: _fwd_checks(x, bias, k, t),
+    )
 
 
 def verified_bwd(dy: Tensor, x: Tensor, bias: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     """The kernel's (dx, dbias) of gelu(x + bias), checked at first use."""
+
     def kernel():
         from bert_fast.kernels.bias_gelu import bias_gelu_bwd as launch
+
         dx, dbias = launch(_as_2d(dy), _as_2d(x), bias, approximate)
         return dx.view(x.shape), dbias
 
-    return _verify.run("bias_gelu", "bwd", _spec(approximate, x, dy, bias), x.device, label=KERNEL,
-                       dtype=x.dtype, kernel=kernel,
-                       fallback=lambda _keep: torch_impl.bias_gelu_bwd(dy, x, bias, approximate),
-                       checks=lambda k, t, _keep: _bwd_checks(dy, x, bias, k, t))
+    return _verify.run(
+        "bias_gelu",
+        "bwd",
+        _spec(approximate, x, dy, bias),
+        x.device,
+        label=KERNEL,
+        dtype=x.dtype,
+        kernel=kernel,
+        fallback=lambda _keep: torch_impl.bias_gelu_bwd(dy, x, bias, approximate),
+        checks=lambda k, t, _keep: _bwd_checks(dy, x, bias, k, t),
+    )
 
 
 @torch.library.custom_op("bert_fast::bias_gelu_fwd", mutates_args=())
@@ -133,8 +151,7 @@ bias_gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def backend(device, dtype) -> str:
     """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
-    return _dispatch.describe(_dispatch.implementation_for(device, dtype), device,
-                              "aten GELU")
+    return _dispatch.describe(_dispatch.implementation_for(device, dtype), device, "aten GELU")
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
@@ -146,8 +163,9 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     _dispatch.check_tensor("x", x, dtypes=_DTYPES)
     _dispatch.check_tensor("bias", bias, ndim=1, dtypes=_DTYPES)
     if x.dim() < 1 or x.shape[-1] != bias.shape[0]:
-        raise ValueError(f"bias_gelu: bias shape {tuple(bias.shape)} does not match the last dimension "
-                         f"of x shape {tuple(x.shape)}")
+        raise ValueError(
+            f"bias_gelu: bias shape {tuple(bias.shape)} does not match the last dimension of x shape {tuple(x.shape)}"
+        )
     _dispatch.check_same_dtype(x=x, bias=bias)
     _dispatch.check_same_device(x=x, bias=bias)
     if approximate not in reference.GELU_APPROXIMATIONS:

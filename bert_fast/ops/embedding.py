@@ -28,6 +28,7 @@ Deterministic mode (torch.use_deterministic_algorithms(True)) makes the CUDA bac
 dx rows go to a workspace and each table row sums its tokens in stable-sorted order. The CPU twin is
 always deterministic.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -65,7 +66,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _backend(t: Tensor) -> str:
-    """"cuda", "cpu" (the C++ twin), "torch" or "reference" for tables ``t`` (module docstring)."""
+    """ "cuda", "cpu" (the C++ twin), "torch" or "reference" for tables ``t`` (module docstring)."""
     return _backend_for(t.device, t.dtype)
 
 
@@ -86,8 +87,11 @@ def backend(device, dtype) -> str:
     if b == "cpu":
         return "C++ CPU twin (bert_fast._C; TRITON_INTERPRET=1 runs the kernels)"
     impl = "torch" if b == "torch" else "reference"
-    return _dispatch.describe(impl, device, "index_select + aten native_layer_norm"
-                              + ("" if _ext is not None else " (bert_fast._C not built)"))
+    return _dispatch.describe(
+        impl,
+        device,
+        "index_select + aten native_layer_norm" + ("" if _ext is not None else " (bert_fast._C not built)"),
+    )
 
 
 def _out_rows(input_ids: Tensor, indices: Optional[Tensor]) -> int:
@@ -96,12 +100,19 @@ def _out_rows(input_ids: Tensor, indices: Optional[Tensor]) -> int:
 
 def _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows, dropout_p, seed):
     return {
-        "ids": _ptr(input_ids), "pos": _ptr(position_ids), "tt": _ptr(token_type_ids),
-        "ids_i64": _is64(input_ids), "pos_i64": _is64(position_ids), "tt_i64": _is64(token_type_ids),
-        "indices": _ptr(indices), "rows": int(rows),
+        "ids": _ptr(input_ids),
+        "pos": _ptr(position_ids),
+        "tt": _ptr(token_type_ids),
+        "ids_i64": _is64(input_ids),
+        "pos_i64": _is64(position_ids),
+        "tt_i64": _is64(token_type_ids),
+        "indices": _ptr(indices),
+        "rows": int(rows),
         "seq_len": int(input_ids.shape[-1]) if input_ids.dim() > 0 and input_ids.shape[-1] > 0 else 1,
         "hidden": int(word.shape[1]),
-        "word": _ptr(word), "posemb": _ptr(pos), "typeemb": _ptr(typ),
+        "word": _ptr(word),
+        "posemb": _ptr(pos),
+        "typeemb": _ptr(typ),
         "dtype": _DTYPE_CODES[word.dtype],
         "dropout_p": float(dropout_p) if seed is not None else 0.0,
         "seed": _dispatch.seed_value(seed),
@@ -129,14 +140,22 @@ def _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, row
     dtypes and which of positions / types / indices are given, dropout, the row bucket. The backward
     adds deterministic mode and which gradients it computes."""
     dt = lambda t: None if t is None else str(t.dtype).replace("torch.", "")
-    return (word.dtype, word.shape[1], dt(input_ids), dt(position_ids), dt(token_type_ids), indices is not None,
-            dropout_p > 0.0, _verify.bucket(rows))
+    return (
+        word.dtype,
+        word.shape[1],
+        dt(input_ids),
+        dt(position_ids),
+        dt(token_type_ids),
+        indices is not None,
+        dropout_p > 0.0,
+        _verify.bucket(rows),
+    )
 
 
 def _kernel_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor], device):
     if seed is None or dropout_p == 0.0:
         return None
-    return lambda: _dropout_keep_mask(rows, hidden, dropout_p, seed, device)
+    return lambda: embedding_dropout_mask(rows, hidden, dropout_p, seed, device)
 
 
 def _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table):
@@ -144,41 +163,63 @@ def _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table,
     float64) and the sum of its terms' magnitudes, [rows, H]."""
     ids, pos, tt = torch_impl.embedding_rows(input_ids, position_ids, token_type_ids, indices)
     rows = ids.numel()
-    if pos is None:                 # rows in order: position = row % S
+    if pos is None:  # rows in order: position = row % S
         pos = torch.arange(rows, device=ids.device) % max(1, input_ids.shape[-1])
     if tt is None:
         tt = torch.zeros_like(ids)
     work = torch.float64 if word.dtype == torch.float64 else torch.float32
-    parts = [table.detach().index_select(0, i.long()).to(work) for table, i in
-             ((word, ids), (pos_table, pos), (type_table, tt))]
+    parts = [
+        table.detach().index_select(0, i.long()).to(work)
+        for table, i in ((word, ids), (pos_table, pos), (type_table, tt))
+    ]
     return sum(parts), sum(p.abs() for p in parts), ids.long(), pos.long(), tt.long()
 
 
-def _fwd_checks(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table, weight, bias,
-                dropout_p, keep, k, t):
+def _fwd_checks(
+    input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table, weight, bias, dropout_p, keep, k, t
+):
     # the torch implementation rounds the sum of three rows twice in the dtype (see layer_norm_checks)
     x, xmag, _, _, _ = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table)
     scale = 1.0 / (1.0 - dropout_p) if (keep is not None and dropout_p > 0.0) else 1.0
     hidden = word.shape[1]
     flat = lambda outs: (outs[0].reshape(-1, hidden), outs[1], outs[2])
-    return _verify.with_rel(_verify.layer_norm_checks(x, xmag, weight, bias, flat(k), flat(t), scale=scale),
-                            _verify.dropout_rel(word.dtype, dropout_p))
+    return _verify.with_rel(
+        _verify.layer_norm_checks(x, xmag, weight, bias, flat(k), flat(t), scale=scale),
+        _verify.dropout_rel(word.dtype, dropout_p),
+    )
 
 
-def _bwd_checks(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table,
-                weight, mean, rstd, dropout_p, padding_idx, need, keep, k, t):
+def _bwd_checks(
+    grad_out,
+    input_ids,
+    position_ids,
+    token_type_ids,
+    indices,
+    word,
+    pos_table,
+    type_table,
+    weight,
+    mean,
+    rstd,
+    dropout_p,
+    padding_idx,
+    need,
+    keep,
+    k,
+    t,
+):
     """LayerNorm's backward magnitudes (layer_norm_bwd_magnitudes), then summed into each table row
     the way the gradient is (a table row's gradient adds the rows that gathered it)."""
-    x, xmag, ids, pos, tt = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table,
-                                      type_table)
+    x, xmag, ids, pos, tt = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table)
     rows, hidden = x.shape
     dy = _verify.absf(grad_out).reshape(rows, hidden)
     if keep is not None and dropout_p > 0.0:
         dy = dy * keep.reshape(rows, hidden).to(dy.dtype) * (1.0 / (1.0 - dropout_p))
     dh, dw_terms, ady = _verify.layer_norm_bwd_magnitudes(x, xmag, dy, weight, mean, rstd)
     checks = []
-    for i, (name, table, index) in enumerate((("dword", word, ids), ("dposition", pos_table, pos),
-                                              ("dtoken_type", type_table, tt))):
+    for i, (name, table, index) in enumerate(
+        (("dword", word, ids), ("dposition", pos_table, pos), ("dtoken_type", type_table, tt))
+    ):
         if need[i]:
             m = torch.zeros(table.shape, dtype=dh.dtype, device=dh.device).index_add_(0, index, dh)
             checks.append(_verify.Check(name, k[i], t[i], mag=2.0 * m, acc=(rows + hidden + 2) * m))
@@ -192,11 +233,22 @@ def _bwd_checks(grad_out, input_ids, position_ids, token_type_ids, indices, word
 # ----------------------------------------------------------------------------- forward op
 @torch.library.custom_op("bert_fast::embedding_layer_norm_fwd", mutates_args=())
 @_dispatch.op_impl
-def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
-                             indices: Optional[Tensor], word_embeddings: Tensor, position_embeddings: Tensor,
-                             token_type_embeddings: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                             dropout_p: float, seed: Optional[Tensor], padding_idx: int, validate: bool = False
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+def embedding_layer_norm_fwd(
+    input_ids: Tensor,
+    position_ids: Optional[Tensor],
+    token_type_ids: Optional[Tensor],
+    indices: Optional[Tensor],
+    word_embeddings: Tensor,
+    position_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    padding_idx: int,
+    validate: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Inputs are validated by :func:`embedding_layer_norm`: ids/positions/types contiguous and of one
     shape (positions/types may be None), indices contiguous int64 or None, tables contiguous.
 
@@ -205,33 +257,117 @@ def embedding_layer_norm_fwd(input_ids: Tensor, position_ids: Optional[Tensor], 
     graph is being captured (a host sync is illegal there)."""
     word = word_embeddings
     if validate and _dispatch.host_checks_allowed(input_ids):
-        _validate_ranges(input_ids, position_ids, token_type_ids, indices, word.shape[0],
-                         position_embeddings.shape[0], token_type_embeddings.shape[0])
+        _validate_ranges(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word.shape[0],
+            position_embeddings.shape[0],
+            token_type_embeddings.shape[0],
+        )
     if _backend(word) == "torch":
-        return torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word,
-                                        position_embeddings, token_type_embeddings, weight, bias, eps,
-                                        dropout_p, seed)
+        return torch_impl.embedding_fwd(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            eps,
+            dropout_p,
+            seed,
+        )
     rows = _out_rows(input_ids, indices)
     hidden = word.shape[1]
     if rows == 0:
-        return _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
-                           token_type_embeddings, weight, bias, eps, dropout_p, seed)
+        return _launch_fwd(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            eps,
+            dropout_p,
+            seed,
+        )
     spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
     return _verify.run(
-        "embedding", "fwd", spec, word.device, label=_kernel_label(word), dtype=word.dtype,
-        kernel=lambda: _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
-                                   token_type_embeddings, weight, bias, eps, dropout_p, seed),
+        "embedding",
+        "fwd",
+        spec,
+        word.device,
+        label=_kernel_label(word),
+        dtype=word.dtype,
+        kernel=lambda: _launch_fwd(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            eps,
+            dropout_p,
+            seed,
+        ),
         kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, word.device),
-        fallback=lambda keep: torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word,
-                                                       position_embeddings, token_type_embeddings, weight, bias,
-                                                       eps, dropout_p, seed, keep=keep),
-        checks=lambda k, t, keep: _fwd_checks(input_ids, position_ids, token_type_ids, indices, word,
-                                              position_embeddings, token_type_embeddings, weight, bias,
-                                              dropout_p, keep, k, t))
+        fallback=lambda keep: torch_impl.embedding_fwd(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            eps,
+            dropout_p,
+            seed,
+            keep=keep,
+        ),
+        checks=lambda k, t, keep: _fwd_checks(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            dropout_p,
+            keep,
+            k,
+            t,
+        ),
+    )
 
 
-def _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
-                token_type_embeddings, weight, bias, eps, dropout_p, seed):
+def _launch_fwd(
+    input_ids,
+    position_ids,
+    token_type_ids,
+    indices,
+    word,
+    position_embeddings,
+    token_type_embeddings,
+    weight,
+    bias,
+    eps,
+    dropout_p,
+    seed,
+):
     """The kernel's (out, mean, rstd): CUDA, or the C++ CPU twin on CPU tensors."""
     rows = _out_rows(input_ids, indices)
     hidden = word.shape[1]
@@ -241,11 +377,20 @@ def _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position
     rstd = torch.empty_like(mean)
     if rows == 0:
         return out, mean, rstd
-    params = _common_params(input_ids, position_ids, token_type_ids, indices, word, position_embeddings,
-                            token_type_embeddings, rows, dropout_p, seed)
-    params.update(out=_ptr(out), mean=_ptr(mean), rstd=_ptr(rstd), gamma=_ptr(weight), beta=_ptr(bias),
-                  eps=float(eps))
-    if word.is_cuda:     # on word's GPU: _dispatch.op_impl made it the current device
+    params = _common_params(
+        input_ids,
+        position_ids,
+        token_type_ids,
+        indices,
+        word,
+        position_embeddings,
+        token_type_embeddings,
+        rows,
+        dropout_p,
+        seed,
+    )
+    params.update(out=_ptr(out), mean=_ptr(mean), rstd=_ptr(rstd), gamma=_ptr(weight), beta=_ptr(bias), eps=float(eps))
+    if word.is_cuda:  # on word's GPU: _dispatch.op_impl made it the current device
         params["stream"] = _stream(word.device)
         _ext.embedding_fwd_cuda(params)
     else:
@@ -254,8 +399,22 @@ def _launch_fwd(input_ids, position_ids, token_type_ids, indices, word, position
 
 
 @embedding_layer_norm_fwd.register_fake
-def _(input_ids, position_ids, token_type_ids, indices, word_embeddings, position_embeddings,
-      token_type_embeddings, weight, bias, eps, dropout_p, seed, padding_idx, validate=False):
+def _(
+    input_ids,
+    position_ids,
+    token_type_ids,
+    indices,
+    word_embeddings,
+    position_embeddings,
+    token_type_embeddings,
+    weight,
+    bias,
+    eps,
+    dropout_p,
+    seed,
+    padding_idx,
+    validate=False,
+):
     word = word_embeddings
     hidden = word.shape[1]
     if indices is not None:
@@ -271,12 +430,24 @@ def _(input_ids, position_ids, token_type_ids, indices, word_embeddings, positio
 # ----------------------------------------------------------------------------- backward op
 @torch.library.custom_op("bert_fast::embedding_layer_norm_bwd", mutates_args=())
 @_dispatch.op_impl
-def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Tensor],
-                             token_type_ids: Optional[Tensor], indices: Optional[Tensor], word_embeddings: Tensor,
-                             position_embeddings: Tensor, token_type_embeddings: Tensor, weight: Tensor,
-                             mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor],
-                             padding_idx: int, output_mask: Sequence[bool], deterministic: bool
-                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def embedding_layer_norm_bwd(
+    grad_out: Tensor,
+    input_ids: Tensor,
+    position_ids: Optional[Tensor],
+    token_type_ids: Optional[Tensor],
+    indices: Optional[Tensor],
+    word_embeddings: Tensor,
+    position_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    padding_idx: int,
+    output_mask: Sequence[bool],
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (word, position, token-type tables, weight, bias); output_mask says which are
     needed (the others come back as empty tensors)."""
     word, pos, typ = word_embeddings, position_embeddings, token_type_embeddings
@@ -292,30 +463,115 @@ def embedding_layer_norm_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: 
     if rows == 0 or not any(need):
         return tuple(final(i) for i in range(5))
     if _backend(word) == "torch":
-        grads = torch_impl.embedding_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos,
-                                         typ, weight, mean, rstd, dropout_p, seed, padding_idx, need)
+        grads = torch_impl.embedding_bwd(
+            grad_out,
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            pos,
+            typ,
+            weight,
+            mean,
+            rstd,
+            dropout_p,
+            seed,
+            padding_idx,
+            need,
+        )
         return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
     spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
 
     def fallback(keep):
-        grads = torch_impl.embedding_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos,
-                                         typ, weight, mean, rstd, dropout_p, seed, padding_idx, need, keep=keep)
+        grads = torch_impl.embedding_bwd(
+            grad_out,
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            pos,
+            typ,
+            weight,
+            mean,
+            rstd,
+            dropout_p,
+            seed,
+            padding_idx,
+            need,
+            keep=keep,
+        )
         return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
 
     return _verify.run(
-        "embedding", "bwd", spec + (bool(deterministic), tuple(need), _verify.aligned(grad_out)), device,
-        label=_kernel_label(word), dtype=dtype,
-        kernel=lambda: _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos, typ,
-                                   weight, mean, rstd, dropout_p, seed, padding_idx, need, deterministic),
-        kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, device), fallback=fallback,
-        checks=lambda k, t, keep: _bwd_checks(grad_out, input_ids, position_ids, token_type_ids, indices, word,
-                                              pos, typ, weight, mean, rstd, dropout_p, padding_idx, need, keep,
-                                              k, t),
-        follows=("fwd", spec))
+        "embedding",
+        "bwd",
+        spec + (bool(deterministic), tuple(need), _verify.aligned(grad_out)),
+        device,
+        label=_kernel_label(word),
+        dtype=dtype,
+        kernel=lambda: _launch_bwd(
+            grad_out,
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            pos,
+            typ,
+            weight,
+            mean,
+            rstd,
+            dropout_p,
+            seed,
+            padding_idx,
+            need,
+            deterministic,
+        ),
+        kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, device),
+        fallback=fallback,
+        checks=lambda k, t, keep: _bwd_checks(
+            grad_out,
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word,
+            pos,
+            typ,
+            weight,
+            mean,
+            rstd,
+            dropout_p,
+            padding_idx,
+            need,
+            keep,
+            k,
+            t,
+        ),
+        follows=("fwd", spec),
+    )
 
 
-def _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, mean, rstd,
-                dropout_p, seed, padding_idx, need, deterministic):
+def _launch_bwd(
+    grad_out,
+    input_ids,
+    position_ids,
+    token_type_ids,
+    indices,
+    word,
+    pos,
+    typ,
+    weight,
+    mean,
+    rstd,
+    dropout_p,
+    seed,
+    padding_idx,
+    need,
+    deterministic,
+):
     """The kernel's five gradients (empty where not needed): CUDA, or the C++ CPU twin."""
     dtype, device = word.dtype, word.device
     acc = _acc_dtype(dtype)
@@ -323,10 +579,8 @@ def _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word
     rows = _out_rows(input_ids, indices)
     shapes = [word.shape, pos.shape, typ.shape, weight.shape, weight.shape]
     grad_out = grad_out.reshape(rows, hidden).contiguous()
-    params = _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows,
-                            dropout_p, seed)
-    params.update(dy=_ptr(grad_out), gamma=_ptr(weight), mean=_ptr(mean), rstd=_ptr(rstd),
-                  padding_idx=int(padding_idx))
+    params = _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows, dropout_p, seed)
+    params.update(dy=_ptr(grad_out), gamma=_ptr(weight), mean=_ptr(mean), rstd=_ptr(rstd), padding_idx=int(padding_idx))
 
     # fp32 accumulators (float64 for float64); an fp32 table's gradient is its own accumulator.
     def accum(i):
@@ -336,8 +590,9 @@ def _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word
 
     if not word.is_cuda:
         bufs = [accum(i) for i in range(5)]
-        params.update(dword=_ptr(bufs[0]), dpos=_ptr(bufs[1]), dtype_grad=_ptr(bufs[2]), dgamma=_ptr(bufs[3]),
-                      dbeta=_ptr(bufs[4]))
+        params.update(
+            dword=_ptr(bufs[0]), dpos=_ptr(bufs[1]), dtype_grad=_ptr(bufs[2]), dgamma=_ptr(bufs[3]), dbeta=_ptr(bufs[4])
+        )
         _ext.embedding_bwd_cpu(params)
         return tuple(bufs[i].to(dtype) if need[i] else word.new_empty((0,)) for i in range(5))
 
@@ -378,11 +633,22 @@ def _launch_bwd(grad_out, input_ids, position_ids, token_type_ids, indices, word
             offsets = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=device)
             torch.cumsum(counts, 0, out=offsets[1:])
             _ext.embedding_segment_sum_cuda(
-                _ptr(dx), _ptr(perm), _ptr(offsets), _ptr(seg_rows), int(seg_rows.numel()), hidden,
-                int(padding_idx) if i == 0 else -1, _ptr(g), _DTYPE_CODES[dtype], stream)
+                _ptr(dx),
+                _ptr(perm),
+                _ptr(offsets),
+                _ptr(seg_rows),
+                int(seg_rows.numel()),
+                hidden,
+                int(padding_idx) if i == 0 else -1,
+                _ptr(g),
+                _DTYPE_CODES[dtype],
+                stream,
+            )
             grads.append(g)
-    grads += [dgb[0].to(dtype) if need[3] else word.new_empty((0,)),
-              dgb[1].to(dtype) if need[4] else word.new_empty((0,))]
+    grads += [
+        dgb[0].to(dtype) if need[3] else word.new_empty((0,)),
+        dgb[1].to(dtype) if need[4] else word.new_empty((0,)),
+    ]
     return tuple(grads)
 
 
@@ -401,34 +667,76 @@ def _row_ids(input_ids, position_ids, token_type_ids, indices):
 
 
 @embedding_layer_norm_bwd.register_fake
-def _(grad_out, input_ids, position_ids, token_type_ids, indices, word_embeddings, position_embeddings,
-      token_type_embeddings, weight, mean, rstd, dropout_p, seed, padding_idx, output_mask, deterministic):
-    shapes = [word_embeddings.shape, position_embeddings.shape, token_type_embeddings.shape, weight.shape,
-              weight.shape]
+def _(
+    grad_out,
+    input_ids,
+    position_ids,
+    token_type_ids,
+    indices,
+    word_embeddings,
+    position_embeddings,
+    token_type_embeddings,
+    weight,
+    mean,
+    rstd,
+    dropout_p,
+    seed,
+    padding_idx,
+    output_mask,
+    deterministic,
+):
+    shapes = [word_embeddings.shape, position_embeddings.shape, token_type_embeddings.shape, weight.shape, weight.shape]
     return tuple(word_embeddings.new_empty(shapes[i] if output_mask[i] else (0,)) for i in range(5))
 
 
 # ----------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
-    (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, bias, eps, dropout_p, seed,
-     padding_idx, _validate) = inputs
+    (
+        input_ids,
+        position_ids,
+        token_type_ids,
+        indices,
+        word,
+        pos,
+        typ,
+        weight,
+        bias,
+        eps,
+        dropout_p,
+        seed,
+        padding_idx,
+        _validate,
+    ) = inputs
     _, mean, rstd = output
-    ctx.save_for_backward(input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean,
-                          rstd)
+    ctx.save_for_backward(input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean, rstd)
     ctx.dropout_p = dropout_p
     ctx.padding_idx = padding_idx
 
 
 def _backward(ctx, grad_out, grad_mean, grad_rstd):
-    (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean,
-     rstd) = ctx.saved_tensors
+    (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean, rstd) = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[4:9])
     grads = [None] * 14
     if not any(mask):
         return tuple(grads)
     out = torch.ops.bert_fast.embedding_layer_norm_bwd(
-        grad_out, input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, mean, rstd,
-        ctx.dropout_p, seed, ctx.padding_idx, mask, _dispatch.deterministic())
+        grad_out,
+        input_ids,
+        position_ids,
+        token_type_ids,
+        indices,
+        word,
+        pos,
+        typ,
+        weight,
+        mean,
+        rstd,
+        ctx.dropout_p,
+        seed,
+        ctx.padding_idx,
+        mask,
+        _dispatch.deterministic(),
+    )
     for i in range(5):
         if mask[i]:
             grads[4 + i] = out[i]
@@ -454,8 +762,9 @@ def _broadcast_ids(name: str, t: Optional[Tensor], shape) -> Optional[Tensor]:
         try:
             t = t.expand(shape)
         except RuntimeError:
-            raise ValueError(f"{name} must have the shape of input_ids {tuple(shape)} (or broadcast to it), "
-                             f"got {tuple(t.shape)}") from None
+            raise ValueError(
+                f"{name} must have the shape of input_ids {tuple(shape)} (or broadcast to it), got {tuple(t.shape)}"
+            ) from None
     return t.contiguous()
 
 
@@ -480,23 +789,44 @@ def _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, ma
     """Every index tensor of the op in range (one host sync on CUDA), and positions for the sequence
     length when they are implicit. (indices are checked even when input_ids is empty: any index
     into no tokens is out of range, and the kernel would read ids[indices[t]] past the end.)"""
-    check_index_ranges((
-        ("input_ids", input_ids, vocab, "the word vocabulary size (word_embeddings.shape[0])"),
-        ("position_ids", position_ids, max_pos, "the number of positions (position_embeddings.shape[0])"),
-        ("token_type_ids", token_type_ids, type_vocab,
-         "the token type vocabulary size (token_type_embeddings.shape[0])"),
-        ("indices", indices, input_ids.numel(), "input_ids.numel()")))
+    check_index_ranges(
+        (
+            ("input_ids", input_ids, vocab, "the word vocabulary size (word_embeddings.shape[0])"),
+            ("position_ids", position_ids, max_pos, "the number of positions (position_embeddings.shape[0])"),
+            (
+                "token_type_ids",
+                token_type_ids,
+                type_vocab,
+                "the token type vocabulary size (token_type_embeddings.shape[0])",
+            ),
+            ("indices", indices, input_ids.numel(), "input_ids.numel()"),
+        )
+    )
     if position_ids is None and input_ids.numel() > 0 and input_ids.shape[-1] > max_pos:
-        raise IndexError(f"sequence length {input_ids.shape[-1]} needs position ids up to "
-                         f"{input_ids.shape[-1] - 1}, out of range [0, {max_pos}) "
-                         f"(position_embeddings.shape[0] = {max_pos})")
+        raise IndexError(
+            f"sequence length {input_ids.shape[-1]} needs position ids up to "
+            f"{input_ids.shape[-1] - 1}, out of range [0, {max_pos}) "
+            f"(position_embeddings.shape[0] = {max_pos})"
+        )
 
 
-def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
-                         word_embeddings: Tensor, position_embeddings: Tensor, token_type_embeddings: Tensor,
-                         weight: Tensor, bias: Tensor, eps: float = 1e-12, dropout_p: float = 0.0,
-                         padding_idx: Optional[int] = None, indices: Optional[Tensor] = None,
-                         generator: Optional[torch.Generator] = None, *, validate: bool = True) -> Tensor:
+def embedding_layer_norm(
+    input_ids: Tensor,
+    position_ids: Optional[Tensor],
+    token_type_ids: Optional[Tensor],
+    word_embeddings: Tensor,
+    position_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-12,
+    dropout_p: float = 0.0,
+    padding_idx: Optional[int] = None,
+    indices: Optional[Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    *,
+    validate: bool = True,
+) -> Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) * weight + bias, then dropout.
 
     Args:
@@ -531,8 +861,13 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
         _dispatch.check_tensor(name, t, ndim=1)
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
-    _dispatch.check_same_dtype(word_embeddings=word_embeddings, position_embeddings=position_embeddings,
-                               token_type_embeddings=token_type_embeddings, weight=weight, bias=bias)
+    _dispatch.check_same_dtype(
+        word_embeddings=word_embeddings,
+        position_embeddings=position_embeddings,
+        token_type_embeddings=token_type_embeddings,
+        weight=weight,
+        bias=bias,
+    )
     dtype = word_embeddings.dtype
     if dtype not in _DTYPE_CODES:
         raise TypeError(f"word_embeddings must have dtype float32, float16, bfloat16 or float64, got {dtype}")
@@ -552,18 +887,26 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
         _check_index_tensor("indices", indices)
         if indices.dim() != 1:
             raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-    _dispatch.check_same_device(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids,
-                                indices=indices, word_embeddings=word_embeddings,
-                                position_embeddings=position_embeddings,
-                                token_type_embeddings=token_type_embeddings, weight=weight, bias=bias)
+    _dispatch.check_same_device(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        token_type_ids=token_type_ids,
+        indices=indices,
+        word_embeddings=word_embeddings,
+        position_embeddings=position_embeddings,
+        token_type_embeddings=token_type_embeddings,
+        weight=weight,
+        bias=bias,
+    )
     dropout_p = _dispatch.check_dropout_p(dropout_p)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
     vocab = word_embeddings.shape[0]
     if padding_idx is not None:
         if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not -vocab <= padding_idx < vocab:
-            raise ValueError(f"padding_idx must be an int in [-{vocab}, {vocab}) (the word vocabulary), "
-                             f"got {padding_idx!r}")
+            raise ValueError(
+                f"padding_idx must be an int in [-{vocab}, {vocab}) (the word vocabulary), got {padding_idx!r}"
+            )
         padding_idx = padding_idx % vocab
     shape = tuple(input_ids.shape)
     position_ids = _broadcast_ids("position_ids", position_ids, shape)
@@ -574,35 +917,88 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Optional[Tensor], toke
     seed = _dispatch.draw_seed(dropout_p, generator)
     if _backend(word_embeddings) == "reference":
         if validate and not torch.compiler.is_compiling() and _dispatch.host_checks_allowed(input_ids):
-            _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, position_embeddings.shape[0],
-                             token_type_embeddings.shape[0])
+            _validate_ranges(
+                input_ids,
+                position_ids,
+                token_type_ids,
+                indices,
+                vocab,
+                position_embeddings.shape[0],
+                token_type_embeddings.shape[0],
+            )
         rows = _out_rows(input_ids, indices)
         out_shape = (rows, hidden) if indices is not None else shape + (hidden,)
         mask = _dispatch.reference_dropout_mask(out_shape, dropout_p, seed, word_embeddings.device)
-        return reference.embedding_layer_norm(input_ids, position_ids, token_type_ids, word_embeddings,
-                                              position_embeddings, token_type_embeddings, weight, bias, eps,
-                                              dropout_p, padding_idx, indices, mask)
-    if (dropout_p == 0.0 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(word_embeddings.device.type) and _backend(word_embeddings) == "torch"):
+        return reference.embedding_layer_norm(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            word_embeddings,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            eps,
+            dropout_p,
+            padding_idx,
+            indices,
+            mask,
+        )
+    if (
+        dropout_p == 0.0
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(word_embeddings.device.type)
+        and _backend(word_embeddings) == "torch"
+    ):
         # No gradient, nothing to trace, no dropout: the custom op's plumbing (~50 us at 128 tokens,
         # ~0.4 ms at 1024 measured) buys nothing; the same torch implementation runs directly.
         if validate and _dispatch.host_checks_allowed(input_ids):
-            _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, position_embeddings.shape[0],
-                             token_type_embeddings.shape[0])
-        return torch_impl.embedding_fwd(input_ids, position_ids, token_type_ids, indices, word_embeddings,
-                                        position_embeddings, token_type_embeddings, weight, bias, float(eps),
-                                        0.0, None)[0]
+            _validate_ranges(
+                input_ids,
+                position_ids,
+                token_type_ids,
+                indices,
+                vocab,
+                position_embeddings.shape[0],
+                token_type_embeddings.shape[0],
+            )
+        return torch_impl.embedding_fwd(
+            input_ids,
+            position_ids,
+            token_type_ids,
+            indices,
+            word_embeddings,
+            position_embeddings,
+            token_type_embeddings,
+            weight,
+            bias,
+            float(eps),
+            0.0,
+            None,
+        )[0]
     out, _, _ = torch.ops.bert_fast.embedding_layer_norm_fwd(
-        input_ids, position_ids, token_type_ids, indices, word_embeddings.contiguous(),
-        position_embeddings.contiguous(), token_type_embeddings.contiguous(), weight.contiguous(),
-        bias.contiguous(), float(eps), dropout_p, seed, -1 if padding_idx is None else padding_idx, validate)
+        input_ids,
+        position_ids,
+        token_type_ids,
+        indices,
+        word_embeddings.contiguous(),
+        position_embeddings.contiguous(),
+        token_type_embeddings.contiguous(),
+        weight.contiguous(),
+        bias.contiguous(),
+        float(eps),
+        dropout_p,
+        seed,
+        -1 if padding_idx is None else padding_idx,
+        validate,
+    )
     return out
 
 
-def _dropout_keep_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor],
-                       device="cpu") -> Tensor:
-    """Debug/test helper: the bool keep-mask [rows, hidden] the kernels apply for ``seed`` (the same
-    bits on the CPU twin and on CUDA)."""
+def embedding_dropout_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor], device="cpu") -> Tensor:
+    """The bool dropout keep-mask [rows, hidden] the embedding kernels apply for ``seed`` (the same
+    bits on the CPU twin and on CUDA): for tests and the doctor, which compare against it."""
     device = torch.device(device)
     out = torch.empty((rows, hidden), dtype=torch.uint8, device=device)
     if rows == 0 or hidden == 0:
@@ -613,4 +1009,4 @@ def _dropout_keep_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[
         with torch.cuda.device(device):
             _ext.dropout_mask_cuda(_ptr(out), rows, hidden, s, float(p), _stream(device))
         return out.bool()
-    return keep_mask((rows, hidden), p, s)       # the same stream, drawn on the host
+    return keep_mask((rows, hidden), p, s)  # the same stream, drawn on the host

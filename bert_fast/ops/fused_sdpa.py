@@ -43,6 +43,7 @@ does the same. During CUDA-graph capture no check runs (it synchronizes): a kept
 an unchecked key takes the materialized path. Meta plumbing and the selection logic are tested on
 the CPU (tests/test_fused_sdpa.py); the kernels themselves only where a GPU runs the suite.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,8 +64,8 @@ EFF_BWD = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backw
 VARLEN_FWD = getattr(torch.ops.aten, "_efficient_attention_forward", None)
 VARLEN_BWD = getattr(torch.ops.aten, "_efficient_attention_backward", None)
 
-LSE_ALIGN = 32       # kAlignLSE of the memory-efficient kernels: lse's query axis is padded to it
-BIAS_ALIGN = 16      # the bias's key axis is allocated padded to it (torch's pad_bias)
+LSE_ALIGN = 32  # kAlignLSE of the memory-efficient kernels: lse's query axis is padded to it
+BIAS_ALIGN = 16  # the bias's key axis is allocated padded to it (torch's pad_bias)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -102,8 +103,15 @@ _SUSPENDED = threading.local()
 def eligible(qkv: Tensor, dropout: bool) -> bool:
     """The fused path may serve this call: CUDA (``on_cuda``), no dropout, fp16/bf16/fp32, aligned
     (and not while a self-check computes its bounds with the torch implementation)."""
-    return (not dropout and not getattr(_SUSPENDED, "on", False) and on_cuda(qkv) and qkv.dtype in _DTYPES and qkv.numel() > 0
-            and _aligned(qkv) and None not in (EFF_FWD, EFF_BWD, VARLEN_FWD, VARLEN_BWD))
+    return (
+        not dropout
+        and not getattr(_SUSPENDED, "on", False)
+        and on_cuda(qkv)
+        and qkv.dtype in _DTYPES
+        and qkv.numel() > 0
+        and _aligned(qkv)
+        and None not in (EFF_FWD, EFF_BWD, VARLEN_FWD, VARLEN_BWD)
+    )
 
 
 # ----------------------------------------------------------------------------- plumbing: padded
@@ -118,11 +126,11 @@ def key_bias(key_mask: Tensor, heads: int, dtype: torch.dtype) -> Tensor:
 
 
 def _heads(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))       # [B, h, S, d] views
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))  # [B, h, S, d] views
 
 
 def _has_keys(key_mask: Optional[Tensor]) -> Optional[Tensor]:
-    return None if key_mask is None else key_mask.to(torch.bool).any(dim=-1)     # [B]
+    return None if key_mask is None else key_mask.to(torch.bool).any(dim=-1)  # [B]
 
 
 def _padded_fwd_raw(qkv: Tensor, key_mask: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
@@ -131,10 +139,10 @@ def _padded_fwd_raw(qkv: Tensor, key_mask: Optional[Tensor], scale: float) -> Tu
     q, k, v = _heads(qkv)
     bias = None if key_mask is None else key_bias(key_mask, h, qkv.dtype)
     out, lse, _seed, _off = EFF_FWD(q, k, v, bias, True, 0.0, False, scale=scale)
-    out = out.transpose(1, 2)                          # [B, S, h, d]
-    lse = lse[:, :, :s]                                # padded to ceil32(S) along the queries
+    out = out.transpose(1, 2)  # [B, S, h, d]
+    lse = lse[:, :, :s]  # padded to ceil32(S) along the queries
     keys = _has_keys(key_mask)
-    if keys is not None:                               # rows without keys: zeros, lse +inf
+    if keys is not None:  # rows without keys: zeros, lse +inf
         out = torch.where(keys[:, None, None, None], out, out.new_zeros(()))
         lse = torch.where(keys[:, None, None], lse, lse.new_full((), float("inf")))
     return out.contiguous(), lse.float().contiguous()
@@ -152,12 +160,13 @@ def _lse_for_bwd(lse_bhs: Tensor, keys: Optional[Tensor]) -> Tensor:
 
 
 def _seed_offset(device) -> Tuple[Tensor, Tensor]:
-    z = torch.zeros((), dtype=torch.int64, device=device)     # unused with dropout_p = 0
+    z = torch.zeros((), dtype=torch.int64, device=device)  # unused with dropout_p = 0
     return z, z.clone()
 
 
-def _padded_bwd_raw(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-                    scale: float) -> Tensor:
+def _padded_bwd_raw(
+    dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor, scale: float
+) -> Tensor:
     """d(qkv) [B, S, 3, h, d] of the fused kernel; out [B, S, h, d], lse fp32 [B, h, S] (ours, the
     materialized path's or the Triton kernel's: only its values on rows with keys are read)."""
     b, s, _, h, _ = qkv.shape
@@ -165,9 +174,21 @@ def _padded_bwd_raw(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: 
     bias = None if key_mask is None else key_bias(key_mask, h, qkv.dtype)
     keys = _has_keys(key_mask)
     seed, off = _seed_offset(qkv.device)
-    dq, dk, dv, _db = EFF_BWD(dout.contiguous().transpose(1, 2), q, k, v, bias,
-                              out.contiguous().transpose(1, 2), _lse_for_bwd(lse, keys), seed, off,
-                              0.0, [True, True, True, False], False, scale=scale)
+    dq, dk, dv, _db = EFF_BWD(
+        dout.contiguous().transpose(1, 2),
+        q,
+        k,
+        v,
+        bias,
+        out.contiguous().transpose(1, 2),
+        _lse_for_bwd(lse, keys),
+        seed,
+        off,
+        0.0,
+        [True, True, True, False],
+        False,
+        scale=scale,
+    )
     dqkv = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
     if keys is not None:
         dqkv = torch.where(keys[:, None, None, None, None], dqkv, dqkv.new_zeros(()))
@@ -188,36 +209,54 @@ def _token_index(cu_seqlens: Tensor, t: int, max_seqlen: int) -> Tuple[Tensor, T
 def _varlen_fwd_raw(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tuple[Tensor, Tensor]:
     """(out [T, h, d] contiguous, lse fp32 [h, T] contiguous) of the fused varlen kernel."""
     t, _, h, d = qkv.shape
-    q, k, v = (x.unsqueeze(0) for x in qkv.unbind(1))            # [1, T, h, d]
+    q, k, v = (x.unsqueeze(0) for x in qkv.unbind(1))  # [1, T, h, d]
     cu = cu_seqlens.to(torch.int32)
     res = VARLEN_FWD(q, k, v, None, cu, cu, max_seqlen, max_seqlen, 0.0, 0, True, scale=scale)
-    out, lse = res[0], res[1]                                     # [1, T, h, d], [B, h, ceil32(max)]
+    out, lse = res[0], res[1]  # [1, T, h, d], [B, h, ceil32(max)]
     seq, pos = _token_index(cu_seqlens, t, max_seqlen)
-    lse_th = lse[seq, :, pos]                                     # [T, h]
+    lse_th = lse[seq, :, pos]  # [T, h]
     return out.reshape(t, h, d).contiguous(), lse_th.t().float().contiguous()
 
 
-def _varlen_bwd_raw(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
-                    lse: Tensor, scale: float) -> Tensor:
+def _varlen_bwd_raw(
+    dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor, lse: Tensor, scale: float
+) -> Tensor:
     """d(qkv) [T, 3, h, d] of the fused varlen kernel; lse fp32 [h, T] (the op's layout)."""
     t, _, h, d = qkv.shape
     nseq = cu_seqlens.numel() - 1
     q, k, v = (x.unsqueeze(0) for x in qkv.unbind(1))
     cu = cu_seqlens.to(torch.int32)
     seq, pos = _token_index(cu_seqlens, t, max_seqlen)
-    lse_b = torch.full((nseq, h, _ceil(max(max_seqlen, 1), LSE_ALIGN)), float("inf"),
-                       dtype=torch.float32, device=qkv.device)
+    lse_b = torch.full(
+        (nseq, h, _ceil(max(max_seqlen, 1), LSE_ALIGN)), float("inf"), dtype=torch.float32, device=qkv.device
+    )
     lse_b[seq, :, pos] = lse.t().float()
     seed, off = _seed_offset(qkv.device)
-    dq, dk, dv, _db = VARLEN_BWD(dout.contiguous().reshape(1, t, h, d), q, k, v, None,
-                                 out.contiguous().reshape(1, t, h, d), cu, cu, max_seqlen, max_seqlen,
-                                 lse_b, 0.0, seed, off, 0, False, scale=scale)
-    return torch.stack([dq[0], dk[0], dv[0]], dim=1)               # [T, 3, h, d]
+    dq, dk, dv, _db = VARLEN_BWD(
+        dout.contiguous().reshape(1, t, h, d),
+        q,
+        k,
+        v,
+        None,
+        out.contiguous().reshape(1, t, h, d),
+        cu,
+        cu,
+        max_seqlen,
+        max_seqlen,
+        lse_b,
+        0.0,
+        seed,
+        off,
+        0,
+        False,
+        scale=scale,
+    )
+    return torch.stack([dq[0], dk[0], dv[0]], dim=1)  # [T, 3, h, d]
 
 
 # ----------------------------------------------------------------------------- selection + self-check
 _LOCK = threading.Lock()
-_VERDICTS: Dict[tuple, str] = {}     # key -> "fused" | "materialized"
+_VERDICTS: Dict[tuple, str] = {}  # key -> "fused" | "materialized"
 _CHECKING: set = set()
 
 
@@ -246,7 +285,9 @@ def _fail(key: tuple, reason: str) -> None:
             f"bert_fast: torch's fused attention ({key[4]} {key[5]}, {key[2]}, head dim {key[3]}, "
             f"{key[0]}{'' if key[1] is None else ':' + str(key[1])}) is not used in this process: {reason}. "
             "The torch implementation runs the materialized attention instead.",
-            FusedAttentionWarning, stacklevel=4)
+            FusedAttentionWarning,
+            stacklevel=4,
+        )
 
 
 def _selected(key: tuple, qkv: Tensor, check: Callable[[], Optional[str]]) -> bool:
@@ -254,7 +295,7 @@ def _selected(key: tuple, qkv: Tensor, check: Callable[[], Optional[str]]) -> bo
     if v is not None:
         return v == "fused"
     if key in _CHECKING or _capturing(qkv):
-        return False           # its own check in progress, or a capture: unchecked -> materialized
+        return False  # its own check in progress, or a capture: unchecked -> materialized
     _CHECKING.add(key)
     try:
         try:
@@ -300,13 +341,14 @@ def _problem(qkv: Tensor, padded: bool):
         x = mk((b, s, 3, _CHECK_HEADS, d))
         mask = torch.zeros(b, s, dtype=torch.bool)
         for i, n in enumerate(_CHECK_LENGTHS):
-            mask[i, :n] = True                                    # the last sequence: no key at all
+            mask[i, :n] = True  # the last sequence: no key at all
         dout = mk((b, s, _CHECK_HEADS, d))
         return x, mask.to(qkv.device), None, s, dout, scale
     t = sum(_CHECK_LENGTHS)
     x = mk((t, 3, _CHECK_HEADS, d))
-    cu = torch.tensor([0] + [sum(_CHECK_LENGTHS[:i + 1]) for i in range(len(_CHECK_LENGTHS))],
-                      dtype=torch.int32, device=qkv.device)
+    cu = torch.tensor(
+        [0] + [sum(_CHECK_LENGTHS[: i + 1]) for i in range(len(_CHECK_LENGTHS))], dtype=torch.int32, device=qkv.device
+    )
     dout = mk((t, _CHECK_HEADS, d))
     return x, None, cu, s, dout, scale
 
@@ -323,8 +365,9 @@ def _compare(direction: str, x, mask, cu, s, dout, scale, fused, ref, ti) -> Opt
             checks = attention_bounds.fwd_checks(cpu(x), cpu(cu), cpu(mask), s, 0.0, scale, fused, ref)
         else:
             pt = (ti.attention_fwd, ti.attention_bwd, ti.varlen_attention_fwd, ti.varlen_attention_bwd)
-            checks = attention_bounds.bwd_checks(cpu(dout), cpu(x), cpu(cu), s if cu is not None else None,
-                                                 cpu(mask), s, 0.0, scale, fused, ref, pt)
+            checks = attention_bounds.bwd_checks(
+                cpu(dout), cpu(x), cpu(cu), s if cu is not None else None, cpu(mask), s, 0.0, scale, fused, ref, pt
+            )
     finally:
         _SUSPENDED.on = False
     reason, _worst = _verify.compare(checks, x.dtype, x.device)
@@ -355,29 +398,38 @@ def _check(qkv: Tensor, layout: str, direction: str, ti) -> Optional[str]:
 # materialized_fwd/bwd and varlen_fwd/bwd_grouped (the references), and attention_fwd/bwd and
 # varlen_attention_fwd/bwd (P^T x in the backward's bounds). Read at call time: a test that
 # wraps one of them sees it wrapped.
-def padded_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float,
-               ti) -> Optional[Tuple[Tensor, Tensor]]:
+def padded_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, ti) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) of the fused kernel, or None: the caller runs the materialized path."""
     key = _key(qkv, "padded", "fwd")
     return _run(key, qkv, lambda: _check(qkv, "padded", "fwd", ti), lambda: _padded_fwd_raw(qkv, key_mask, scale))
 
 
-def padded_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-               scale: float, ti) -> Optional[Tensor]:
+def padded_bwd(
+    dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor, scale: float, ti
+) -> Optional[Tensor]:
     key = _key(qkv, "padded", "bwd")
-    return _run(key, qkv, lambda: _check(qkv, "padded", "bwd", ti),
-                lambda: _padded_bwd_raw(dout, qkv, key_mask, out, lse, scale))
+    return _run(
+        key,
+        qkv,
+        lambda: _check(qkv, "padded", "bwd", ti),
+        lambda: _padded_bwd_raw(dout, qkv, key_mask, out, lse, scale),
+    )
 
 
-def varlen_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float,
-               ti) -> Optional[Tuple[Tensor, Tensor]]:
+def varlen_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, ti) -> Optional[Tuple[Tensor, Tensor]]:
     key = _key(qkv, "varlen", "fwd")
-    return _run(key, qkv, lambda: _check(qkv, "varlen", "fwd", ti),
-                lambda: _varlen_fwd_raw(qkv, cu_seqlens, max_seqlen, scale))
+    return _run(
+        key, qkv, lambda: _check(qkv, "varlen", "fwd", ti), lambda: _varlen_fwd_raw(qkv, cu_seqlens, max_seqlen, scale)
+    )
 
 
-def varlen_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor, lse: Tensor,
-               scale: float, ti) -> Optional[Tensor]:
+def varlen_bwd(
+    dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor, lse: Tensor, scale: float, ti
+) -> Optional[Tensor]:
     key = _key(qkv, "varlen", "bwd")
-    return _run(key, qkv, lambda: _check(qkv, "varlen", "bwd", ti),
-                lambda: _varlen_bwd_raw(dout, qkv, cu_seqlens, max_seqlen, out, lse, scale))
+    return _run(
+        key,
+        qkv,
+        lambda: _check(qkv, "varlen", "bwd", ti),
+        lambda: _varlen_bwd_raw(dout, qkv, cu_seqlens, max_seqlen, out, lse, scale),
+    )

@@ -16,6 +16,7 @@ Masks for CUDA tensors are drawn on the host and copied (this is the fallback's 
 kernels'): the bits do not depend on the device. Without the compiled module (bert_fast._C not
 built) the same stream is computed with torch integer ops, ~20x slower but the same bits.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,5 +91,5 @@ def keep_mask_torch(rows: int, cols: int, dropout_p: float, seed: int, rows_per_
             c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
             k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
         words = torch.stack([c0, c1, c2, c3], dim=-1).reshape(r.shape[0], groups * 4)[:, :cols]
-        out[r0:r0 + r.shape[0]] = words >= thr
+        out[r0 : r0 + r.shape[0]] = words >= thr
     return out

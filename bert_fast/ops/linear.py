@@ -50,6 +50,7 @@ close, and recomputing would only win with dZ fused into the recomputing GEMM; n
 costs M*N activation memory, which activation checkpointing can trade back. z is only saved when a
 gradient is needed (not under no_grad / inference).
 """
+
 from __future__ import annotations
 
 import functools
@@ -82,8 +83,7 @@ def m_bucket(m: int, cap: int = 16384) -> int:
     return b
 
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                torch.float64: "fp64"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def table_key(direction: str, activation: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
@@ -113,8 +113,9 @@ def _device_entries(index: int) -> dict:
     return {}
 
 
-def default_backend(capability: Tuple[int, int], direction: str, activation: str, dtype: torch.dtype,
-                    m: int, n: int, k: int) -> str:
+def default_backend(
+    capability: Tuple[int, int], direction: str, activation: str, dtype: torch.dtype, m: int, n: int, k: int
+) -> str:
     """The documented guess used when the table has no entry (see the module docstring)."""
     if dtype == torch.float32 or m_bucket(m) < 128:
         return "cublas"
@@ -127,13 +128,12 @@ def _requested_backend(backend: Optional[str]) -> str:
     req = backend if backend is not None else os.environ.get(_ENV, "auto")
     req = req.strip().lower()
     if req not in ("auto", "triton", "cublas"):
-        raise ValueError(f"linear backend must be 'auto', 'triton' or 'cublas' "
-                         f"(argument or {_ENV}), got {req!r}")
+        raise ValueError(f"linear backend must be 'auto', 'triton' or 'cublas' (argument or {_ENV}), got {req!r}")
     return req
 
 
 def _table_backend(x: Tensor, n: int, k: int, activation: str, direction: str) -> str:
-    """"auto" on CUDA: the dispatch table's entry for this GPU and shape, else default_backend.
+    """ "auto" on CUDA: the dispatch table's entry for this GPU and shape, else default_backend.
 
     Reads a file, the device name and capability: host work that torch.compile cannot trace
     (``open`` is a hard graph break). So it never runs at trace time: :func:`linear` passes the
@@ -145,25 +145,25 @@ def _table_backend(x: Tensor, n: int, k: int, activation: str, direction: str) -
     entry = _device_entries(index).get(table_key(direction, activation, x.dtype, m, n, k))
     if entry is not None:
         return entry["backend"] if isinstance(entry, dict) else str(entry)
-    return default_backend(torch.cuda.get_device_capability(index), direction, activation, x.dtype,
-                           m, n, k)
+    return default_backend(torch.cuda.get_device_capability(index), direction, activation, x.dtype, m, n, k)
 
 
-def choose_backend(x: Tensor, n: int, k: int, activation: str, direction: str,
-                   backend: Optional[str] = None, defer_auto: bool = False) -> str:
+def choose_backend(
+    x: Tensor, n: int, k: int, activation: str, direction: str, backend: Optional[str] = None, defer_auto: bool = False
+) -> str:
     """The backend ("triton", "cublas", "torch" or "reference") of one forward or backward call.
 
     ``defer_auto``: on CUDA with "auto" requested, return "auto" instead of reading the dispatch
     table (the ops resolve it at run time, see :func:`_table_backend`); what :func:`linear` uses,
     so that it traces under torch.compile(fullgraph=True) on CUDA too."""
     req = _requested_backend(backend)
-    impl = _dispatch.implementation(x, uses_dot=True)   # float64 on CUDA: "torch" (cuBLAS DGEMM)
+    impl = _dispatch.implementation(x, uses_dot=True)  # float64 on CUDA: "torch" (cuBLAS DGEMM)
     if impl != "kernel":
         return impl
     if req != "auto":
         return req
     if not x.is_cuda:
-        return "triton"        # interpreter: test our kernel
+        return "triton"  # interpreter: test our kernel
     if defer_auto:
         return "auto"
     return _table_backend(x, n, k, activation, direction)
@@ -175,13 +175,13 @@ def _resolve(backend: str, x: Tensor, weight: Tensor, activation: str, direction
         return backend
     n, k = weight.shape
     if x.is_cuda and x.dtype != torch.float64:
-        return _table_backend(x, n, k, activation, direction)   # env-free: fwd and bwd agree
+        return _table_backend(x, n, k, activation, direction)  # env-free: fwd and bwd agree
     return choose_backend(x, n, k, activation, direction, backend="auto")
 
 
 # ----------------------------------------------------------------------------- forward op
 def _split_backend(backend: str) -> Tuple[str, str]:
-    """"fwd[:bwd]" -> (fwd, bwd); each one of BACKENDS or "auto" (resolved inside the ops)."""
+    """ "fwd[:bwd]" -> (fwd, bwd); each one of BACKENDS or "auto" (resolved inside the ops)."""
     fwd, _, bwd = backend.partition(":")
     bwd = bwd or fwd
     for b in (fwd, bwd):
@@ -203,6 +203,7 @@ def _kernel_label(x: Tensor, backends: str) -> str:
     tma = False
     try:
         from bert_fast.kernels import linear_tma
+
         tma = linear_tma.enabled_for(x.device, x.dtype)
     except Exception:  # noqa: BLE001
         pass
@@ -256,8 +257,9 @@ def _bwd_checks(dy, x, weight, z_full, act, need, k, t):
 
 @torch.library.custom_op("bert_fast::linear_fwd", mutates_args=())
 @_dispatch.op_impl
-def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
-               save_z: bool) -> Tuple[Tensor, Tensor]:
+def linear_fwd(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str, save_z: bool
+) -> Tuple[Tensor, Tensor]:
     """(y, z) for x [M, K] (any strides), weight [N, K]. z is what the backward needs when an
     activation is set and ``save_z``: x @ W^T + b ("triton", "torch", "reference") or x @ W^T without the
     bias ("cublas", whose bias+GELU kernel adds the bias itself); otherwise an empty tensor.
@@ -269,26 +271,46 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: st
     backend = _resolve(_split_backend(backend)[0], x, weight, activation, "fwd")
     keep_z = save_z and act is not None
     if backend == "triton":
+
         def kernel():
             from bert_fast.kernels.linear import linear_fwd as launch
+
             return launch(x, weight, bias, act, save_z=keep_z)
 
         n, k = weight.shape
-        spec = ("triton", x.dtype, activation, bias is not None, keep_z, _verify.bucket(x.shape[0]), n, k,
-                _verify.aligned(x, weight, bias))
-        y, z = _verify.run("linear", "fwd", spec, x.device, label=lambda: _kernel_label(x, "triton"), dtype=x.dtype,
-                           kernel=kernel, fallback=lambda _keep: torch_impl.linear_fwd(x, weight, bias, act, keep_z),
-                           checks=lambda kout, tout, _keep: _fwd_checks(x, weight, bias, act, kout, tout))
+        spec = (
+            "triton",
+            x.dtype,
+            activation,
+            bias is not None,
+            keep_z,
+            _verify.bucket(x.shape[0]),
+            n,
+            k,
+            _verify.aligned(x, weight, bias),
+        )
+        y, z = _verify.run(
+            "linear",
+            "fwd",
+            spec,
+            x.device,
+            label=lambda: _kernel_label(x, "triton"),
+            dtype=x.dtype,
+            kernel=kernel,
+            fallback=lambda _keep: torch_impl.linear_fwd(x, weight, bias, act, keep_z),
+            checks=lambda kout, tout, _keep: _fwd_checks(x, weight, bias, act, kout, tout),
+        )
     elif backend == "cublas":
         if act is None:
             y, z = F.linear(x, weight, bias).contiguous(), None
-        else:   # cuBLAS GEMM, then our bias+GELU kernel (checked as the bias_gelu op)
+        else:  # cuBLAS GEMM, then our bias+GELU kernel (checked as the bias_gelu op)
             from bert_fast.ops.bias_gelu import verified_fwd
+
             z = torch.mm(x, weight.t())
             y = verified_fwd(z, _bias_or_zeros(bias, weight.shape[0], z), torch_impl.GELU_APPROXIMATE[act])
     elif backend == "torch":
         y, z = torch_impl.linear_fwd(x, weight, bias, act, keep_z)
-    else:   # reference
+    else:  # reference
         z = F.linear(x, weight, bias)
         y = z if act is None else F.gelu(z, approximate=torch_impl.GELU_APPROXIMATE[act])
         y = y.contiguous()
@@ -308,9 +330,19 @@ def _(x, weight, bias, activation, backend, save_z):
 # ----------------------------------------------------------------------------- backward op
 @torch.library.custom_op("bert_fast::linear_bwd", mutates_args=())
 @_dispatch.op_impl
-def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Tensor,
-               activation: str, fwd_backend: str, bwd_backend: str,
-               need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def linear_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    z: Tensor,
+    activation: str,
+    fwd_backend: str,
+    bwd_backend: str,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) of linear_fwd given dy [M, N] (any strides); a gradient not asked for is an
     empty tensor. ``fwd_backend`` says what z holds (see linear_fwd); ``bwd_backend`` picks the GEMMs."""
     act = None if activation == "none" else activation
@@ -320,8 +352,10 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z:
     bwd_backend = _resolve(bwd_backend, x, weight, activation, "bwd")
     n = weight.shape[0]
     if act is not None and z.numel() != dy.numel():
-        raise RuntimeError("bert_fast::linear_bwd: the forward did not save the pre-activation "
-                           "(call linear_fwd with save_z=True when gradients are needed)")
+        raise RuntimeError(
+            "bert_fast::linear_bwd: the forward did not save the pre-activation "
+            "(call linear_fwd with save_z=True when gradients are needed)"
+        )
     if fwd_backend == "torch" and bwd_backend == "torch":
         return _torch_bwd(dy, x, weight, z if act is not None else None, act, need_dx, need_dw, need_db)
     uses_kernel = (act is not None and fwd_backend == "cublas") or "triton" in (fwd_backend, bwd_backend)
@@ -332,14 +366,28 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], z:
     if act is not None:
         z_full = z + bias if (fwd_backend == "cublas" and bias is not None) else z
     need = (need_dx, need_dw, need_db)
-    spec = (fwd_backend, bwd_backend, dy.dtype, activation, need, _verify.bucket(x.shape[0]), n, x.shape[1],
-            _verify.aligned(dy, x, weight, z if act is not None else None))
+    spec = (
+        fwd_backend,
+        bwd_backend,
+        dy.dtype,
+        activation,
+        need,
+        _verify.bucket(x.shape[0]),
+        n,
+        x.shape[1],
+        _verify.aligned(dy, x, weight, z if act is not None else None),
+    )
     return _verify.run(
-        "linear", "bwd", spec, x.device, label=lambda: _kernel_label(x, fwd_backend + ":" + bwd_backend), dtype=dy.dtype,
-        kernel=lambda: _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, need_dw,
-                                   need_db),
+        "linear",
+        "bwd",
+        spec,
+        x.device,
+        label=lambda: _kernel_label(x, fwd_backend + ":" + bwd_backend),
+        dtype=dy.dtype,
+        kernel=lambda: _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, need_dw, need_db),
         fallback=lambda _keep: _torch_bwd(dy, x, weight, z_full, act, need_dx, need_dw, need_db),
-        checks=lambda kout, tout, _keep: _bwd_checks(dy, x, weight, z_full, act, need, kout, tout))
+        checks=lambda kout, tout, _keep: _bwd_checks(dy, x, weight, z_full, act, need, kout, tout),
+    )
 
 
 def _torch_bwd(dy, x, weight, z, act, need_dx, need_dw, need_db):
@@ -357,12 +405,13 @@ def _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, 
     db = None
     if act is not None and fwd_backend == "cublas":
         from bert_fast.kernels.bias_gelu import bias_gelu_bwd
+
         dz, db = bias_gelu_bwd(dy, z, _bias_or_zeros(bias, n, dy), torch_impl.GELU_APPROXIMATE[act])
     elif fwd_backend == "triton" or (act is None and bwd_backend == "triton"):
         from bert_fast.kernels.linear import linear_bwd_dz
-        dz, db = linear_bwd_dz(dy, z if act is not None else None, act, need_dz=need_dz,
-                               need_db=need_db)
-    else:   # torch / reference (and plain cuBLAS: dz is dy)
+
+        dz, db = linear_bwd_dz(dy, z if act is not None else None, act, need_dz=need_dz, need_db=need_db)
+    else:  # torch / reference (and plain cuBLAS: dz is dy)
         dz = dy if act is None else torch.ops.aten.gelu_backward(dy, z, approximate=torch_impl.GELU_APPROXIMATE[act])
         if need_db:
             db = dz.sum(0, dtype=torch.float64 if dz.dtype == torch.float64 else torch.float32)
@@ -370,6 +419,7 @@ def _kernel_bwd(dy, x, weight, bias, z, act, fwd_backend, bwd_backend, need_dx, 
     dx = dw = None
     if bwd_backend == "triton":
         from bert_fast.kernels.linear import KIND_DW, KIND_DX, gemm
+
         if need_dx:
             dx = gemm(dz, weight, KIND_DX)
         if need_dw:
@@ -409,10 +459,10 @@ def _backward(ctx, dy, _dz_unused):
     need_db = ctx.has_bias and ctx.needs_input_grad[2]
     if not (need_dx or need_dw or need_db):
         return None, None, None, None, None, None
-    dx, dw, db = torch.ops.bert_fast.linear_bwd(dy, x, weight, bias, z, ctx.activation, ctx.backend,
-                                                ctx.bwd_backend, need_dx, need_dw, need_db)
-    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), \
-        None, None, None
+    dx, dw, db = torch.ops.bert_fast.linear_bwd(
+        dy, x, weight, bias, z, ctx.activation, ctx.backend, ctx.bwd_backend, need_dx, need_dw, need_db
+    )
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), None, None, None
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -435,13 +485,21 @@ def backend(device, dtype) -> str:
     device = torch.device(device)
     impl = _dispatch.implementation_for(device, dtype, uses_dot=True)
     kernel = "Triton or cuBLAS (auto, per shape)" if device.type == "cuda" else "Triton"
-    fused = " (no-grad: oneDNN fused GELU)" if (
-        device.type == "cpu" and dtype == torch.bfloat16 and torch_impl.onednn_bf16()) else ""
+    fused = (
+        " (no-grad: oneDNN fused GELU)"
+        if (device.type == "cpu" and dtype == torch.bfloat16 and torch_impl.onednn_bf16())
+        else ""
+    )
     return _dispatch.describe(impl, device, f"F.linear + aten GELU{fused}", kernel)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-           activation: Optional[str] = None, backend: Optional[str] = None) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: Optional[str] = None,
+    backend: Optional[str] = None,
+) -> Tensor:
     """act(x @ weight^T + bias) for x [..., K], weight [N, K], bias [N] or None -> [..., N].
 
     activation: None, "gelu" (exact erf GELU) or "gelu_tanh" (tanh approximation).
@@ -459,12 +517,16 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if weight.dim() != 2:
         raise ValueError(f"linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear: the last dimension of x (shape {tuple(x.shape)}) must equal "
-                         f"K = weight.shape[1] (weight shape {tuple(weight.shape)})")
+        raise ValueError(
+            f"linear: the last dimension of x (shape {tuple(x.shape)}) must equal "
+            f"K = weight.shape[1] (weight shape {tuple(weight.shape)})"
+        )
     if bias is not None:
         if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"linear: bias shape {tuple(bias.shape)} must be (N,) = "
-                             f"({weight.shape[0]},) for weight shape {tuple(weight.shape)}")
+            raise ValueError(
+                f"linear: bias shape {tuple(bias.shape)} must be (N,) = "
+                f"({weight.shape[0]},) for weight shape {tuple(weight.shape)}"
+            )
     _dispatch.check_same_dtype(x=x, weight=weight, bias=bias)
     _dispatch.check_same_device(x=x, weight=weight, bias=bias)
     if activation not in _ACTIVATIONS:
@@ -475,9 +537,13 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     # both directions are chosen now (same shapes), so a forced backend holds for the backward too.
     # On CUDA an "auto" request stays "auto" here and is resolved inside the ops: the table lookup
     # (file read, device name) would be a graph break under torch.compile(fullgraph=True).
-    chosen = (choose_backend(x2d, n, k, act, "fwd", backend, defer_auto=True) + ":"
-              + choose_backend(x2d, n, k, act, "bwd", backend, defer_auto=True))
+    chosen = (
+        choose_backend(x2d, n, k, act, "fwd", backend, defer_auto=True)
+        + ":"
+        + choose_backend(x2d, n, k, act, "bwd", backend, defer_auto=True)
+    )
     needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     y, _ = torch.ops.bert_fast.linear_fwd(x2d, weight, bias, act, chosen, act != "none" and needs_grad)
     return y.view(*x.shape[:-1], n)

@@ -17,6 +17,7 @@ torch implementation the first time each specialization runs (bert_fast/ops/_ver
 dropout, on the kernel's own mask); a forward that failed its check draws the torch implementation's
 mask, which ``return_dropout_mask=True`` then returns.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -40,8 +41,7 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def residual_layer_norm_dropout_mask(shape, dropout_p: float, seed: Optional[Tensor],
-                                     device) -> Tensor:
+def residual_layer_norm_dropout_mask(shape, dropout_p: float, seed: Optional[Tensor], device) -> Tensor:
     """The exact bool keep-mask residual_layer_norm applies to x (shape [..., N]) for this seed
     (the tensor ``draw_seed`` returned) on ``device``; all True when dropout is off."""
     shape = tuple(int(s) for s in shape)
@@ -50,6 +50,7 @@ def residual_layer_norm_dropout_mask(shape, dropout_p: float, seed: Optional[Ten
         return torch.ones(shape, dtype=torch.bool, device=device)
     if _dispatch.implementation_for(device, torch.float32) == "kernel":
         from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+
         return dropout_keep_mask(shape, dropout_p, _dispatch.seed_value(seed), device)
     return _dispatch.reference_dropout_mask(shape, dropout_p, seed, device)
 
@@ -62,8 +63,7 @@ def _spec(x: Tensor, residual: Tensor, dropout_p: float) -> tuple:
     """What the kernel is specialized on: dtype, dropout on/off, row bucket, hidden size, alignment.
     The backward has the same spec: it follows the forward's verdict (bert_fast/ops/_verify.py)."""
     n = x.shape[-1]
-    return (x.dtype, dropout_p > 0.0, _verify.bucket(x.numel() // max(n, 1)), n,
-            _verify.aligned(x, residual))
+    return (x.dtype, dropout_p > 0.0, _verify.bucket(x.numel() // max(n, 1)), n, _verify.aligned(x, residual))
 
 
 def _kernel_mask(x: Tensor, dropout_p: float, seed: Optional[Tensor]):
@@ -73,7 +73,9 @@ def _kernel_mask(x: Tensor, dropout_p: float, seed: Optional[Tensor]):
 
     def mask():
         from bert_fast.kernels.residual_layer_norm import dropout_keep_mask
+
         return dropout_keep_mask(x.shape, dropout_p, _dispatch.seed_value(seed), x.device)
+
     return mask
 
 
@@ -92,8 +94,9 @@ def _fwd_checks(x, residual, weight, bias, dropout_p, keep, k, t):
     h, hmag = _h(x, residual, dropout_p, keep)
     n = x.shape[-1]
     flat = lambda outs: (outs[0].reshape(-1, n), outs[1].reshape(-1), outs[2].reshape(-1))
-    return _verify.with_rel(_verify.layer_norm_checks(h, hmag, weight, bias, flat(k), flat(t)),
-                            _verify.dropout_rel(x.dtype, dropout_p))
+    return _verify.with_rel(
+        _verify.layer_norm_checks(h, hmag, weight, bias, flat(k), flat(t)), _verify.dropout_rel(x.dtype, dropout_p)
+    )
 
 
 def _bwd_checks(dy, x, residual, weight, mean, rstd, dropout_p, keep, k, t):
@@ -104,20 +107,28 @@ def _bwd_checks(dy, x, residual, weight, mean, rstd, dropout_p, keep, k, t):
     shape = x.shape
     dres_t = _verify.absf(t[1]).reshape(rows, n)
     dw_sum, db_sum = dw_terms.sum(dim=0), ady.sum(dim=0)
-    return _verify.with_rel([
-        _verify.Check("dres", k[1], t[1], mag=(2.0 * dh).reshape(shape), acc=(n * dh).reshape(shape)),
-        _verify.Check("dx", k[0], t[0], mag=(scale * (2.0 * dh + dres_t)).reshape(shape),
-                      acc=(scale * n * dh).reshape(shape)),
-        _verify.Check("dweight", k[2], t[2], mag=dw_sum, acc=(rows + 2) * dw_sum),
-        _verify.Check("dbias", k[3], t[3], mag=db_sum, acc=(rows + 2) * db_sum),
-    ], _verify.dropout_rel(x.dtype, dropout_p))
+    return _verify.with_rel(
+        [
+            _verify.Check("dres", k[1], t[1], mag=(2.0 * dh).reshape(shape), acc=(n * dh).reshape(shape)),
+            _verify.Check(
+                "dx", k[0], t[0], mag=(scale * (2.0 * dh + dres_t)).reshape(shape), acc=(scale * n * dh).reshape(shape)
+            ),
+            _verify.Check("dweight", k[2], t[2], mag=dw_sum, acc=(rows + 2) * dw_sum),
+            _verify.Check("dbias", k[3], t[3], mag=db_sum, acc=(rows + 2) * db_sum),
+        ],
+        _verify.dropout_rel(x.dtype, dropout_p),
+    )
 
 
 def _applied_mask(x: Tensor, residual: Tensor, dropout_p: float, seed: Optional[Tensor]) -> Tensor:
     """The mask residual_layer_norm applied to x: the kernel's, unless its forward specialization
     failed its check and the torch implementation ran (with its own stream)."""
-    if seed is not None and dropout_p > 0.0 and _dispatch.implementation(x) == "kernel" \
-            and not _verify.kernel_selected("residual_layer_norm", "fwd", _spec(x, residual, dropout_p), x.device):
+    if (
+        seed is not None
+        and dropout_p > 0.0
+        and _dispatch.implementation(x) == "kernel"
+        and not _verify.kernel_selected("residual_layer_norm", "fwd", _spec(x, residual, dropout_p), x.device)
+    ):
         return _dispatch.reference_dropout_mask(x.shape, dropout_p, seed, x.device)
     return residual_layer_norm_dropout_mask(x.shape, dropout_p, seed, x.device)
 
@@ -130,22 +141,34 @@ def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
 
 @torch.library.custom_op("bert_fast::residual_layer_norm_fwd", mutates_args=())
 @_dispatch.op_impl
-def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                            dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def residual_layer_norm_fwd(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float, dropout_p: float, seed: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Tensor]:
     impl = _dispatch.implementation(x)
     if impl == "kernel":
+
         def kernel():
             from bert_fast.kernels.residual_layer_norm import residual_layer_norm_fwd as launch
-            y, mean, rstd = launch(_as_2d(x), _as_2d(residual), weight, bias, eps, dropout_p,
-                                   _dispatch.seed_value(seed))
+
+            y, mean, rstd = launch(
+                _as_2d(x), _as_2d(residual), weight, bias, eps, dropout_p, _dispatch.seed_value(seed)
+            )
             return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
 
         return _verify.run(
-            "residual_layer_norm", "fwd", _spec(x, residual, dropout_p), x.device, label=KERNEL,
-            dtype=x.dtype, kernel=kernel, kernel_mask=_kernel_mask(x, dropout_p, seed),
-            fallback=lambda keep: torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p,
-                                                                     seed, keep=keep),
-            checks=lambda k, t, keep: _fwd_checks(x, residual, weight, bias, dropout_p, keep, k, t))
+            "residual_layer_norm",
+            "fwd",
+            _spec(x, residual, dropout_p),
+            x.device,
+            label=KERNEL,
+            dtype=x.dtype,
+            kernel=kernel,
+            kernel_mask=_kernel_mask(x, dropout_p, seed),
+            fallback=lambda keep: torch_impl.residual_layer_norm_fwd(
+                x, residual, weight, bias, eps, dropout_p, seed, keep=keep
+            ),
+            checks=lambda k, t, keep: _fwd_checks(x, residual, weight, bias, dropout_p, keep, k, t),
+        )
     if impl == "torch":
         return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed)
     y, mask = _reference_forward(x, residual, weight, bias, eps, dropout_p, seed)
@@ -164,28 +187,57 @@ def _(x, residual, weight, bias, eps, dropout_p, seed):
 
 @torch.library.custom_op("bert_fast::residual_layer_norm_bwd", mutates_args=())
 @_dispatch.op_impl
-def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor,
-                            mean: Tensor, rstd: Tensor, eps: float, dropout_p: float,
-                            seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def residual_layer_norm_bwd(
+    dy: Tensor,
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    eps: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = _dispatch.implementation(x)
     if impl == "kernel":
+
         def kernel():
             from bert_fast.kernels.residual_layer_norm import residual_layer_norm_bwd as launch
-            dx, dres, dw, db = launch(_as_2d(dy), _as_2d(x), _as_2d(residual), weight, bias,
-                                      mean.reshape(-1), rstd.reshape(-1), dropout_p, _dispatch.seed_value(seed))
+
+            dx, dres, dw, db = launch(
+                _as_2d(dy),
+                _as_2d(x),
+                _as_2d(residual),
+                weight,
+                bias,
+                mean.reshape(-1),
+                rstd.reshape(-1),
+                dropout_p,
+                _dispatch.seed_value(seed),
+            )
             return dx.view(x.shape), dres.view(x.shape), dw, db
 
         def fallback(keep):
-            grads = torch_impl.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd, dropout_p,
-                                                       seed, keep=keep)
+            grads = torch_impl.residual_layer_norm_bwd(
+                dy, x, residual, weight, bias, mean, rstd, dropout_p, seed, keep=keep
+            )
             return tuple(g.contiguous() for g in grads)
 
         spec = _spec(x, residual, dropout_p)
         return _verify.run(
-            "residual_layer_norm", "bwd", spec + (_verify.aligned(dy),), x.device, label=KERNEL,
-            dtype=x.dtype, kernel=kernel, kernel_mask=_kernel_mask(x, dropout_p, seed), fallback=fallback,
+            "residual_layer_norm",
+            "bwd",
+            spec + (_verify.aligned(dy),),
+            x.device,
+            label=KERNEL,
+            dtype=x.dtype,
+            kernel=kernel,
+            kernel_mask=_kernel_mask(x, dropout_p, seed),
+            fallback=fallback,
             checks=lambda k, t, keep: _bwd_checks(dy, x, residual, weight, mean, rstd, dropout_p, keep, k, t),
-            follows=("fwd", spec))
+            follows=("fwd", spec),
+        )
     if impl == "torch":
         grads = torch_impl.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd, dropout_p, seed)
         return tuple(g.contiguous() for g in grads)
@@ -220,8 +272,9 @@ def _backward(ctx, dy, _dmean, _drstd):
     need = ctx.needs_input_grad[:4]
     if not any(need):
         return None, None, None, None, None, None, None
-    grads = torch.ops.bert_fast.residual_layer_norm_bwd(dy, x, residual, weight, bias, mean, rstd,
-                                                         ctx.eps, ctx.dropout_p, seed)
+    grads = torch.ops.bert_fast.residual_layer_norm_bwd(
+        dy, x, residual, weight, bias, mean, rstd, ctx.eps, ctx.dropout_p, seed
+    )
     return tuple(g if n else None for g, n in zip(grads, need)) + (None, None, None)
 
 
@@ -230,13 +283,19 @@ residual_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_contex
 
 def backend(device, dtype) -> str:
     """What runs for tensors of ``dtype`` on ``device`` (``bert-fast info``)."""
-    return _dispatch.describe(_dispatch.implementation_for(device, dtype), device,
-                              "add + aten native_layer_norm")
+    return _dispatch.describe(_dispatch.implementation_for(device, dtype), device, "add + aten native_layer_norm")
 
 
-def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12,
-                        dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
-                        return_dropout_mask: bool = False):
+def residual_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-12,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    return_dropout_mask: bool = False,
+):
     """LayerNorm(dropout(x) + residual) * weight + bias over the last dimension.
 
     x, residual [..., N] (same shape); weight, bias [N]; one float dtype for all four. Dropout
@@ -249,12 +308,16 @@ def residual_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tenso
     for name, t in (("weight", weight), ("bias", bias)):
         _dispatch.check_tensor(name, t, ndim=1, dtypes=_DTYPES)
     if x.dim() < 1 or residual.shape != x.shape:
-        raise ValueError(f"residual_layer_norm: x shape {tuple(x.shape)} and residual shape "
-                         f"{tuple(residual.shape)} must be equal and at least 1-D")
+        raise ValueError(
+            f"residual_layer_norm: x shape {tuple(x.shape)} and residual shape "
+            f"{tuple(residual.shape)} must be equal and at least 1-D"
+        )
     n = x.shape[-1]
     if weight.shape[0] != n or bias.shape[0] != n:
-        raise ValueError(f"residual_layer_norm: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} "
-                         f"must have the size of the last dimension of x {tuple(x.shape)}")
+        raise ValueError(
+            f"residual_layer_norm: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} "
+            f"must have the size of the last dimension of x {tuple(x.shape)}"
+        )
     _dispatch.check_same_dtype(x=x, residual=residual, weight=weight, bias=bias)
     _dispatch.check_same_device(x=x, residual=residual, weight=weight, bias=bias)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:

@@ -50,6 +50,7 @@ What each op does (and why; figures in NOTES.md):
     native_layer_norm_backward + index_add_ into fp32 accumulators (for bf16 tables over the
     unique rows only, then one scatter into the bf16 gradient).
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,10 +64,18 @@ from torch import Tensor
 from bert_fast.ops import _dispatch, fused_sdpa
 
 __all__ = [
-    "linear_fwd", "linear_bwd", "bias_gelu_fwd", "bias_gelu_bwd",
-    "residual_layer_norm_fwd", "residual_layer_norm_bwd",
-    "attention_fwd", "attention_bwd", "varlen_attention_fwd", "varlen_attention_bwd",
-    "embedding_fwd", "embedding_bwd",
+    "linear_fwd",
+    "linear_bwd",
+    "bias_gelu_fwd",
+    "bias_gelu_bwd",
+    "residual_layer_norm_fwd",
+    "residual_layer_norm_bwd",
+    "attention_fwd",
+    "attention_bwd",
+    "varlen_attention_fwd",
+    "varlen_attention_bwd",
+    "embedding_fwd",
+    "embedding_bwd",
 ]
 
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
@@ -82,8 +91,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _dropout_mask(shape, dropout_p: float, seed: Optional[Tensor], device,
-                  keep: Optional[Tensor] = None) -> Optional[Tensor]:
+def _dropout_mask(
+    shape, dropout_p: float, seed: Optional[Tensor], device, keep: Optional[Tensor] = None
+) -> Optional[Tensor]:
     """The keep-mask of an op: ``keep`` when given (a kernel's own Philox mask, when this
     implementation stands in for the kernel or checks it: bert_fast/ops/_verify.py), else the
     seed's reference mask."""
@@ -99,19 +109,28 @@ def _dropout_mask(shape, dropout_p: float, seed: Optional[Tensor], device,
 def onednn_bf16() -> bool:
     """oneDNN's fused linear + GELU is there and has a bf16 kernel on this CPU."""
     try:
-        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
 
 
 def _fused_gelu_ok(x: Tensor, weight: Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] > 0
-            and weight.is_contiguous() and onednn_bf16())
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.shape[0] > 0
+        and weight.is_contiguous()
+        and onednn_bf16()
+    )
 
 
-def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
-               save_z: bool) -> Tuple[Tensor, Optional[Tensor]]:
+def linear_fwd(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str], save_z: bool
+) -> Tuple[Tensor, Optional[Tensor]]:
     """(y, z): y = act(x @ W^T + b) for x [M, K]; z = x @ W^T + b when an activation is set and
     ``save_z`` (the backward's input), else None."""
     if activation is None:
@@ -123,17 +142,24 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Op
     z = F.linear(x, weight, bias)
     if save_z:
         return F.gelu(z, approximate=approx), z
-    return _gelu_(z, approximate=approx), None      # z is not needed: in place
+    return _gelu_(z, approximate=approx), None  # z is not needed: in place
 
 
-def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, z: Optional[Tensor], activation: Optional[str],
-               need_dx: bool, need_dw: bool, need_db: bool
-               ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def linear_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    z: Optional[Tensor],
+    activation: Optional[str],
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dx, dw, db) of linear_fwd (None where not needed); dZ^T is read by strides, never copied."""
     dz = dy if activation is None else torch.ops.aten.gelu_backward(dy, z, approximate=GELU_APPROXIMATE[activation])
     dx = torch.mm(dz, weight) if need_dx else None
     dw = torch.mm(dz.t(), x) if need_dw else None
-    db = dz.sum(0) if need_db else None        # bf16/fp16 sums accumulate in fp32 (opmath)
+    db = dz.sum(0) if need_db else None  # bf16/fp16 sums accumulate in fp32 (opmath)
     return dx, dw, db
 
 
@@ -144,7 +170,7 @@ def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
 
 def bias_gelu_bwd(dy: Tensor, x: Tensor, bias: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     dx = torch.ops.aten.gelu_backward(dy, x + bias, approximate=approximate)
-    db = dx.reshape(-1, x.shape[-1]).sum(0)    # accumulates in fp32 (opmath) for bf16/fp16
+    db = dx.reshape(-1, x.shape[-1]).sum(0)  # accumulates in fp32 (opmath) for bf16/fp16
     return dx.contiguous(), db
 
 
@@ -170,8 +196,9 @@ def _layer_norm(h: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tuple[Te
     return y, mean, rstd
 
 
-def _layer_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor,
-                    need: Sequence[bool] = (True, True, True)):
+def _layer_norm_bwd(
+    dy: Tensor, h: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, need: Sequence[bool] = (True, True, True)
+):
     """(dh, dweight, dbias) of _layer_norm from its saved statistics (not needed -> None).
     mean/rstd are fp32 (float64 for float64), as every path of native_layer_norm_backward wants
     them here: the CPU's mixed-type path (see _ln_affine) and CUDA's accumulate-type statistics.
@@ -208,9 +235,16 @@ def _dropout_add(x: Tensor, residual: Tensor, keep: Optional[Tensor], dropout_p:
     return torch.addcmul(residual, x, keep.to(x.dtype), value=1.0 / (1.0 - dropout_p))
 
 
-def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                            dropout_p: float, seed: Optional[Tensor], keep: Optional[Tensor] = None
-                            ) -> Tuple[Tensor, Tensor, Tensor]:
+def residual_layer_norm_fwd(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd): y = LayerNorm(dropout(x) + residual); mean/rstd fp32 of shape x.shape[:-1].
     ``keep``: the keep-mask to apply instead of the seed's (every function here takes one)."""
     if dropout_p == 0.0:
@@ -219,16 +253,25 @@ def residual_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: T
     return _layer_norm(_dropout_add(x, residual, keep, dropout_p), weight, bias, eps)
 
 
-def residual_layer_norm_bwd(dy: Tensor, x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor,
-                            mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor],
-                            keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def residual_layer_norm_bwd(
+    dy: Tensor,
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dresidual, dweight, dbias); h = dropout(x) + residual is recomputed (one add), the
     statistics are the forward's, the keep-mask is regenerated from the seed."""
     keep = _dropout_mask(x.shape, dropout_p, seed, x.device, keep)
     h = _dropout_add(x, residual, keep, dropout_p)
     dres, dw, db = _layer_norm_bwd(dy, h, weight, mean, rstd)
     if keep is None:
-        dx = dres.clone()          # an op's outputs may not alias each other
+        dx = dres.clone()  # an op's outputs may not alias each other
     else:
         dx = dres * keep.to(dres.dtype) * (1.0 / (1.0 - dropout_p))
     return dx, dres, dw, db
@@ -242,8 +285,7 @@ _FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 def _use_flash(qkv: Tensor, keep: Optional[Tensor]) -> bool:
     """The flash CPU kernel serves: no dropout, CPU, and not float64 (its float64 log-sum-exp would
     not fit the ops' fp32 lse; float64 is for gradcheck, where the materialized path is exact)."""
-    return (keep is None and qkv.device.type == "cpu" and qkv.dtype != torch.float64
-            and _FLASH_CPU is not None)
+    return keep is None and qkv.device.type == "cpu" and qkv.dtype != torch.float64 and _FLASH_CPU is not None
 
 
 def _use_flash_bwd(qkv: Tensor, keep: Optional[Tensor]) -> bool:
@@ -289,8 +331,11 @@ def _math_probs(q: Tensor, k: Tensor, key_mask: Optional[Tensor], scale: float) 
 
 def _dropout_scale(keep: Tensor, dropout_p: float, dtype: torch.dtype) -> Tensor:
     """keep / (1 - p) as a ``dtype`` tensor (one pass over the mask)."""
-    return torch.where(keep, torch.tensor(1.0 / (1.0 - dropout_p), dtype=dtype, device=keep.device),
-                       torch.tensor(0.0, dtype=dtype, device=keep.device))
+    return torch.where(
+        keep,
+        torch.tensor(1.0 / (1.0 - dropout_p), dtype=dtype, device=keep.device),
+        torch.tensor(0.0, dtype=dtype, device=keep.device),
+    )
 
 
 # The materialized path streams the batch in chunks whose [chunk, h, S, S] score tensor fits in a
@@ -338,14 +383,15 @@ def _math_bwd(dout, qkv, key_mask, scale, keep, dropout_p):
         del z
     else:
         dv = torch.matmul(probs.transpose(-1, -2), do)
-    ds = dp.sub_((dp * probs).sum(dim=-1, keepdim=True)).mul_(probs)     # in place: dp is ours
+    ds = dp.sub_((dp * probs).sum(dim=-1, keepdim=True)).mul_(probs)  # in place: dp is ours
     dq = torch.matmul(ds, k).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
     return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
 
 
-def materialized_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor] = None,
-                      dropout_p: float = 0.0) -> Tuple[Tensor, Tensor]:
+def materialized_fwd(
+    qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor] = None, dropout_p: float = 0.0
+) -> Tuple[Tensor, Tensor]:
     """The materialized path of _attn_fwd (chunked on the CPU): the oracle of fused_sdpa's self-check."""
     chunks = _math_chunks(qkv)
     if len(chunks) == 1:
@@ -358,8 +404,14 @@ def materialized_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep
     return out, lse
 
 
-def materialized_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], scale: float,
-                      keep: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+def materialized_bwd(
+    dout: Tensor,
+    qkv: Tensor,
+    key_mask: Optional[Tensor],
+    scale: float,
+    keep: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
     """The materialized backward of _attn_bwd (needs neither out nor lse)."""
     chunks = _math_chunks(qkv)
     if len(chunks) == 1:
@@ -370,8 +422,9 @@ def materialized_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], scal
     return dqkv
 
 
-def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor],
-              dropout_p: float, fused: bool = True) -> Tuple[Tensor, Tensor]:
+def _attn_fwd(
+    qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optional[Tensor], dropout_p: float, fused: bool = True
+) -> Tuple[Tensor, Tensor]:
     """qkv [B, S, 3, h, d], key_mask bool/uint8 [B, S] or None, keep [B, h, S, S] or None ->
     (out [B, S, h, d], lse fp32 [B, h, S]), either possibly strided (callers make them contiguous).
     CPU: the flash CPU kernel; CUDA without dropout: torch's fused memory-efficient kernel
@@ -380,7 +433,7 @@ def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optio
     if _use_flash(qkv, keep):
         q, k, v = _split_heads(qkv)
         out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
-        return out.transpose(1, 2), lse          # lse fp32 [B, h, S], strided: callers lay it out
+        return out.transpose(1, 2), lse  # lse fp32 [B, h, S], strided: callers lay it out
     if fused and fused_sdpa.eligible(qkv, keep is not None):
         res = fused_sdpa.padded_fwd(qkv, key_mask, scale, _THIS_MODULE)
         if res is not None:
@@ -388,13 +441,32 @@ def _attn_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, keep: Optio
     return materialized_fwd(qkv, key_mask, scale, keep, dropout_p)
 
 
-def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-              scale: float, keep: Optional[Tensor], dropout_p: float, fused: bool = True) -> Tensor:
+def _attn_bwd(
+    dout: Tensor,
+    qkv: Tensor,
+    key_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    keep: Optional[Tensor],
+    dropout_p: float,
+    fused: bool = True,
+) -> Tensor:
     """d(qkv) [B, S, 3, h, d] of _attn_fwd."""
     if _use_flash_bwd(qkv, keep):
         q, k, v = _split_heads(qkv)
-        dq, dk, dv = _FLASH_CPU_BWD(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, False,
-                                    attn_mask=_key_bias(key_mask, qkv.dtype), scale=scale)
+        dq, dk, dv = _FLASH_CPU_BWD(
+            dout.transpose(1, 2),
+            q,
+            k,
+            v,
+            out.transpose(1, 2),
+            lse,
+            0.0,
+            False,
+            attn_mask=_key_bias(key_mask, qkv.dtype),
+            scale=scale,
+        )
         return torch.stack([dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)], dim=2)
     if fused and fused_sdpa.eligible(qkv, keep is not None):
         res = fused_sdpa.padded_bwd(dout, qkv, key_mask, out, lse, scale, _THIS_MODULE)
@@ -404,17 +476,31 @@ def _attn_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor
 
 
 # ----------------------------------------------------------------------------- padded attention
-def attention_fwd(qkv: Tensor, key_mask: Optional[Tensor], dropout_p: float, softmax_scale: float,
-                  seed: Optional[Tensor], keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def attention_fwd(
+    qkv: Tensor,
+    key_mask: Optional[Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
     b, s, _, h, _ = qkv.shape
     keep = _dropout_mask((b, h, s, s), dropout_p, seed, qkv.device, keep)
     out, lse = _attn_fwd(qkv, key_mask, softmax_scale, keep, dropout_p)
     return out.contiguous(), lse.contiguous()
 
 
-def attention_bwd(dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor,
-                  dropout_p: float, softmax_scale: float, seed: Optional[Tensor],
-                  keep: Optional[Tensor] = None) -> Tensor:
+def attention_bwd(
+    dout: Tensor,
+    qkv: Tensor,
+    key_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tensor:
     b, s, _, h, _ = qkv.shape
     keep = _dropout_mask((b, h, s, s), dropout_p, seed, qkv.device, keep)
     return _attn_bwd(dout, qkv, key_mask, out, lse, softmax_scale, keep, dropout_p)
@@ -435,6 +521,7 @@ GROUP_WASTE_PER_CALL = 0
 class _Group:
     """Sequences run as one batched call: ``rows`` [n * L] token rows (padding rows repeat the
     sequence's first token), ``valid`` [n * L] bool or None (no padding), the key mask [n, L]."""
+
     __slots__ = ("n", "length", "seqs", "rows", "valid_pos", "dst", "key_mask", "contiguous_start")
 
     def __init__(self, n, length, seqs, rows, valid_pos, dst, key_mask, contiguous_start):
@@ -485,13 +572,14 @@ def _varlen_plan(cu_seqlens: Tensor, heads_x_d: int) -> List[_Group]:
         ar = torch.arange(length, device=dev)
         st_t = torch.tensor(st, device=dev, dtype=torch.int64)[:, None]
         len_t = torch.tensor(lens, device=dev, dtype=torch.int64)[:, None]
-        valid = ar[None, :] < len_t                                    # [n, L]
+        valid = ar[None, :] < len_t  # [n, L]
         rows = torch.where(valid, st_t + ar[None, :], st_t).reshape(-1)
         padded = not all(l == length for l in lens)
         valid_pos = valid.reshape(-1).nonzero().reshape(-1) if padded else None
         dst = rows if valid_pos is None else rows.index_select(0, valid_pos)
-        plan.append(_Group(n, length, seqs, rows, valid_pos, dst, valid if padded else None,
-                           st[0] if contiguous else None))
+        plan.append(
+            _Group(n, length, seqs, rows, valid_pos, dst, valid if padded else None, st[0] if contiguous else None)
+        )
     if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
         _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[key] = plan
@@ -501,7 +589,7 @@ def _varlen_plan(cu_seqlens: Tensor, heads_x_d: int) -> List[_Group]:
 def _gather(t: Tensor, g: _Group) -> Tensor:
     """Rows of t [T, ...] for group g as [n, L, ...] (a view when the group is contiguous)."""
     if g.contiguous_start is not None:
-        return t[g.contiguous_start:g.contiguous_start + g.n * g.length].reshape(g.n, g.length, *t.shape[1:])
+        return t[g.contiguous_start : g.contiguous_start + g.n * g.length].reshape(g.n, g.length, *t.shape[1:])
     return t.index_select(0, g.rows).reshape(g.n, g.length, *t.shape[1:])
 
 
@@ -511,7 +599,7 @@ def _scatter(dst: Tensor, src: Tensor, g: _Group) -> None:
     if g.valid_pos is not None:
         flat = flat.index_select(0, g.valid_pos)
     if g.contiguous_start is not None:
-        dst[g.contiguous_start:g.contiguous_start + flat.shape[0]] = flat
+        dst[g.contiguous_start : g.contiguous_start + flat.shape[0]] = flat
     else:
         dst.index_copy_(0, g.dst, flat)
 
@@ -521,24 +609,31 @@ def _group_keep(keep: Optional[Tensor], g: _Group) -> Optional[Tensor]:
     if keep is None:
         return None
     if g.seqs == list(range(g.n)):
-        return keep[:g.n, :, :g.length, :g.length]
+        return keep[: g.n, :, : g.length, : g.length]
     idx = torch.tensor(g.seqs, device=keep.device)
     # index_select on uint8 (bool takes a slow generic path); the mask is not copied past L x L
-    return keep[:, :, :g.length, :g.length].view(torch.uint8).index_select(0, idx).view(torch.bool)
+    return keep[:, :, : g.length, : g.length].view(torch.uint8).index_select(0, idx).view(torch.bool)
 
 
 def _single_view(qkv: Tensor, plan: List[_Group]) -> bool:
     return len(plan) == 1 and plan[0].contiguous_start == 0 and plan[0].n * plan[0].length == qkv.shape[0]
 
 
-def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
-                         softmax_scale: float, seed: Optional[Tensor], keep: Optional[Tensor] = None
-                         ) -> Tuple[Tensor, Tensor]:
+def varlen_attention_fwd(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+    softmax_scale: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
     """(out [T, h, d], lse fp32 [h, T]) of packed sequences: on CUDA without dropout one fused call
     (fused_sdpa: cu_seqlens read on the device, no grouping, no host access), else one batched call
     per length group."""
-    keep = _dropout_mask((cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed,
-                         qkv.device, keep)
+    keep = _dropout_mask(
+        (cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed, qkv.device, keep
+    )
     if fused_sdpa.eligible(qkv, keep is not None):
         res = fused_sdpa.varlen_fwd(qkv, cu_seqlens, max_seqlen, softmax_scale, _THIS_MODULE)
         if res is not None:
@@ -546,20 +641,22 @@ def varlen_attention_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
     return varlen_fwd_grouped(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, keep)
 
 
-def varlen_fwd_grouped(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
-                        softmax_scale: float, keep: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def varlen_fwd_grouped(
+    qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, softmax_scale: float, keep: Optional[Tensor]
+) -> Tuple[Tensor, Tensor]:
     """The grouped varlen forward (``keep``: the [B, h, max, max] keep-mask or None): the flash CPU
     kernel per group on the CPU, else materialized groups (never fused_sdpa's padded call: off the
     CPU this is the materialized path of the varlen op, the oracle of its self-check)."""
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
-    if _single_view(qkv, plan):       # every sequence of one length: no copy at all
+    if _single_view(qkv, plan):  # every sequence of one length: no copy at all
         g = plan[0]
-        out, lse = _attn_fwd(qkv.view(g.n, g.length, 3, h, d), None, softmax_scale, _group_keep(keep, g),
-                             dropout_p, fused=False)
+        out, lse = _attn_fwd(
+            qkv.view(g.n, g.length, 3, h, d), None, softmax_scale, _group_keep(keep, g), dropout_p, fused=False
+        )
         return out.reshape(t, h, d), lse.transpose(0, 1).reshape(h, t)
     out = qkv.new_empty((t, h, d))
-    lse_t = torch.empty((t, h), device=qkv.device, dtype=torch.float32)   # transposed once at the end
+    lse_t = torch.empty((t, h), device=qkv.device, dtype=torch.float32)  # transposed once at the end
     for g in plan:
         o, l = _attn_fwd(_gather(qkv, g), g.key_mask, softmax_scale, _group_keep(keep, g), dropout_p, fused=False)
         _scatter(out, o, g)
@@ -567,11 +664,21 @@ def varlen_fwd_grouped(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout
     return out, lse_t.t().contiguous()
 
 
-def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
-                         lse: Tensor, dropout_p: float, softmax_scale: float, seed: Optional[Tensor],
-                         keep: Optional[Tensor] = None) -> Tensor:
-    keep = _dropout_mask((cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed,
-                         qkv.device, keep)
+def varlen_attention_bwd(
+    dout: Tensor,
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tensor:
+    keep = _dropout_mask(
+        (cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, max_seqlen), dropout_p, seed, qkv.device, keep
+    )
     if fused_sdpa.eligible(qkv, keep is not None):
         res = fused_sdpa.varlen_bwd(dout, qkv, cu_seqlens, max_seqlen, out, lse, softmax_scale, _THIS_MODULE)
         if res is not None:
@@ -579,33 +686,60 @@ def varlen_attention_bwd(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seql
     return varlen_bwd_grouped(dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, keep)
 
 
-def varlen_bwd_grouped(dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor,
-                        lse: Tensor, dropout_p: float, softmax_scale: float, keep: Optional[Tensor]) -> Tensor:
+def varlen_bwd_grouped(
+    dout: Tensor,
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    keep: Optional[Tensor],
+) -> Tensor:
     t, _, h, d = qkv.shape
     plan = _varlen_plan(cu_seqlens, h * d)
     if _single_view(qkv, plan):
         g = plan[0]
         shape = (g.n, g.length)
         lse_g = lse.reshape(h, g.n, g.length).transpose(0, 1)
-        return _attn_bwd(dout.reshape(*shape, h, d), qkv.view(*shape, 3, h, d), None,
-                         out.reshape(*shape, h, d), lse_g, softmax_scale, _group_keep(keep, g),
-                         dropout_p, fused=False).view(t, 3, h, d)
+        return _attn_bwd(
+            dout.reshape(*shape, h, d),
+            qkv.view(*shape, 3, h, d),
+            None,
+            out.reshape(*shape, h, d),
+            lse_g,
+            softmax_scale,
+            _group_keep(keep, g),
+            dropout_p,
+            fused=False,
+        ).view(t, 3, h, d)
     dqkv = qkv.new_empty(qkv.shape)
     lse_t = lse.t()
     for g in plan:
         do = _gather(dout, g)
-        if g.key_mask is not None:       # padding query rows must add nothing to dK, dV
+        if g.key_mask is not None:  # padding query rows must add nothing to dK, dV
             do = do * g.key_mask[:, :, None, None].to(do.dtype)
         lse_g = _gather(lse_t, g).transpose(1, 2)
-        dg = _attn_bwd(do, _gather(qkv, g), g.key_mask, _gather(out, g), lse_g, softmax_scale,
-                       _group_keep(keep, g), dropout_p, fused=False)
+        dg = _attn_bwd(
+            do,
+            _gather(qkv, g),
+            g.key_mask,
+            _gather(out, g),
+            lse_g,
+            softmax_scale,
+            _group_keep(keep, g),
+            dropout_p,
+            fused=False,
+        )
         _scatter(dqkv, dg, g)
     return dqkv
 
 
 # ----------------------------------------------------------------------------- embedding
-def embedding_rows(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
-                    indices: Optional[Tensor]):
+def embedding_rows(
+    input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor], indices: Optional[Tensor]
+):
     """(word ids, position ids or None (= broadcast 0..S-1), type ids or None (= 0)) of every output row."""
     ids = input_ids.reshape(-1)
     pos = None if position_ids is None else position_ids.reshape(-1)
@@ -620,7 +754,7 @@ def embedding_rows(input_ids: Tensor, position_ids: Optional[Tensor], token_type
 
 def _embedding_sum(ids, pos, tt, word, pos_table, type_table, seqlen: int) -> Tensor:
     x = word.index_select(0, ids)
-    if pos is None:               # rows in order: position = row % S, added by broadcast
+    if pos is None:  # rows in order: position = row % S, added by broadcast
         x.view(-1, seqlen, x.shape[-1]).add_(pos_table[:seqlen])
     else:
         x.add_(pos_table.index_select(0, pos))
@@ -631,10 +765,21 @@ def _embedding_sum(ids, pos, tt, word, pos_table, type_table, seqlen: int) -> Te
     return x
 
 
-def embedding_fwd(input_ids: Tensor, position_ids: Optional[Tensor], token_type_ids: Optional[Tensor],
-                  indices: Optional[Tensor], word: Tensor, pos_table: Tensor, type_table: Tensor,
-                  weight: Tensor, bias: Tensor, eps: float, dropout_p: float, seed: Optional[Tensor],
-                  keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def embedding_fwd(
+    input_ids: Tensor,
+    position_ids: Optional[Tensor],
+    token_type_ids: Optional[Tensor],
+    indices: Optional[Tensor],
+    word: Tensor,
+    pos_table: Tensor,
+    type_table: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    keep: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(out, mean, rstd): out [T, H] with indices, else input_ids.shape + (H,)."""
     rows = indices.shape[0] if indices is not None else input_ids.numel()
     hidden = word.shape[1]
@@ -670,11 +815,24 @@ def _table_grad(table: Tensor, rows: Tensor, dx: Tensor, acc: torch.dtype, paddi
     return g
 
 
-def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Tensor],
-                  token_type_ids: Optional[Tensor], indices: Optional[Tensor], word: Tensor, pos_table: Tensor,
-                  type_table: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, dropout_p: float,
-                  seed: Optional[Tensor], padding_idx: int, need: Sequence[bool],
-                  keep: Optional[Tensor] = None) -> List[Optional[Tensor]]:
+def embedding_bwd(
+    grad_out: Tensor,
+    input_ids: Tensor,
+    position_ids: Optional[Tensor],
+    token_type_ids: Optional[Tensor],
+    indices: Optional[Tensor],
+    word: Tensor,
+    pos_table: Tensor,
+    type_table: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    padding_idx: int,
+    need: Sequence[bool],
+    keep: Optional[Tensor] = None,
+) -> List[Optional[Tensor]]:
     """Gradients of (word, position, type tables, weight, bias), None where ``need`` is False.
     x is recomputed from the tables; table gradients accumulate in fp32 (float64 for float64)."""
     hidden = word.shape[1]
@@ -682,8 +840,7 @@ def embedding_bwd(grad_out: Tensor, input_ids: Tensor, position_ids: Optional[Te
     acc = _acc(word.dtype)
     shapes = [word.shape, pos_table.shape, type_table.shape, weight.shape, weight.shape]
     if rows == 0 or not any(need):
-        return [torch.zeros(shapes[i], dtype=word.dtype, device=word.device) if need[i] else None
-                for i in range(5)]
+        return [torch.zeros(shapes[i], dtype=word.dtype, device=word.device) if need[i] else None for i in range(5)]
     seqlen = max(1, input_ids.shape[-1])
     ids, pos, tt = embedding_rows(input_ids, position_ids, token_type_ids, indices)
     x = _embedding_sum(ids, pos, tt, word, pos_table, type_table, seqlen)

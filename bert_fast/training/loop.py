@@ -15,13 +15,14 @@ autocast).
 The loss is always reduced in fp32.
 
 Throughput: tokens/s counts real tokens (attention_mask == 1). MFU = model FLOPs / time / peak with
-the model FLOPs of ``bert-fast bench`` (bert_fast.bench.model_workload.flops_per_token, x3 for
+the model FLOPs of ``bert-fast bench`` (bert_fast.model.facts.flops_per_token, x3 for
 forward + backward): the encoder's matmuls and attention on real lengths, without embeddings and
 heads, the convention of the issue's "50% MFU = ~0.95M tokens/s for bert-base at S=128". (Counting
 6 * all parameters instead would include the ~24M embedding parameters, which are gathers, not
 matmuls, and overstate BERT-base's MFU by ~20%.) Peak = --peak-tflops or, when not given, a
 measured dense GEMM rate on the device in the compute dtype.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,20 +72,28 @@ def build_model(args, tokenizer, task: str, num_labels: int = 2) -> torch.nn.Mod
             raise TrainError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {args.model_size!r}")
         vocab = len(tokenizer)
         vocab = (vocab + 7) // 8 * 8  # GEMM-friendly decoder width (extra rows are never targets)
-        config = transformers.BertConfig(vocab_size=vocab, max_position_embeddings=max(512, args.max_len),
-                                         type_vocab_size=2, pad_token_id=tokenizer.pad_token_id,
-                                         **MODEL_SIZES[args.model_size])
+        config = transformers.BertConfig(
+            vocab_size=vocab,
+            max_position_embeddings=max(512, args.max_len),
+            type_vocab_size=2,
+            pad_token_id=tokenizer.pad_token_id,
+            **MODEL_SIZES[args.model_size],
+        )
     if args.dropout is not None:
         config.hidden_dropout_prob = config.attention_probs_dropout_prob = float(args.dropout)
     if args.max_len > config.max_position_embeddings:
-        raise TrainError(f"--max-len {args.max_len} exceeds the model's max_position_embeddings="
-                         f"{config.max_position_embeddings}")
+        raise TrainError(
+            f"--max-len {args.max_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+        )
     if task == "cls":
         config.num_labels = num_labels
     fast = args.impl == "fast"
     if task == "mlm":
-        cls = ((bert_fast.BertForPreTraining if fast else transformers.BertForPreTraining) if args.nsp
-               else (bert_fast.BertForMaskedLM if fast else transformers.BertForMaskedLM))
+        cls = (
+            (bert_fast.BertForPreTraining if fast else transformers.BertForPreTraining)
+            if args.nsp
+            else (bert_fast.BertForMaskedLM if fast else transformers.BertForMaskedLM)
+        )
     else:
         cls = bert_fast.BertForSequenceClassification if fast else transformers.BertForSequenceClassification
     kwargs = {}
@@ -119,8 +128,8 @@ def train_flops(config, tokens: int, sum_len_sq: float) -> float:
     squared lengths sum to ``sum_len_sq``: 3x the sum of len * flops_per_token(len) over the
     sequences, which is linear in len and len^2."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    per_token = flops_per_token(h, layers, i, 0.0)                   # the matmuls
-    per_len_sq = flops_per_token(h, layers, i, 1.0) - per_token       # attention: 4 * H * L per unit
+    per_token = flops_per_token(h, layers, i, 0.0)  # the matmuls
+    per_len_sq = flops_per_token(h, layers, i, 1.0) - per_token  # attention: 4 * H * L per unit
     return 3.0 * (per_token * tokens + per_len_sq * sum_len_sq)
 
 
@@ -141,7 +150,7 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
         a @ b
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return 2.0 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
+    return 2.0 * n**3 * iters / (time.perf_counter() - t0) / 1e12
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -152,8 +161,7 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> torch
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw = dict(lr=args.lr, betas=(args.beta1, args.beta2), eps=args.adam_eps)
     if device.type == "cuda":
         try:
@@ -203,8 +211,13 @@ def build_data(args, info: dist_mod.DistInfo):
     else:
         raise TrainError(f"--task must be mlm or cls, got {task!r}")
     dataset = data_mod.ExampleDataset(examples)
-    collate = coll.MaskingCollator(tokenizer, mlm=(task == "mlm"), mlm_probability=args.mlm_probability,
-                                   seed=args.seed, pad_to_multiple_of=args.pad_to_multiple_of)
+    collate = coll.MaskingCollator(
+        tokenizer,
+        mlm=(task == "mlm"),
+        mlm_probability=args.mlm_probability,
+        seed=args.seed,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+    )
     return tokenizer, dataset, collate, task, num_labels, label_map
 
 
@@ -304,6 +317,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     torch.manual_seed(args.seed)
     np.random.seed(args.seed % 2**32)
     import random as _random
+
     _random.seed(args.seed)
     model = build_model(args, tokenizer, task, num_labels)
     n_params = count_params(model)
@@ -315,11 +329,14 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     model, kind = dist_mod.wrap_model(model, args.strategy, info)
     optimizer = build_optimizer(model, args, device)
 
-    steps_per_epoch = len(coll.epoch_batches(dataset.lengths, global_batch, args.seed, 0, shuffle=args.shuffle,
-                                             bucket=args.bucket))
+    steps_per_epoch = len(
+        coll.epoch_batches(dataset.lengths, global_batch, args.seed, 0, shuffle=args.shuffle, bucket=args.bucket)
+    )
     if steps_per_epoch == 0:
-        raise TrainError(f"the dataset has {len(dataset)} examples, fewer than one global batch of "
-                         f"{global_batch} (micro {micro} x accum {accum} x world {world})")
+        raise TrainError(
+            f"the dataset has {len(dataset)} examples, fewer than one global batch of "
+            f"{global_batch} (micro {micro} x accum {accum} x world {world})"
+        )
     total_steps = args.max_steps if args.max_steps else steps_per_epoch * args.epochs
     warmup = args.warmup_steps if args.warmup_steps is not None else int(round(args.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, total_steps))
@@ -330,6 +347,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         if kind == "fsdp1":
             # FSDP1's flat-parameter shards are plain tensors: its scaler all-reduces found_inf.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
             scaler = ShardedGradScaler(device.type)
         else:
             # DDP: every rank holds the averaged gradient. FSDP2: gradients are DTensors, and
@@ -352,8 +370,11 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         epoch, step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         global_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         if int(state.get("global_batch", global_batch)) != global_batch:
-            _log(info, f"warning: resuming with global batch {global_batch}, the checkpoint used "
-                       f"{state.get('global_batch')}: the data position is kept in steps")
+            _log(
+                info,
+                f"warning: resuming with global batch {global_batch}, the checkpoint used "
+                f"{state.get('global_batch')}: the data position is kept in steps",
+            )
         _log(info, f"resumed from {path} at step {global_step} (epoch {epoch}, step {step_in_epoch} of the epoch)")
 
     if out_dir is not None and info.is_main:
@@ -364,33 +385,60 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
 
     peak = args.peak_tflops
     if not peak:
-        peak = measure_peak_tflops(device, amp_dtype or (torch.bfloat16 if args.precision == "bf16-pure" else torch.float32))
+        peak = measure_peak_tflops(
+            device, amp_dtype or (torch.bfloat16 if args.precision == "bf16-pure" else torch.float32)
+        )
     if info.is_main:
-        _log(info, f"bert-fast train: task={task}{'+nsp' if nsp else ''} impl={args.impl} model={n_params/1e6:.2f}M params "
-                   f"(L={cfg.num_hidden_layers}, H={cfg.hidden_size}) examples={len(dataset)} "
-                   f"global_batch={global_batch} (micro {micro} x accum {accum} x world {world}) steps={total_steps} "
-                   f"strategy={kind} precision={args.precision} device={device} peak={peak:.3g} TFLOP/s "
-                   f"({'given' if args.peak_tflops else 'measured'})")
+        _log(
+            info,
+            f"bert-fast train: task={task}{'+nsp' if nsp else ''} impl={args.impl} model={n_params / 1e6:.2f}M params "
+            f"(L={cfg.num_hidden_layers}, H={cfg.hidden_size}) examples={len(dataset)} "
+            f"global_batch={global_batch} (micro {micro} x accum {accum} x world {world}) steps={total_steps} "
+            f"strategy={kind} precision={args.precision} device={device} peak={peak:.3g} TFLOP/s "
+            f"({'given' if args.peak_tflops else 'measured'})",
+        )
 
     def trainer_state():
-        return {"epoch": epoch, "step_in_epoch": step_in_epoch, "tokens_seen": tokens_seen,
-                "global_batch": global_batch, "total_steps": total_steps, "seed": args.seed,
-                "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}}
+        return {
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "tokens_seen": tokens_seen,
+            "global_batch": global_batch,
+            "total_steps": total_steps,
+            "seed": args.seed,
+            "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        }
 
     def save(step):
         if out_dir is None:
             return None
-        path = ckpt.save_checkpoint(out_dir, step, model, optimizer, scheduler, scaler, trainer_state(), info,
-                                    unwrapped, keep=args.keep_checkpoints)
+        path = ckpt.save_checkpoint(
+            out_dir,
+            step,
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+            trainer_state(),
+            info,
+            unwrapped,
+            keep=args.keep_checkpoints,
+        )
         _log(info, f"saved checkpoint {path}")
         return path
 
     model.train()
-    pbar = tqdm(total=total_steps, initial=global_step, disable=not info.is_main or args.no_progress,
-                desc="train", dynamic_ncols=True, file=sys.stderr)
+    pbar = tqdm(
+        total=total_steps,
+        initial=global_step,
+        disable=not info.is_main or args.no_progress,
+        desc="train",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     losses: List[float] = []
-    pending: List[torch.Tensor] = []      # per-step local loss sums since the last log
-    pending_counts: List[float] = []      # per-step global target counts
+    pending: List[torch.Tensor] = []  # per-step local loss sums since the last log
+    pending_counts: List[float] = []  # per-step global target counts
     window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
     last_tok_s, last_mfu = 0.0, 0.0
     stopped_on_signal = False
@@ -415,16 +463,34 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         for i, l in enumerate(step_losses):
             losses.append(l)
             if metrics_f is not None:
-                metrics_f.write(json.dumps({"step": first + i, "loss": l, "lr": lr, "tokens_per_s": last_tok_s,
-                                            "mfu": last_mfu, "tokens_seen": tokens_seen}) + "\n")
+                metrics_f.write(
+                    json.dumps(
+                        {
+                            "step": first + i,
+                            "loss": l,
+                            "lr": lr,
+                            "tokens_per_s": last_tok_s,
+                            "mfu": last_mfu,
+                            "tokens_seen": tokens_seen,
+                        }
+                    )
+                    + "\n"
+                )
         if metrics_f is not None:
             metrics_f.flush()
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        pbar.set_postfix(loss=f"{step_losses[-1]:.4f}", tok_s=f"{last_tok_s:,.0f}", mfu=f"{100 * last_mfu:.1f}%",
-                         **({"mem": f"{mem:.1f}G"} if mem else {}))
+        pbar.set_postfix(
+            loss=f"{step_losses[-1]:.4f}",
+            tok_s=f"{last_tok_s:,.0f}",
+            mfu=f"{100 * last_mfu:.1f}%",
+            **({"mem": f"{mem:.1f}G"} if mem else {}),
+        )
         if args.log_lines:
-            _log(info, f"step {global_step}/{total_steps} loss {step_losses[-1]:.4f} lr {lr:.3e} "
-                       f"tok/s {last_tok_s:,.0f} MFU {100 * last_mfu:.1f}%")
+            _log(
+                info,
+                f"step {global_step}/{total_steps} loss {step_losses[-1]:.4f} lr {lr:.3e} "
+                f"tok/s {last_tok_s:,.0f} MFU {100 * last_mfu:.1f}%",
+            )
         pending.clear()
         pending_counts.clear()
         window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
@@ -432,20 +498,29 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     stop_at = args.stop_at_step or 0
     done = global_step >= total_steps
     while not done:
-        plan = coll.epoch_batches(dataset.lengths, global_batch, args.seed, epoch, shuffle=args.shuffle,
-                                  bucket=args.bucket)
+        plan = coll.epoch_batches(
+            dataset.lengths, global_batch, args.seed, epoch, shuffle=args.shuffle, bucket=args.bucket
+        )
         sampler = coll.StepBatchSampler(plan, epoch, world, rank, accum, start_step=step_in_epoch)
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                             num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                                             persistent_workers=False,
-                                             # its own generator: creating the iterator draws a base seed,
-                                             # which must not shift the global stream (dropout) on resume
-                                             generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate,
+            num_workers=args.num_workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=False,
+            # its own generator: creating the iterator draws a base seed,
+            # which must not shift the global stream (dropout) on resume
+            generator=torch.Generator().manual_seed(args.seed * 1000 + epoch),
+        )
         it = iter(loader)
         while step_in_epoch < len(plan):
             micro_batches = [next(it) for _ in range(accum)]
-            local = [sum(b["num_targets"] for b in micro_batches),
-                     sum(b.get("num_sequences", 0) for b in micro_batches), 1.0 if stop.requested else 0.0]
+            local = [
+                sum(b["num_targets"] for b in micro_batches),
+                sum(b.get("num_sequences", 0) for b in micro_batches),
+                1.0 if stop.requested else 0.0,
+            ]
             g = dist_mod.all_reduce_sum(local, info)
             counts = {"targets": g[0], "sequences": g[1]}
             stop_now = g[2] > 0
@@ -470,8 +545,9 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
                 if kind == "fsdp1":
                     model.clip_grad_norm_(args.max_grad_norm)
                 else:
-                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                   args.max_grad_norm)
+                    torch.nn.utils.clip_grad_norm_(
+                        [p for p in model.parameters() if p.grad is not None], args.max_grad_norm
+                    )
             if scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
@@ -511,14 +587,26 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
             last_saved = save(global_step)
     if metrics_f is not None:
         metrics_f.close()
-    summary = {"steps": global_step, "losses": losses, "tokens_per_s": last_tok_s, "mfu": last_mfu,
-               "peak_tflops": peak, "params": n_params, "checkpoint": str(last_saved) if last_saved else None,
-               "stopped_on_signal": stopped_on_signal, "strategy": kind, "world_size": world,
-               "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)}
+    summary = {
+        "steps": global_step,
+        "losses": losses,
+        "tokens_per_s": last_tok_s,
+        "mfu": last_mfu,
+        "peak_tflops": peak,
+        "params": n_params,
+        "checkpoint": str(last_saved) if last_saved else None,
+        "stopped_on_signal": stopped_on_signal,
+        "strategy": kind,
+        "world_size": world,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None),
+    }
     if info.is_main:
-        _log(info, f"done: {global_step} steps, final loss {losses[-1] if losses else float('nan'):.4f}, "
-                   f"{last_tok_s:,.0f} tokens/s, MFU {100 * last_mfu:.1f}%"
-                   + (f", checkpoint {last_saved}" if last_saved else ""))
+        _log(
+            info,
+            f"done: {global_step} steps, final loss {losses[-1] if losses else float('nan'):.4f}, "
+            f"{last_tok_s:,.0f} tokens/s, MFU {100 * last_mfu:.1f}%"
+            + (f", checkpoint {last_saved}" if last_saved else ""),
+        )
         if out_dir is not None:
             ckpt.atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -457,10 +457,10 @@ def _kernel_mask(case, inp, seed):
         _, mask = attention(inp["qkv"], _key_mask(inp["qkv"].device), 0.25, return_dropout_mask=True)
     else:
         from bert_fast.ops import _dispatch
-        from bert_fast.ops.embedding import _dropout_keep_mask
+        from bert_fast.ops.embedding import embedding_dropout_mask
 
         seed_t = _dispatch.draw_seed(0.25)
-        mask = _dropout_keep_mask(10, 24, 0.25, seed_t, inp["word"].device)
+        mask = embedding_dropout_mask(10, 24, 0.25, seed_t, inp["word"].device)
     return mask
 
 

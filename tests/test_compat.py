@@ -13,6 +13,7 @@
 """
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -467,3 +468,47 @@ def test_gradient_checkpointing_with_an_unfused_piece_matches_transformers():
     assert g_fast.keys() == g_hf.keys()
     for name in g_hf:
         torch.testing.assert_close(g_fast[name], g_hf[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+FSDP2_SCRIPT = r"""
+import os, socket, sys
+import torch, transformers, torch.distributed as dist
+import bert_fast
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+cfg = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+torch.manual_seed(0)
+m = bert_fast.BertForMaskedLM(cfg)
+ids = torch.randint(1, 100, (2, 9)); mask = torch.ones(2, 9, dtype=torch.long); mask[1, 5:] = 0
+ref = m(ids, attention_mask=mask).logits.detach()
+mesh = init_device_mesh("cpu", (1,))
+for layer in m.bert.encoder.layer:
+    fully_shard(layer, mesh=mesh)
+fully_shard(m, mesh=mesh)
+assert type(m.bert.encoder.layer[0]).__name__.startswith("FSDP"), type(m.bert.encoder.layer[0])
+assert m.bert.unfused_pieces() == {}, m.bert.unfused_pieces()
+out = m(ids, attention_mask=mask).logits
+out.sum().backward()
+assert (out.detach() - ref).abs().max().item() < 1e-5
+dist.destroy_process_group()
+print("FUSED-OK")
+"""
+
+
+def test_fsdp2_wrapped_layers_stay_fused():
+    """fully_shard swaps each layer's class for FSDP's subclass and hooks it: bert_fast still sees
+    its own layers (nothing reported unfused), and forward/backward run with the same outputs."""
+    if compat._fsdp_module_class() is None:
+        pytest.skip("this torch has no FSDP2")
+    proc = subprocess.run(
+        [sys.executable, "-c", FSDP2_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+    )
+    assert proc.returncode == 0 and "FUSED-OK" in proc.stdout, proc.stderr[-3000:]

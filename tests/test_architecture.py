@@ -75,3 +75,58 @@ def test_ruff(check):
         [sys.executable, "-m", "ruff", *check, "."], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _modules():
+    """{dotted name: path} of every module of bert_fast (kernels/ as bert_fast.kernels)."""
+    found = {}
+    for path in sorted((ROOT / "bert_fast").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "kernels":
+            parts = ["bert_fast", *parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _underscore_uses(name: str, path: Path, modules: dict):
+    """Another module's underscore names that module ``name`` imports or reads as an attribute.
+    Private modules of a package (``_dispatch``, ``_verify``, ``_C``) are package-internal and
+    allowed by name; what they define is not special."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    aliases, uses = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bert_fast"):
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules or full == "bert_fast._C":
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_"):
+                    uses.append(f"{where}:{node.lineno}: from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in aliases:
+                owner = aliases[node.value.id]
+                full = f"{owner}.{node.attr}"
+                if owner != name and full not in modules:
+                    uses.append(f"{where}:{node.lineno}: {owner}.{node.attr}")
+    return uses
+
+
+def test_no_module_uses_another_modules_underscore_names():
+    modules = _modules()
+    uses = [u for name, path in modules.items() for u in _underscore_uses(name, path, modules)]
+    assert not uses, "give these a public name in the module that owns them:\n" + "\n".join(uses)
+
+
+def test_the_underscore_scan_catches_a_planted_use(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from bert_fast.ops import torch_impl\nfrom bert_fast.model.layer import _private\nx = torch_impl._dropout_mask\n"
+    )
+    uses = _underscore_uses("bert_fast.planted", planted, _modules())
+    assert len(uses) == 2, uses

@@ -21,6 +21,10 @@ _SUBMODULES = ("ops", "reference", "testing")
 _LAZY = {
     **{name: f"bert_fast.{name}" for name in _SUBMODULES},
     "BertModel": "bert_fast.model.modeling",
+    "RobertaModel": "bert_fast.model.modeling",
+    "XLMRobertaModel": "bert_fast.model.modeling",
+    "ElectraModel": "bert_fast.model.modeling",
+    "DistilBertModel": "bert_fast.model.modeling",
     "optimize": "bert_fast.model.optimize",
     "CudaGraphRunner": "bert_fast.model.cuda_graphs",
     **{
@@ -33,6 +37,23 @@ _LAZY = {
             "BertForTokenClassification",
             "BertForQuestionAnswering",
             "BertForMultipleChoice",
+            *(
+                f"{prefix}{suffix}"
+                for prefix in ("Roberta", "XLMRoberta", "DistilBert")
+                for suffix in (
+                    "ForMaskedLM",
+                    "ForSequenceClassification",
+                    "ForTokenClassification",
+                    "ForQuestionAnswering",
+                    "ForMultipleChoice",
+                )
+            ),
+            "ElectraForPreTraining",
+            "ElectraForMaskedLM",
+            "ElectraForSequenceClassification",
+            "ElectraForTokenClassification",
+            "ElectraForQuestionAnswering",
+            "ElectraForMultipleChoice",
         )
     },
 }

@@ -10,11 +10,14 @@ What bert_fast relies on, and the versions each form was tested on (CI runs the 
 that resolve, and the floor of setup.py; the README's "tested with" line names the exact versions):
 
 transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5.24.0)
-  * Module tree of BertModel (modeling_bert): embeddings.{word,position,token_type}_embeddings,
+  * Module tree of BertModel (modeling_bert), and of RobertaModel, XLMRobertaModel and ElectraModel
+    (the same names; ElectraModel adds embeddings_project): embeddings.{word,position,token_type}_embeddings,
     LayerNorm, dropout; encoder.layer[i].attention.self.{query,key,value,dropout},
     attention.output.{dense,LayerNorm,dropout}, intermediate.{dense,intermediate_act_fn},
     output.{dense,LayerNorm,dropout}; pooler. Same names and classes in every tested version
     (4.x also has BertSdpaSelfAttention). Checked per model by ``probe_model`` before conversion.
+    RoBERTa's position rule (padding_idx + cumsum over non-pad ids; padding_idx + 1 ... from
+    inputs_embeds) is the same in 4.41.2 and 5.24.0 and is reproduced in modeling.py, not called.
   * Subclassing by class swap: bert_fast.BertLayer / BertEncoder subclass transformers' BertLayer /
     BertEncoder and are never constructed (``obj.__class__ = ...``), so their constructor
     signatures (BertLayer(config) in 4.41, BertLayer(config, layer_idx=None) in 5.x) do not matter.
@@ -23,7 +26,8 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
     BertAttention(h, mask), BertSelfAttention(h, attention_mask=mask), BertSelfOutput(ctx, h),
     BertIntermediate(h), BertOutput(f, h1), BertLayer(h, mask), BertEncoder(h, attention_mask=mask).
     Tuples in 4.x, tensors or tuples in 5.x. Their keyword ``**kwargs`` exist from 5.0
-    (``accepts_var_kwargs``). Checked by ``probe_signatures``.
+    (``accepts_var_kwargs``). Checked by ``probe_signatures``, per family (Roberta*, XLMRoberta*,
+    Electra* take the same calls: tests/test_families.py).
   * The attention mask those modules take, built by bert_fast itself (``attention_mask_for_modules``):
     eager and sdpa take an additive float mask broadcastable to [B, heads, S, S] (4.41: eager
     [B,1,1,S] from get_extended_attention_mask, sdpa [B,1,S,S]; 5.x: [B,1,S,S] float or bool from
@@ -156,12 +160,16 @@ def _gradient_checkpointing_layer():
     return GradientCheckpointingLayer
 
 
-def layer_checkpoints_itself() -> bool:
-    """Whether transformers' BertLayer.__call__ applies gradient checkpointing itself (4.52+)."""
-    from transformers.models.bert import modeling_bert
+@functools.lru_cache(maxsize=None)
+def layer_checkpoints_itself(layer_class: Optional[type] = None) -> bool:
+    """Whether transformers' BertLayer.__call__ (or ``layer_class``'s: RobertaLayer, ...) applies
+    gradient checkpointing itself (4.52+)."""
+    if layer_class is None:
+        from transformers.models.bert import modeling_bert
 
+        layer_class = modeling_bert.BertLayer
     gcl = _gradient_checkpointing_layer()
-    return gcl is not None and issubclass(modeling_bert.BertLayer, gcl)
+    return gcl is not None and issubclass(layer_class, gcl)
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -260,15 +268,17 @@ _LAYER_PARTS = (
     "output.dropout",
 )
 
-# The calls exact mode makes into transformers' modules: (class name, positional args, keywords).
+# The calls exact mode makes into transformers' modules: (class name after the family's prefix,
+# positional args, keywords). The same for every family bert_fast runs (Bert, Roberta, XLMRoberta,
+# Electra: "Copied from" BERT's modules in 4.x, generated from them in 5.x).
 _EXACT_CALLS = (
-    ("BertAttention", 2, ()),
-    ("BertSelfAttention", 1, ("attention_mask",)),
-    ("BertSelfOutput", 2, ()),
-    ("BertIntermediate", 1, ()),
-    ("BertOutput", 2, ()),
-    ("BertLayer", 2, ()),
-    ("BertEncoder", 1, ("attention_mask",)),
+    ("Attention", 2, ()),
+    ("SelfAttention", 1, ("attention_mask",)),
+    ("SelfOutput", 2, ()),
+    ("Intermediate", 1, ()),
+    ("Output", 2, ()),
+    ("Layer", 2, ()),
+    ("Encoder", 1, ("attention_mask",)),
 )
 
 
@@ -280,30 +290,39 @@ def _get(module: nn.Module, dotted: str):
     return module
 
 
-def probe_model(model: nn.Module) -> Optional[str]:
+def probe_model(model: nn.Module, parts: Optional[tuple] = None) -> Optional[str]:
     """None when ``model`` (a transformers BertModel) has every piece the fused forward reads, else
-    what is missing."""
-    missing = [f"embeddings.{p}" for p in _EMBEDDING_PARTS if _get(model, f"embeddings.{p}") is None]
-    layers = _get(model, "encoder.layer")
+    what is missing. ``parts``: (embedding parts, layers path, layer parts) of a family whose names
+    differ from BERT's (DistilBERT)."""
+    embedding_parts, layers_path, layer_parts = parts or (_EMBEDDING_PARTS, "encoder.layer", _LAYER_PARTS)
+    missing = [f"embeddings.{p}" for p in embedding_parts if _get(model, f"embeddings.{p}") is None]
+    layers = _get(model, layers_path)
     if layers is None:
-        missing.append("encoder.layer")
+        missing.append(layers_path)
     else:
         for i, layer in enumerate(layers):
-            missing += [f"encoder.layer.{i}.{p}" for p in _LAYER_PARTS if _get(layer, p) is None]
+            missing += [f"{layers_path}.{i}.{p}" for p in layer_parts if _get(layer, p) is None]
             if missing:
                 break
     return ("missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")) if missing else None
 
 
 @functools.lru_cache(maxsize=None)
-def probe_signatures() -> Optional[str]:
-    """None when transformers' modules take the calls exact mode makes, else which one does not."""
-    from transformers.models.bert import modeling_bert
+def probe_signatures(family: str = "bert", prefix: str = "Bert") -> Optional[str]:
+    """None when transformers' modules (of transformers.models.<family>, class names starting with
+    ``prefix``) take the calls exact mode makes, else which one does not."""
+    import importlib
 
-    for name, positional, keywords in _EXACT_CALLS:
-        cls = getattr(modeling_bert, name, None)
+    module = f"transformers.models.{family}.modeling_{family}"
+    try:
+        modeling = importlib.import_module(module)
+    except ImportError as e:
+        return f"{module} cannot be imported ({e})"
+    for suffix, positional, keywords in _EXACT_CALLS:
+        name = prefix + suffix
+        cls = getattr(modeling, name, None)
         if cls is None:
-            return f"transformers.models.bert.modeling_bert.{name} is gone"
+            return f"{module}.{name} is gone"
         try:
             inspect.signature(cls.forward).bind(None, *range(positional), **{k: None for k in keywords})
         except TypeError as e:
@@ -311,13 +330,18 @@ def probe_signatures() -> Optional[str]:
     return None
 
 
-def incompatibility(model: nn.Module) -> Optional[str]:
-    """Why bert_fast cannot run this transformers BertModel with the installed transformers, or None."""
-    reason = probe_model(model) or probe_signatures()
+def incompatibility(
+    model: nn.Module, family: str = "bert", prefix: Optional[str] = "Bert", parts: Optional[tuple] = None
+) -> Optional[str]:
+    """Why bert_fast cannot run this transformers BertModel (or RobertaModel, ...: ``family`` and
+    ``prefix`` as for ``probe_signatures``; ``parts`` as for ``probe_model``) with the installed
+    transformers, or None. ``prefix`` None: the family makes no per-module exact calls (DistilBERT
+    runs transformers' whole forward in exact mode), so only the module tree is probed."""
+    reason = probe_model(model, parts) or (probe_signatures(family, prefix) if prefix else None)
     if reason is None:
         return None
     return (
-        f"bert_fast does not recognise the BertModel of {describe()}: {reason}. Please report it "
+        f"bert_fast does not recognise the {type(model).__name__} of {describe()}: {reason}. Please report it "
         "to bert_fast with this message"
     )
 

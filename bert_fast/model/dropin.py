@@ -25,6 +25,10 @@ import torch.nn.modules.module as _module_globals
 import transformers
 from torch import nn
 from transformers.models.bert import modeling_bert as hf_bert
+from transformers.models.distilbert import modeling_distilbert as hf_distilbert
+from transformers.models.electra import modeling_electra as hf_electra
+from transformers.models.roberta import modeling_roberta as hf_roberta
+from transformers.models.xlm_roberta import modeling_xlm_roberta as hf_xlm_roberta
 
 from bert_fast.model import compat
 
@@ -32,9 +36,14 @@ from bert_fast.model import compat
 LORA_LINEAR = compat.lora_linear_class()
 
 
-def _hf_classes(*names) -> Tuple[type, ...]:
-    """transformers' classes by name, skipping those this version does not have."""
-    return tuple(getattr(hf_bert, n) for n in names if hasattr(hf_bert, n))
+# The families whose modules the fast path runs (modeling.Family): transformers' module, class prefix.
+_FAMILY_MODULES = ((hf_bert, "Bert"), (hf_roberta, "Roberta"), (hf_xlm_roberta, "XLMRoberta"), (hf_electra, "Electra"))
+
+
+def _hf_classes(*suffixes) -> Tuple[type, ...]:
+    """transformers' classes <prefix><suffix> of every family, skipping those this version does not have."""
+    names = ((m, p + s) for m, p in _FAMILY_MODULES for s in suffixes)
+    return tuple(getattr(m, n) for m, n in names if hasattr(m, n))
 
 
 # Modules whose forward the fast path reproduces (or that it calls itself, like the pooler).
@@ -48,20 +57,36 @@ _PLAIN_TYPES = frozenset(
         nn.ModuleList,
         nn.Tanh,
         *_hf_classes(
-            "BertEmbeddings",
-            "BertEncoder",
-            "BertLayer",
-            "BertAttention",
-            "BertSelfAttention",
-            "BertSdpaSelfAttention",
-            "BertFlashAttention2",
-            "BertSelfOutput",
-            "BertIntermediate",
-            "BertOutput",
-            "BertPooler",
+            "Embeddings",
+            "Encoder",
+            "Layer",
+            "Attention",
+            "SelfAttention",
+            "SdpaSelfAttention",
+            "FlashAttention2",
+            "SelfOutput",
+            "Intermediate",
+            "Output",
+            "Pooler",
+        ),
+        # DistilBERT's modules (class names across 4.41 ... 5.24)
+        *(
+            getattr(hf_distilbert, n)
+            for n in (
+                "Embeddings",
+                "Transformer",
+                "TransformerBlock",
+                "FFN",
+                "MultiHeadSelfAttention",
+                "DistilBertSdpaAttention",
+                "DistilBertFlashAttention2",
+                "DistilBertSelfAttention",
+            )
+            if hasattr(hf_distilbert, n)
         ),
     )
 )
+_INTERMEDIATE_TYPES = frozenset(_hf_classes("Intermediate"))
 
 
 # Hooks whose effect the fast forward reproduces, or that fire anyway (compat.is_understood_hook):
@@ -197,7 +222,7 @@ def _module_reason(m: nn.Module, t: type, expected_act: type) -> Optional[str]:
         return "Linear without bias"
     if t is nn.LayerNorm and (m._parameters.get("weight") is None or m._parameters.get("bias") is None):
         return "LayerNorm without affine weight or bias"
-    if t is hf_bert.BertIntermediate and type(m.intermediate_act_fn) is not expected_act:
+    if t in _INTERMEDIATE_TYPES and type(m.intermediate_act_fn) is not expected_act:
         return f"activation {type(m.intermediate_act_fn).__qualname__} instead of {expected_act.__qualname__}"
     return None
 
@@ -227,6 +252,7 @@ def find_unfused(model: nn.Module, expected_act: type) -> Dict[str, str]:
     return found
 
 
-def expected_activation(config) -> type:
-    """The class transformers builds for config.hidden_act (e.g. GELUActivation for "gelu")."""
-    return type(transformers.activations.ACT2FN[config.hidden_act])
+def expected_activation(config, field: str = "hidden_act") -> type:
+    """The class transformers builds for config.hidden_act (or DistilBERT's ``activation``; e.g.
+    GELUActivation for "gelu")."""
+    return type(transformers.activations.ACT2FN[getattr(config, field)])

@@ -40,6 +40,47 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         max_position_embeddings=512,
         type_vocab_size=2,
     ),
+    # The other families bert_fast runs (RobertaModel, XLMRobertaModel, ElectraModel,
+    # DistilBertModel): their layers are BERT's, so the benchmark measures their shapes as a BERT encoder (RoBERTa's positions
+    # start after pad_token_id = 1: 514 rows for 512 tokens; one token type).
+    "roberta-base": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=50265,
+        max_position_embeddings=514,
+        type_vocab_size=1,
+    ),
+    "xlm-roberta-base": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=250002,
+        max_position_embeddings=514,
+        type_vocab_size=1,
+    ),
+    # google/electra-base-discriminator (embedding_size == hidden_size: no embeddings_project)
+    "electra-base": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+    ),
+    # distilbert-base-uncased: BERT-base's width, 6 layers, no token types
+    "distilbert-base": dict(
+        hidden_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        type_vocab_size=1,
+    ),
     # the CPU default: small enough that every provider runs in seconds
     "tiny": dict(
         hidden_size=128,

@@ -19,11 +19,12 @@ from bert_fast.model.modeling import to_fast_bert
 
 
 def _fast_head(hf_cls):
-    """A subclass of transformers' head ``hf_cls`` whose encoder is bert_fast's."""
+    """A subclass of transformers' head ``hf_cls`` whose encoder (``self.bert``, ``self.roberta``,
+    ``self.electra``: the class's base_model_prefix) is converted to bert_fast's."""
 
     def __init__(self, config, *args, padded: bool = False, **kwargs):
         hf_cls.__init__(self, config, *args, **kwargs)
-        to_fast_bert(self.bert, padded=padded)
+        to_fast_bert(getattr(self, hf_cls.base_model_prefix), padded=padded)
 
     cls = type(
         hf_cls.__name__,
@@ -38,6 +39,41 @@ BertForTokenClassification = _fast_head(transformers.BertForTokenClassification)
 BertForQuestionAnswering = _fast_head(transformers.BertForQuestionAnswering)
 BertForMultipleChoice = _fast_head(transformers.BertForMultipleChoice)
 BertForNextSentencePrediction = _fast_head(transformers.BertForNextSentencePrediction)
+
+# The heads of the other families bert_fast runs: transformers' own classes, the encoder converted.
+_FAMILY_HEADS = {
+    "Roberta": (
+        "ForMaskedLM",
+        "ForSequenceClassification",
+        "ForTokenClassification",
+        "ForQuestionAnswering",
+        "ForMultipleChoice",
+    ),
+    "XLMRoberta": (
+        "ForMaskedLM",
+        "ForSequenceClassification",
+        "ForTokenClassification",
+        "ForQuestionAnswering",
+        "ForMultipleChoice",
+    ),
+    "DistilBert": (
+        "ForMaskedLM",
+        "ForSequenceClassification",
+        "ForTokenClassification",
+        "ForQuestionAnswering",
+        "ForMultipleChoice",
+    ),
+    "Electra": (
+        "ForPreTraining",
+        "ForMaskedLM",
+        "ForSequenceClassification",
+        "ForTokenClassification",
+        "ForQuestionAnswering",
+        "ForMultipleChoice",
+    ),
+}
+FAMILY_HEADS = tuple(prefix + suffix for prefix, suffixes in _FAMILY_HEADS.items() for suffix in suffixes)
+globals().update({name: _fast_head(getattr(transformers, name)) for name in FAMILY_HEADS})
 
 
 def _masked_rows(sequence_output: torch.Tensor, labels: torch.Tensor):

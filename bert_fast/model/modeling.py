@@ -16,11 +16,17 @@ dropout) -> per layer: fused QKV GEMM, varlen flash attention, out-proj GEMM, re
 GEMM+bias+GELU, GEMM, residual+dropout+LN -> pad once (pads are zero) -> transformers' pooler.
 ``padded=True`` keeps all B*S positions with the key-padding mask applied inside the attention
 kernel and matches transformers at every position, pads included.
+
+The other BERT-family encoders (RobertaModel, XLMRobertaModel, ElectraModel) are the same
+classes on the same forward (the ``FastModel`` mixin): their layers are BERT's under other class
+names, and what differs (RoBERTa's positions, ELECTRA's embeddings_project, no pooler) is a
+``Family`` record, never a copy of the forward.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional
 
 import torch
@@ -40,15 +46,19 @@ from bert_fast.model.padding import pad, unpad
 logger = logging.getLogger("bert_fast")
 
 
-def check_config(config) -> None:
-    """Raise a clear error for every BERT variant this encoder does not implement."""
-    act = config.hidden_act
+def check_config(config, family=None) -> None:
+    """Raise a clear error for every BERT variant this encoder does not implement (``family``: a
+    Family, for its own fields)."""
+    field = family.act_field if family is not None else "hidden_act"
+    act = getattr(config, field)
     if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act={act!r} is not supported by bert_fast; use one of {sorted(ACTIVATIONS)}")
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise NotImplementedError(
-            "bert_fast implements the BERT encoder only: is_decoder and add_cross_attention must be False"
-        )
+        raise ValueError(f"{field}={act!r} is not supported by bert_fast; use one of {sorted(ACTIVATIONS)}")
+    for name in ("is_decoder", "add_cross_attention"):
+        if getattr(config, name, False):
+            raise NotImplementedError(
+                f"{name}={getattr(config, name)!r}: bert_fast implements the bidirectional encoder only "
+                "(is_decoder and add_cross_attention must be False)"
+            )
     pos = getattr(config, "position_embedding_type", "absolute")
     if pos not in (None, "absolute"):
         raise NotImplementedError(f"position_embedding_type={pos!r} is not supported (only 'absolute')")
@@ -56,31 +66,34 @@ def check_config(config) -> None:
         raise ValueError(
             f"hidden_size={config.hidden_size} is not a multiple of num_attention_heads={config.num_attention_heads}"
         )
+    if family is not None and family.padding_offset_positions:
+        pad = getattr(config, "pad_token_id", None)
+        if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+            raise ValueError(
+                f"pad_token_id={pad!r}: {family.name} position ids start after pad_token_id, which must be an int >= 0"
+            )
     # Any head dim runs: those the attention kernel does not cover (outside 16..128) take the torch
     # implementation of the same op, with one warning (bert_fast/ops/attention.py).
 
 
-class BertLayer(transformers.models.bert.modeling_bert.BertLayer):
-    """transformers' BertLayer (same parameters) whose forward is our kernel path.
-
-    Layers are converted by class swap, so calls go through the module's own ``__call__``: module
-    hooks (FSDP2's per-layer all-gather, transformers' GradientCheckpointingLayer) keep working.
-    """
+class FastLayer:
+    """Mixin of every class-swapped encoder layer (BertLayer, RobertaLayer, ...): the forward is the
+    one fused layer forward of layer.py. The per-family classes below add only the transformers
+    base class (so isinstance and state dicts stay transformers')."""
 
     def forward(self, hidden_states: torch.Tensor, batch: Batch, *args, **kwargs) -> torch.Tensor:
         return layer_forward(self, self.bert_fast_index, hidden_states, batch, self.bert_fast_config, self.training)
 
 
-class BertEncoder(transformers.models.bert.modeling_bert.BertEncoder):
-    """transformers' BertEncoder (class-swapped, same parameters) running our layers, so that hooks
-    on the encoder fire as on transformers."""
+class FastEncoder:
+    """Mixin of every class-swapped encoder (BertEncoder, RobertaEncoder, ...): the layer loop."""
 
     def forward(
         self, hidden_states: torch.Tensor, batch: Batch, checkpointed: bool = False, collect=None
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         h = hidden_states
         for layer in self.layer:
-            if not isinstance(layer, BertLayer):
+            if not isinstance(layer, FastLayer):
                 # A layer module the user replaced: called as transformers' encoder calls it.
                 h = cast(first(call_hf(layer, batch, h, batch.hf_mask)), h.dtype)
             elif checkpointed:
@@ -94,7 +107,107 @@ class BertEncoder(transformers.models.bert.modeling_bert.BertEncoder):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=h)
 
 
-dropin.register_fast_types(BertLayer, BertEncoder)
+class BertLayer(FastLayer, transformers.models.bert.modeling_bert.BertLayer):
+    """transformers' BertLayer (same parameters) whose forward is our kernel path.
+
+    Layers are converted by class swap, so calls go through the module's own ``__call__``: module
+    hooks (FSDP2's per-layer all-gather, transformers' GradientCheckpointingLayer) keep working.
+    """
+
+
+class BertEncoder(FastEncoder, transformers.models.bert.modeling_bert.BertEncoder):
+    """transformers' BertEncoder (class-swapped, same parameters) running our layers, so that hooks
+    on the encoder fire as on transformers."""
+
+
+class RobertaLayer(FastLayer, transformers.models.roberta.modeling_roberta.RobertaLayer):
+    """transformers' RobertaLayer (the BERT layer under another name) on the fused layer forward."""
+
+
+class RobertaEncoder(FastEncoder, transformers.models.roberta.modeling_roberta.RobertaEncoder):
+    """transformers' RobertaEncoder running our layers."""
+
+
+class XLMRobertaLayer(FastLayer, transformers.models.xlm_roberta.modeling_xlm_roberta.XLMRobertaLayer):
+    """transformers' XLMRobertaLayer on the fused layer forward."""
+
+
+class XLMRobertaEncoder(FastEncoder, transformers.models.xlm_roberta.modeling_xlm_roberta.XLMRobertaEncoder):
+    """transformers' XLMRobertaEncoder running our layers."""
+
+
+class ElectraLayer(FastLayer, transformers.models.electra.modeling_electra.ElectraLayer):
+    """transformers' ElectraLayer on the fused layer forward."""
+
+
+class ElectraEncoder(FastEncoder, transformers.models.electra.modeling_electra.ElectraEncoder):
+    """transformers' ElectraEncoder running our layers."""
+
+
+class _Namespace:
+    """Attribute bag of the DistilBERT name adapter (built per call: a module a user or peft
+    replaces later is read as it is then)."""
+
+    def __init__(*args, **kw):  # "self" is one of the names (attention.self)
+        args[0].__dict__.update(kw)
+
+
+_NO_DROPOUT = _Namespace(p=0.0)  # DistilBERT has no dropout between out_lin and its residual
+
+
+def distilbert_layer_view(block):
+    """A DistilBERT TransformerBlock under BERT's names, for the one layer forward (layer.py):
+    q_lin/k_lin/v_lin/attention dropout -> attention.self.{query,key,value,dropout};
+    out_lin + sa_layer_norm -> attention.output.{dense,LayerNorm} (no dropout there);
+    ffn.lin1 -> intermediate.dense; ffn.lin2 + ffn.dropout + output_layer_norm -> output.*."""
+    att, ffn = block.attention, block.ffn
+    return _Namespace(
+        attention=_Namespace(
+            self=_Namespace(query=att.q_lin, key=att.k_lin, value=att.v_lin, dropout=att.dropout),
+            output=_Namespace(dense=att.out_lin, LayerNorm=block.sa_layer_norm, dropout=_NO_DROPOUT),
+        ),
+        intermediate=_Namespace(dense=ffn.lin1),
+        output=_Namespace(dense=ffn.lin2, LayerNorm=block.output_layer_norm, dropout=ffn.dropout),
+    )
+
+
+_hf_distil = transformers.models.distilbert.modeling_distilbert
+
+
+class DistilBertLayer(FastLayer, _hf_distil.TransformerBlock):
+    """transformers' DistilBERT TransformerBlock on the one fused layer forward, through
+    ``distilbert_layer_view``. Called as transformers calls it (not with a Batch: the model's
+    exact mode runs transformers' whole forward), it is transformers' own forward."""
+
+    def forward(self, *args, **kwargs):
+        if len(args) > 1 and isinstance(args[1], Batch):
+            view = distilbert_layer_view(self)
+            return layer_forward(view, self.bert_fast_index, args[0], args[1], self.bert_fast_config, self.training)
+        return _hf_distil.TransformerBlock.forward(self, *args, **kwargs)
+
+
+class DistilBertEncoder(FastEncoder, _hf_distil.Transformer):
+    """transformers' DistilBERT Transformer running our layers (its own forward when called as
+    transformers calls it)."""
+
+    def forward(self, *args, **kwargs):
+        if len(args) > 1 and isinstance(args[1], Batch):
+            return FastEncoder.forward(self, *args, **kwargs)
+        return _hf_distil.Transformer.forward(self, *args, **kwargs)
+
+
+dropin.register_fast_types(
+    BertLayer,
+    BertEncoder,
+    RobertaLayer,
+    RobertaEncoder,
+    XLMRobertaLayer,
+    XLMRobertaEncoder,
+    ElectraLayer,
+    ElectraEncoder,
+    DistilBertLayer,
+    DistilBertEncoder,
+)
 
 
 def _unfused_blocks(found: Dict[str, str], num_layers: int):
@@ -114,9 +227,9 @@ def _unfused_blocks(found: Dict[str, str], num_layers: int):
     return embeddings, {i: frozenset(b) for i, b in layers.items()}
 
 
-# transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__; older versions did it in
-# the encoder loop, which our forward replaces, so there we checkpoint ourselves.
-_LAYER_CHECKPOINTS_ITSELF = compat.layer_checkpoints_itself()
+# transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__ (and RobertaLayer's, ...);
+# older versions did it in the encoder loop, which our forward replaces, so there we checkpoint
+# ourselves. Read per family: compat.layer_checkpoints_itself(layer class).
 
 
 # Keywords transformers' BertModel.forward takes (TransformersKwargs in 5.x) and heads and
@@ -159,39 +272,102 @@ def _selected_hidden_states(flag, count: int) -> Optional[FrozenSet[int]]:
     return frozenset(i % count for i in picks if -count <= i < count)
 
 
-class BertModel(transformers.BertModel):
-    """transformers.BertModel with bert_fast's kernels as its forward. Same constructor, parameters,
-    state dict, outputs; ``padded=True`` computes every position (masked attention) instead of the
-    real tokens only."""
+@dataclass(frozen=True)
+class Family:
+    """What differs between the BERT-family encoders that run on the one fused layer forward
+    (layer.py): the transformers classes and their class-swapped twins, and the embeddings. The
+    layers themselves are the same post-LN BERT layer under another class name."""
 
-    def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
-        check_config(config)
-        super().__init__(config, add_pooling_layer=add_pooling_layer)
-        # An installed transformers whose BertModel bert_fast does not recognise: warned fallback to
+    name: str  # as users know it, for messages
+    hf_model: type  # transformers' base model class (converted when type(m) is exactly it)
+    hf_encoder: type
+    hf_layer: type
+    fast_encoder: type
+    fast_layer: type
+    module: str  # transformers.models.<module>.modeling_<module>
+    prefix: str  # transformers' class-name prefix in that module ("Roberta")
+    # RoBERTa / XLM-R: position ids are padding_idx + (1, 2, ...) over the real tokens of each row,
+    # padding_idx at pads (fairseq's make_positions); from inputs_embeds padding_idx + 1 ... + S.
+    padding_offset_positions: bool = False
+    # ELECTRA and DistilBERT have no pooler; bert_fast returns BaseModelOutputWithPastAndCrossAttentions.
+    pooler_output: bool = True
+    # DistilBERT: the encoder is ``transformer``, the activation ``config.activation``, no token
+    # types (a zero table in the fused embeddings), layers read through distilbert_layer_view, and a
+    # piece that must run unfused (a hook...) runs transformers' whole forward (exact mode).
+    encoder_attr: str = "encoder"
+    act_field: str = "hidden_act"
+    token_types: bool = True
+    whole_model_exact: bool = False
+    probe: Optional[tuple] = None  # compat.probe_model's (embedding parts, layers path, layer parts)
+
+
+class FastModel:
+    """Mixin of bert_fast's BertModel, RobertaModel, XLMRobertaModel and ElectraModel: transformers'
+    class with bert_fast's kernels as its forward. Same constructor, parameters, state dict,
+    outputs; ``padded=True`` computes every position (masked attention) instead of the real tokens
+    only. What differs per family is ``bert_fast_family`` (a Family), never the forward."""
+
+    bert_fast_family: "Family"
+
+    def _bert_fast_init(self, padded: bool) -> None:
+        # An installed transformers whose model bert_fast does not recognise: warned fallback to
         # transformers' own forward (never a TypeError inside forward or a different answer).
-        self.bert_fast_fallback = compat.incompatibility(self)
+        fam = self.bert_fast_family
+        self.bert_fast_fallback = compat.incompatibility(self, fam.module, fam.prefix, fam.probe)
         if self.bert_fast_fallback:
             compat.warn_fallback(self.bert_fast_fallback)
             self.padded = bool(padded)
             return
         self.setup_fast(padded)
 
-    def setup_fast(self, padded: bool = False) -> "BertModel":
+    def setup_fast(self, padded: bool = False):
         """Make this (possibly class-swapped) module ready for the fast forward."""
-        check_config(self.config)
+        fam = self.bert_fast_family
+        check_config(self.config, fam)
         self.padded = bool(padded)
         self.bert_fast_fallback = None
-        self.bert_fast_expected_act = dropin.expected_activation(self.config)
+        self.bert_fast_expected_act = dropin.expected_activation(self.config, fam.act_field)
         self.bert_fast_logged = set()
-        hf_bert = transformers.models.bert.modeling_bert
-        if type(self.encoder) is hf_bert.BertEncoder:
-            self.encoder.__class__ = BertEncoder
-        for i, layer in enumerate(self.encoder.layer):
-            if type(layer) is hf_bert.BertLayer:
-                layer.__class__ = BertLayer
-            layer.bert_fast_config = self.config
+        encoder = getattr(self, fam.encoder_attr)
+        if type(encoder) is fam.hf_encoder:
+            encoder.__class__ = fam.fast_encoder
+        # What layer_forward reads of the config (DistilBERT's fields have other names).
+        layer_config = self.config
+        if fam.act_field != "hidden_act":
+            layer_config = _Namespace(
+                hidden_act=getattr(self.config, fam.act_field), num_attention_heads=self.config.num_attention_heads
+            )
+        for i, layer in enumerate(encoder.layer):
+            if type(layer) is fam.hf_layer:
+                layer.__class__ = fam.fast_layer
+            layer.bert_fast_config = layer_config
             layer.bert_fast_index = i
         return self
+
+    def _bert_fast_positions(self, input_ids, inputs_embeds, position_ids, b: int, s: int):
+        """The position ids the fused embeddings gather (the caller's when given), and checks the
+        length against max_position_embeddings as transformers' embeddings would index them."""
+        limit = self.config.max_position_embeddings
+        if position_ids is not None:
+            return position_ids
+        if not self.bert_fast_family.padding_offset_positions:
+            if s > limit:
+                raise ValueError(f"sequence length {s} exceeds max_position_embeddings={limit}")
+            return None
+        pad = self.embeddings.padding_idx
+        if input_ids is not None:
+            keep = input_ids.ne(pad).int()
+            position_ids = (torch.cumsum(keep, dim=1).type_as(keep) * keep).long() + pad
+        else:
+            position_ids = torch.arange(pad + 1, s + pad + 1, dtype=torch.long, device=inputs_embeds.device)
+            position_ids = position_ids.unsqueeze(0).expand(b, s)
+        if s + pad + 1 > limit and position_ids.numel() and int(position_ids.max()) >= limit:
+            raise ValueError(
+                f"sequence length {s} exceeds max_position_embeddings={limit} minus pad_token_id + 1 = "
+                f"{pad + 1} ({self.bert_fast_family.name} positions start after pad_token_id): at most "
+                f"{limit - pad - 1} real tokens"
+            )
+        return position_ids
 
     def freeze(self) -> int:
         """Pack the encoder's linear weights for CPU inference (bert_fast/model/frozen.py: oneDNN prepacked
@@ -210,12 +386,19 @@ class BertModel(transformers.BertModel):
         forward (hooks, non-transformers classes, parametrizations); empty when all are fused."""
         return dropin.find_unfused(self, self.bert_fast_expected_act)
 
-    def _log_unfused(self, found: Dict[str, str]) -> None:
+    def _log_unfused(self, found: Dict[str, str], whole: bool = False) -> None:
         key = frozenset(found.items())
         if key in self.bert_fast_logged:
             return
         self.bert_fast_logged.add(key)
         pieces = "; ".join(f"{p} ({r})" for p, r in sorted(found.items()))
+        if whole:  # DistilBERT: its modules have no BERT-shaped per-block exact mode
+            logger.warning(
+                "bert_fast: %s runs transformers' own (unfused) forward while these pieces need their own forward: %s",
+                type(self).__name__,
+                pieces,
+            )
+            return
         logger.warning(
             "bert_fast: %d piece(s) of %s run through their own forward, unfused, on "
             "transformers' padded layout, so that they compute what they compute on "
@@ -245,7 +428,10 @@ class BertModel(transformers.BertModel):
         **kwargs,
     ):
         config = self.config
-        if self.__dict__.get("bert_fast_fallback"):
+        fam = self.bert_fast_family
+        if self.__dict__.get("bert_fast_fallback") or (fam.whole_model_exact and self.unfused_pieces()):
+            if not self.__dict__.get("bert_fast_fallback"):
+                self._log_unfused(self.unfused_pieces(), whole=True)
             given = dict(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -287,7 +473,8 @@ class BertModel(transformers.BertModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states", False)
         )
-        selected = _selected_hidden_states(output_hidden_states, len(self.encoder.layer) + 1)
+        encoder = getattr(self, fam.encoder_attr)
+        selected = _selected_hidden_states(output_hidden_states, len(encoder.layer) + 1)
         return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
         emb = self.embeddings
         device = emb.word_embeddings.weight.device
@@ -300,8 +487,7 @@ class BertModel(transformers.BertModel):
         if inputs_embeds is not None and inputs_embeds.dim() != 3:
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
         b, s = source.shape[:2]
-        if position_ids is None and s > config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={config.max_position_embeddings}")
+        fused_positions = self._bert_fast_positions(input_ids, inputs_embeds, position_ids, b, s)
         if attention_mask is None:
             attention_mask = torch.ones((b, s), dtype=torch.bool, device=device)
         else:
@@ -313,7 +499,7 @@ class BertModel(transformers.BertModel):
         found = self.unfused_pieces()
         if found:
             self._log_unfused(found)
-        embeddings_unfused, unfused = _unfused_blocks(found, len(self.encoder.layer))
+        embeddings_unfused, unfused = _unfused_blocks(found, len(encoder.layer))
         padded = bool(found) or (self.padded if padded is None else bool(padded))
 
         batch = Batch(
@@ -333,9 +519,20 @@ class BertModel(transformers.BertModel):
                 inputs_embeds=inputs_embeds,
             )
         else:
-            h = embeddings_forward(emb, input_ids, inputs_embeds, position_ids, token_type_ids, batch, self.training)
+            h = embeddings_forward(
+                emb if fam.token_types else _no_token_types(emb),
+                input_ids,
+                inputs_embeds,
+                fused_positions,
+                token_type_ids,
+                batch,
+                self.training,
+            )
             if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
                 h.requires_grad_(True)  # what transformers' enable_input_require_grads hook does
+        project = self._modules.get("embeddings_project")  # (no AttributeError raised on the others)
+        if project is not None:  # ELECTRA: embedding_size -> hidden_size, called as a module (hooks fire)
+            h = project(h)
         # The residual stream stays in the parameters' dtype, as on transformers: under autocast
         # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
         # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
@@ -360,43 +557,229 @@ class BertModel(transformers.BertModel):
         encoder_ckpt = (
             self.training
             and torch.is_grad_enabled()
-            and not _LAYER_CHECKPOINTS_ITSELF
-            and getattr(self.encoder, "gradient_checkpointing", False)
+            and not compat.layer_checkpoints_itself(fam.hf_layer)
+            and getattr(encoder, "gradient_checkpointing", False)
         )
-        if isinstance(self.encoder, BertEncoder):
-            h = self.encoder(
+        if isinstance(encoder, FastEncoder):
+            h = encoder(
                 h, batch, checkpointed=encoder_ckpt, collect=collect if selected is not None else None
             ).last_hidden_state
         else:  # a user's own encoder class (reported by unfused_pieces): called as transformers does
-            h = first(call_hf(self.encoder, batch, h, attention_mask=batch.hf_mask))
+            h = first(call_hf(encoder, batch, h, attention_mask=batch.hf_mask))
             h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h
 
         last = to_bsh(h)
-        pooled = self.pooler(last) if self.pooler is not None and s > 0 else None
-        if self.pooler is not None and s == 0:
+        pooler = getattr(self, "pooler", None)
+        pooled = pooler(last) if pooler is not None and s > 0 else None
+        if pooler is not None and s == 0:
             # No CLS position: pool the all-zero state, as for a fully padded row.
-            pooled = self.pooler(last.new_zeros((b, 1, config.hidden_size)))
+            pooled = pooler(last.new_zeros((b, 1, config.hidden_size)))
         hidden_states = tuple(all_hidden) if selected is not None else None
         if not return_dict:
             return tuple(v for v in (last, pooled, hidden_states) if v is not None)
+        if not fam.pooler_output:
+            return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=last, hidden_states=hidden_states)
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=last, pooler_output=pooled, hidden_states=hidden_states
         )
 
 
-def to_fast_bert(module: transformers.BertModel, padded: bool = False) -> transformers.BertModel:
-    """Turn a live transformers.BertModel into ours, in place, sharing every parameter. When the
-    installed transformers builds a BertModel bert_fast does not recognise, the module is left as
-    it is (transformers' own forward) with a warning naming the version and the tested range."""
-    if not isinstance(module, BertModel):
-        if type(module) is not transformers.BertModel:
-            raise TypeError(f"can only convert transformers.BertModel, got {type(module).__name__}")
-        check_config(module.config)
-        reason = compat.incompatibility(module)
+class BertModel(FastModel, transformers.BertModel):
+    """transformers.BertModel with bert_fast's kernels as its forward (see FastModel)."""
+
+    def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
+        check_config(config, BERT)
+        super().__init__(config, add_pooling_layer=add_pooling_layer)
+        self._bert_fast_init(padded)
+
+
+class RobertaModel(FastModel, transformers.RobertaModel):
+    """transformers.RobertaModel with bert_fast's kernels as its forward: the BERT layer, with
+    RoBERTa's positions (after pad_token_id) computed for the fused embeddings."""
+
+    def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
+        check_config(config, ROBERTA)
+        super().__init__(config, add_pooling_layer=add_pooling_layer)
+        self._bert_fast_init(padded)
+
+
+class XLMRobertaModel(FastModel, transformers.XLMRobertaModel):
+    """transformers.XLMRobertaModel (RoBERTa's architecture) with bert_fast's kernels as its forward."""
+
+    def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
+        check_config(config, XLM_ROBERTA)
+        super().__init__(config, add_pooling_layer=add_pooling_layer)
+        self._bert_fast_init(padded)
+
+
+class ElectraModel(FastModel, transformers.ElectraModel):
+    """transformers.ElectraModel (discriminator or generator encoder) with bert_fast's kernels as
+    its forward; its embeddings_project (embedding_size != hidden_size) runs as its own Linear."""
+
+    def __init__(self, config, padded: bool = False):
+        check_config(config, ELECTRA)
+        super().__init__(config)
+        self._bert_fast_init(padded)
+
+
+class DistilBertModel(FastModel, transformers.DistilBertModel):
+    """transformers.DistilBertModel with bert_fast's kernels as its forward: the same layer forward
+    through a name adapter (distilbert_layer_view); no token types, no pooler. ``freeze()`` is not
+    implemented for it."""
+
+    def __init__(self, config, padded: bool = False):
+        check_config(config, DISTILBERT)
+        super().__init__(config)
+        self._bert_fast_init(padded)
+
+    def freeze(self) -> int:
+        raise NotImplementedError("freeze() is not implemented for DistilBertModel (its layers have other names)")
+
+
+_hf = transformers.models
+BERT = Family(
+    "BERT",
+    transformers.BertModel,
+    _hf.bert.modeling_bert.BertEncoder,
+    _hf.bert.modeling_bert.BertLayer,
+    BertEncoder,
+    BertLayer,
+    "bert",
+    "Bert",
+)
+ROBERTA = Family(
+    "RoBERTa",
+    transformers.RobertaModel,
+    _hf.roberta.modeling_roberta.RobertaEncoder,
+    _hf.roberta.modeling_roberta.RobertaLayer,
+    RobertaEncoder,
+    RobertaLayer,
+    "roberta",
+    "Roberta",
+    padding_offset_positions=True,
+)
+XLM_ROBERTA = Family(
+    "XLM-RoBERTa",
+    transformers.XLMRobertaModel,
+    _hf.xlm_roberta.modeling_xlm_roberta.XLMRobertaEncoder,
+    _hf.xlm_roberta.modeling_xlm_roberta.XLMRobertaLayer,
+    XLMRobertaEncoder,
+    XLMRobertaLayer,
+    "xlm_roberta",
+    "XLMRoberta",
+    padding_offset_positions=True,
+)
+ELECTRA = Family(
+    "ELECTRA",
+    transformers.ElectraModel,
+    _hf.electra.modeling_electra.ElectraEncoder,
+    _hf.electra.modeling_electra.ElectraLayer,
+    ElectraEncoder,
+    ElectraLayer,
+    "electra",
+    "Electra",
+    pooler_output=False,
+)
+DISTILBERT = Family(
+    "DistilBERT",
+    transformers.DistilBertModel,
+    _hf_distil.Transformer,
+    _hf_distil.TransformerBlock,
+    DistilBertEncoder,
+    DistilBertLayer,
+    "distilbert",
+    None,  # no per-module exact calls: exact mode is transformers' whole forward
+    pooler_output=False,
+    encoder_attr="transformer",
+    act_field="activation",
+    token_types=False,
+    whole_model_exact=True,
+    probe=(
+        ("word_embeddings", "position_embeddings", "LayerNorm", "dropout"),
+        "transformer.layer",
+        (
+            "attention.q_lin",
+            "attention.k_lin",
+            "attention.v_lin",
+            "attention.out_lin",
+            "attention.dropout",
+            "sa_layer_norm",
+            "ffn.lin1",
+            "ffn.lin2",
+            "ffn.activation",
+            "ffn.dropout",
+            "output_layer_norm",
+        ),
+    ),
+)
+BertModel.bert_fast_family = BERT
+DistilBertModel.bert_fast_family = DISTILBERT
+RobertaModel.bert_fast_family = ROBERTA
+XLMRobertaModel.bert_fast_family = XLM_ROBERTA
+ElectraModel.bert_fast_family = ELECTRA
+# transformers' base model class -> (family, bert_fast's class)
+FAMILIES = {
+    f.hf_model: (f, fast)
+    for f, fast in (
+        (BERT, BertModel),
+        (ROBERTA, RobertaModel),
+        (XLM_ROBERTA, XLMRobertaModel),
+        (ELECTRA, ElectraModel),
+        (DISTILBERT, DistilBertModel),
+    )
+}
+_NAMES = [cls.__name__ for cls in FAMILIES]
+SUPPORTED = "transformers." + ", ".join(_NAMES[:-1]) + " or " + _NAMES[-1]  # for messages
+
+
+def family_of(module) -> Optional[Family]:
+    """The family of a transformers base model bert_fast converts (exactly that class, or ours)."""
+    if isinstance(module, FastModel):
+        return module.bert_fast_family
+    entry = FAMILIES.get(type(module))
+    return entry[0] if entry else None
+
+
+class _ZeroTable:
+    """A one-row zero embedding table (DistilBERT has no token types): adding zero changes nothing,
+    and it never gets a gradient."""
+
+    def __init__(self, like: torch.Tensor):
+        self.weight = like.new_zeros((1, like.shape[1]))
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
+def _no_token_types(emb):
+    """DistilBERT's embeddings under BERT's names, with a zero token-type table."""
+    return _Namespace(
+        word_embeddings=emb.word_embeddings,
+        position_embeddings=emb.position_embeddings,
+        token_type_embeddings=_ZeroTable(emb.word_embeddings.weight),
+        LayerNorm=emb.LayerNorm,
+        dropout=emb.dropout,
+    )
+
+
+def to_fast(module, padded: bool = False):
+    """Turn a live transformers BertModel, RobertaModel, XLMRobertaModel or ElectraModel into
+    bert_fast's twin class, in place, sharing every parameter. When the installed transformers
+    builds a model bert_fast does not recognise, the module is left as it is (transformers' own
+    forward) with a warning naming the version and the tested range."""
+    fam = family_of(module)
+    if fam is None:
+        raise TypeError(f"can only convert {SUPPORTED}, got {type(module).__name__}")
+    if not isinstance(module, FastModel):
+        check_config(module.config, fam)
+        reason = compat.incompatibility(module, fam.module, fam.prefix, fam.probe)
         if reason:
             compat.warn_fallback(reason)
             return module
-        module.__class__ = BertModel
+        module.__class__ = FAMILIES[fam.hf_model][1]
     elif module.bert_fast_fallback:
         return module
     return module.setup_fast(padded)
+
+
+to_fast_bert = to_fast  # the heads' name for it (heads.py)

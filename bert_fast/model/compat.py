@@ -70,6 +70,7 @@ own hooks (they fire anyway: layers are called as modules), so FSDP2-wrapped lay
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -226,20 +227,12 @@ def hf_bert_model(config, attn: str, device=None):
 
     cfg = copy.deepcopy(config)
     set_attention_implementation(cfg, attn)
-    with torch.device(device) if device is not None else _nullcontext():
+    with torch.device(device) if device is not None else contextlib.nullcontext():
         model = transformers.BertModel(cfg)
     built = attention_implementation(model.config)
     if built != attn:
         raise CompatibilityError(f"transformers built attention {built!r} instead of {attn!r} ({describe()})")
     return model
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def accepts_var_kwargs(fn: Callable) -> bool:

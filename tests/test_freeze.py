@@ -23,6 +23,9 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def cpu_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the dispatch reads it at every call
+    # Pack every GEMM, whatever the timing says, so these tests run oneDNN's packed weights (the
+    # measured choice itself is tested below, with packing_choice's own timing).
+    monkeypatch.setattr(frozen, "_FORCED", True)
 
 
 @pytest.fixture
@@ -253,3 +256,86 @@ def test_freeze_refuses_what_it_cannot_pack():
         fast.half().freeze()
     with pytest.raises(ValueError, match="CPU inference; this model is on meta"):
         fast.float().to("meta").freeze()
+
+
+# ----------------------------------------------------------------------------- pack only where it wins
+def _fake_timing(monkeypatch, packed_wins_small: bool, packed_wins_large: bool):
+    """_median_pair returns a made-up (packed, plain) time per measured row count."""
+    monkeypatch.setattr(frozen, "_FORCED", None)
+    monkeypatch.setattr(frozen, "_CHOICES", {})
+    wins = {frozen.MEASURE_ROWS[0]: packed_wins_small, frozen.MEASURE_ROWS[1]: packed_wins_large}
+    rows_seen = []
+
+    def fake(a, b, reps):
+        rows = rows_seen.pop(0)
+        return (1.0, 2.0) if wins[rows] else (2.0, 1.0)
+
+    real_randn = torch.randn
+
+    def randn(*shape, **kw):
+        if len(shape) == 2 and shape[0] in wins:
+            rows_seen.append(shape[0])
+        return real_randn(*shape, **kw)
+
+    monkeypatch.setattr(frozen, "_median_pair", fake)
+    monkeypatch.setattr(frozen.torch, "randn", randn)
+
+
+@pytest.mark.parametrize("small,large", [(True, True), (False, False), (True, False), (False, True)])
+def test_packing_is_kept_only_where_it_wins(monkeypatch, small, large):
+    """freeze() times packed vs plain per GEMM shape and row class; each call runs the winner
+    (frozen <= plain's time, issue #25), and a packed copy that never wins is not kept."""
+    _fake_timing(monkeypatch, small, large)
+    hf, fast = make()
+    fast.freeze()
+    entry = frozen.store_of(fast)[0]
+    for lin in (entry.qkv, entry.out, entry.up, entry.down):
+        assert lin.packed_for == (small, large)
+        assert (lin.weight is None) == (not small and not large)
+    ran = []
+    monkeypatch.setattr(
+        frozen._PackedLinear, "run_packed", lambda self, x, a: ran.append("packed") or x @ self.plain_weight.t()
+    )
+    monkeypatch.setattr(
+        frozen._PackedLinear, "run_plain", lambda self, x, a: ran.append("plain") or x @ self.plain_weight.t()
+    )
+    for rows in (3, frozen.SPLIT_ROWS + 1):
+        ran.clear()
+        entry.out(torch.randn(rows, 64))
+        assert ran == ["packed" if (small if rows <= frozen.SPLIT_ROWS else large) else "plain"]
+
+
+def test_packing_choice_is_measured_once_per_shape(monkeypatch):
+    monkeypatch.setattr(frozen, "_FORCED", None)
+    monkeypatch.setattr(frozen, "_CHOICES", {})
+    calls = []
+    real = frozen._median_pair
+    monkeypatch.setattr(frozen, "_median_pair", lambda a, b, reps: calls.append(reps) or real(a, b, 1))
+    hf, fast = make()
+    fast.freeze()
+    first = len(calls)
+    # 4 distinct (n, k, activation) GEMMs per layer x 2 row counts; the second layer is cached
+    assert first == 2 * 4
+    fast.freeze()
+    _, other = make(seed=3)
+    other.freeze()
+    assert len(calls) == first  # cached for the process
+    assert all(isinstance(v, tuple) and len(v) == 2 for v in frozen.packing_choices().values())
+
+
+def test_frozen_bf16_matches_plain_bf16(packed_calls):
+    """Frozen bf16 (packed weights) against the float64 oracle: within 2x of plain bf16's error."""
+    if not frozen.dtype_supported(torch.bfloat16):
+        pytest.skip("oneDNN bf16 is not supported on this CPU")
+    hf, fast = make()
+    ids, mask = inputs(b=4, s=16)
+    oracle = run(copy.deepcopy(hf).double(), ids, mask)
+    fast16 = fast.to(torch.bfloat16)
+    keep = mask.bool()
+    err_plain = (run(fast16, ids, mask).double() - oracle)[keep].abs().max().item()
+    assert not packed_calls
+    fast16.freeze()
+    err_frozen = (run(fast16, ids, mask).double() - oracle)[keep].abs().max().item()
+    assert packed_calls, "the bf16 forward did not run on packed weights"
+    floor = torch.finfo(torch.bfloat16).eps * oracle[keep].abs().max().item()
+    assert err_frozen <= 2 * err_plain + floor, (err_frozen, err_plain)

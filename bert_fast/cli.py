@@ -237,8 +237,14 @@ def _run_train(argv: List[str]) -> int:
     raise CLIError(f"{TRAIN_MODULE} defines neither main(argv) nor add_arguments(parser) + run(args)")
 
 
+def _add_prepare_data(sub) -> None:
+    from bert_fast.training.prepare import add_prepare_parser  # light: argparse only at import
+
+    add_prepare_parser(sub)
+
+
 # ----------------------------------------------------------------------------- main
-SUBCOMMANDS: List[Callable] = [_add_info, _add_bench, _add_bench_ops, _add_doctor, _add_train]
+SUBCOMMANDS: List[Callable] = [_add_info, _add_bench, _add_bench_ops, _add_doctor, _add_train, _add_prepare_data]
 
 
 def build_parser() -> argparse.ArgumentParser:

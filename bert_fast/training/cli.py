@@ -26,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--data",
         default=None,
-        help="text file (one sentence/document per line, blank line between documents) or JSONL "
-        "with 'text' (+'text_b', 'label'); default: the demo corpus shipped with bert_fast",
+        help="text file (one sentence/document per line, blank line between documents), JSONL "
+        "with 'text' (+'text_b', 'label'), or a directory made by `bert-fast prepare-data` (read lazily); "
+        "default: the demo corpus shipped with bert_fast",
     )
     g.add_argument(
         "--task",
@@ -47,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--pack",
         action="store_true",
         help="MLM: join consecutive lines of a document into sequences of up to --max-len tokens",
+    )
+    g.add_argument(
+        "--truncate",
+        action="store_true",
+        help="MLM: cut each line (prepared data: each document) to --max-len tokens instead of continuing "
+        "it in the next sequence (the default keeps every token)",
     )
     g.add_argument(
         "--no-bucket",

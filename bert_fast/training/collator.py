@@ -113,20 +113,92 @@ class MaskingCollator:
 
 
 # ----------------------------------------------------------------------------- batch planning
+class LazyLengths:
+    """The lengths of a streamed dataset (data on disk, never loaded): ``n`` sequences of (up to)
+    ``max_len`` tokens. ``epoch_batches`` on it returns a ``LazyEpochPlan`` instead of building
+    arrays of corpus size; bucketing does not apply (the sequences are full)."""
+
+    def __init__(self, n: int, max_len: int):
+        self.n, self.max_len = int(n), int(max_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (wrapping uint64 arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_permutation(positions: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """Entry ``positions`` of a pseudo-random permutation of range(n) keyed by (seed, epoch), computed
+    per entry in O(1) memory: a 4-round Feistel network on the next even power of two, cycle-walked
+    into [0, n) (a bijection of [0, n))."""
+    bits = max(2, int(n - 1).bit_length())
+    bits += bits % 2
+    half = np.uint64(bits // 2)
+    mask = np.uint64((1 << (bits // 2)) - 1)
+    keys = np.random.default_rng([seed, epoch, 0xFE15]).integers(0, 2**63, 4, dtype=np.uint64)
+
+    def rounds(x):
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << half) | right
+
+    with np.errstate(over="ignore"):
+        y = rounds(np.asarray(positions, dtype=np.uint64))
+        bad = y >= np.uint64(n)
+        while bad.any():
+            y[bad] = rounds(y[bad])
+            bad = y >= np.uint64(n)
+    return y.astype(np.int64)
+
+
+class LazyEpochPlan:
+    """The global batches of one epoch of a ``LazyLengths`` dataset, computed per step: batch ``s``
+    holds the samples at positions [s * global_batch, (s + 1) * global_batch) of the epoch's order
+    (a keyed permutation, or range(n) without shuffle); the last partial batch is dropped. The
+    order of samples does not depend on the global batch size."""
+
+    def __init__(self, n: int, global_batch: int, seed: int, epoch: int, shuffle: bool = True):
+        self.n, self.global_batch, self.seed, self.epoch, self.shuffle = n, global_batch, seed, epoch, shuffle
+
+    def __len__(self) -> int:
+        return self.n // self.global_batch
+
+    def __getitem__(self, step: int) -> np.ndarray:
+        if not 0 <= step < len(self):
+            raise IndexError(f"step {step} out of range for an epoch of {len(self)} global batches")
+        pos = np.arange(step * self.global_batch, (step + 1) * self.global_batch, dtype=np.int64)
+        return keyed_permutation(pos, self.n, self.seed, self.epoch) if self.shuffle else pos
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
+
+
 def epoch_batches(
-    lengths: np.ndarray,
+    lengths,
     global_batch: int,
     seed: int,
     epoch: int,
     shuffle: bool = True,
     bucket: bool = True,
     bucket_window: int = 64,
-) -> List[np.ndarray]:
+) -> Sequence[np.ndarray]:
     """The global batches (arrays of example indices) of one epoch; the last partial one is dropped.
-    A pure function of its arguments: every rank computes the same plan, and a resumed run too."""
+    A pure function of its arguments: every rank computes the same plan, and a resumed run too.
+    ``lengths`` a ``LazyLengths``: a ``LazyEpochPlan`` (no bucketing, nothing of corpus size built)."""
     n = len(lengths)
     if global_batch < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch}")
+    if isinstance(lengths, LazyLengths):
+        return LazyEpochPlan(n, global_batch, seed, epoch, shuffle=shuffle)
     rng = np.random.default_rng([seed, epoch, 0x5EED])
     order = rng.permutation(n) if shuffle else np.arange(n)
     if bucket:
@@ -157,7 +229,7 @@ class StepBatchSampler:
     lists of (epoch, index) keys (for a DataLoader with ``batch_sampler=``)."""
 
     def __init__(
-        self, plan: List[np.ndarray], epoch: int, world_size: int, rank: int, grad_accum: int, start_step: int = 0
+        self, plan: Sequence[np.ndarray], epoch: int, world_size: int, rank: int, grad_accum: int, start_step: int = 0
     ):
         self.plan, self.epoch = plan, epoch
         self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum

@@ -37,31 +37,70 @@ def is_jsonl(path: os.PathLike) -> bool:
     return str(path).endswith((".jsonl", ".json"))
 
 
+def check_corpus_file(path: os.PathLike) -> Path:
+    """``path`` as a Path when it is a readable, non-empty file; DataError naming it otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(
+            f"corpus path {path} is a directory, not a text/JSONL file (a prepared directory needs {path}/index.json)"
+        )
+    if not path.is_file():
+        raise DataError(f"corpus file not found: {path}")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"corpus file {path} is not readable (permission denied)")
+    if path.stat().st_size == 0:
+        raise DataError(f"corpus file {path} is empty")
+    return path
+
+
+def _open_text(path: Path):
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"cannot read corpus file {path}: {exc.strerror or exc}") from None
+
+
 def read_lines(path: os.PathLike) -> List[str]:
     """The lines of a text corpus, stripped; blank lines kept as '' (document separators)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"corpus file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f]
+    path = check_corpus_file(path)
+    with _open_text(path) as f:
+        try:
+            lines = [line.strip() for line in f]
+        except UnicodeDecodeError as exc:
+            raise DataError(f"corpus file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    if not any(lines):
+        raise DataError(f"corpus file {path} has no text (only blank lines)")
+    return lines
 
 
-def read_jsonl(path: os.PathLike) -> List[dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"corpus file not found: {path}")
+def parse_jsonl_line(line: str, path, n: int, text_field: str = "text") -> dict:
+    """One JSONL record; DataError naming ``path:n`` for bad JSON or a missing/non-string text field."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+        what = "has no field" if not isinstance(rec, dict) or text_field not in rec else "has a non-string field"
+        raise DataError(
+            f"{path}:{n}: the JSONL record {what} {text_field!r} (each record needs a string {text_field!r})"
+        )
+    return rec
+
+
+def read_jsonl(path: os.PathLike, text_field: str = "text") -> List[dict]:
+    path = check_corpus_file(path)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise DataError(f"{path}:{n}: each JSONL record needs a string field 'text'")
-            records.append(rec)
+    with _open_text(path) as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rec = parse_jsonl_line(line, path, n, text_field)
+                if text_field != "text":
+                    rec = dict(rec, text=rec[text_field])
+                records.append(rec)
+        except UnicodeDecodeError as exc:
+            raise DataError(f"corpus file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     if not records:
         raise DataError(f"{path}: no records")
     return records
@@ -196,30 +235,56 @@ def _example(ids, token_types=None, **extra) -> Dict[str, object]:
     return ex
 
 
-def mlm_examples(tokenizer, lines: Sequence[str], max_len: int, pack: bool = False) -> List[dict]:
-    """One example per non-empty line ([CLS] line [SEP], truncated), or with ``pack`` consecutive
-    lines of a document joined by [SEP] into sequences of up to ``max_len`` tokens (near-full rows)."""
+def mlm_examples(
+    tokenizer, lines: Sequence[str], max_len: int, pack: bool = False, truncate: bool = False
+) -> List[dict]:
+    """MLM sequences of up to ``max_len`` tokens ([CLS] ... [SEP]).
+
+    Without ``pack`` one line at a time; with ``pack`` the lines of a document joined by [SEP] into
+    near-full rows. Nothing is cut away by default: a line (or packed document) longer than a
+    sequence continues in the next sequence (BERT's pretraining chunking), so every token reaches a
+    sequence. ``truncate`` restores the old behaviour: each line keeps only its first
+    ``max_len - 2`` tokens."""
     _need_special(tokenizer)
     if max_len < 3:
         raise DataError(f"max_len must be >= 3, got {max_len}")
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     body = max_len - 2
     out: List[dict] = []
+
+    def emit(ids):
+        out.append(_example([cls] + list(ids) + [sep]))
+
     if not pack:
         for ids in _ids(tokenizer, [t for t in lines if t]):
-            if ids:
-                out.append(_example([cls] + ids[:body] + [sep]))
+            if not ids:
+                continue
+            if truncate:
+                emit(ids[:body])
+            else:
+                for lo in range(0, len(ids), body):
+                    emit(ids[lo : lo + body])
         return out
     for doc in documents(lines):
         cur: List[int] = []
         for ids in _ids(tokenizer, doc):
-            ids = ids[:body]
-            if cur and len(cur) + 1 + len(ids) > body:
-                out.append(_example([cls] + cur + [sep]))
-                cur = []
-            cur = cur + [sep] + ids if cur else list(ids)
+            if not ids:
+                continue
+            if truncate:
+                ids = ids[:body]
+                if cur and len(cur) + 1 + len(ids) > body:
+                    emit(cur)
+                    cur = []
+                cur = cur + [sep] + ids if cur else list(ids)
+                continue
+            if cur:
+                cur.append(sep)
+            cur.extend(ids)
+            while len(cur) >= body:  # full rows; the rest continues with the next line
+                emit(cur[:body])
+                cur = cur[body:]
         if cur:
-            out.append(_example([cls] + cur + [sep]))
+            emit(cur)
     return out
 
 
@@ -292,6 +357,44 @@ def classification_examples(
     return out
 
 
+def data_position(dataset, epoch: int, step_in_epoch: int, global_batch: int) -> dict:
+    """The data position saved with a checkpoint: epoch, samples consumed in it, and what the
+    dataset was (its fingerprint), so that a resume can check it reads the same data."""
+    fp = getattr(dataset, "fingerprint", None)
+    return {
+        "epoch": int(epoch),
+        "step_in_epoch": int(step_in_epoch),
+        "samples_consumed": int(step_in_epoch) * int(global_batch),
+        "global_batch": int(global_batch),
+        "dataset": fp() if callable(fp) else None,
+    }
+
+
+def restore_data_position(dataset, state: dict, global_batch: int, path) -> int:
+    """The step within the epoch to resume at (DataError when the checkpoint ``path`` was trained on
+    other data). A streamed dataset's order does not depend on the global batch: with a new global
+    batch the run continues at the same sample (rounded down to a whole batch)."""
+    from bert_fast.training.collator import LazyLengths
+
+    pos = state.get("data_position")
+    if not pos:
+        return int(state["step_in_epoch"])
+    saved, fp = pos.get("dataset"), getattr(dataset, "fingerprint", None)
+    if saved and callable(fp):
+        now = fp()
+        keys = [k for k in saved if k != "path" and k in now]
+        diff = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
+        if diff:
+            detail = ", ".join(f"{k}: {a} then, {b} now" for k, (a, b) in sorted(diff.items()))
+            raise DataError(
+                f"checkpoint {path} was trained on other data ({detail}): resuming would not continue its "
+                "sample order; give the same --data/--max-len, or start a new run with --init-from"
+            )
+    if isinstance(dataset.lengths, LazyLengths) and int(pos.get("global_batch", global_batch)) != global_batch:
+        return int(pos["samples_consumed"]) // global_batch
+    return int(pos.get("step_in_epoch", state["step_in_epoch"]))
+
+
 class ExampleDataset(torch.utils.data.Dataset):
     """A list of examples; ``dataset[(epoch, i)]`` returns example i tagged with (epoch, i) so the
     collator can draw its masks from (seed, epoch, i): the same masks whatever the rank, world size,
@@ -305,6 +408,9 @@ class ExampleDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def fingerprint(self) -> dict:
+        return {"num_samples": len(self.examples), "num_tokens": int(self.lengths.sum())}
 
     def __getitem__(self, key):
         epoch, i = key if isinstance(key, tuple) else (0, key)

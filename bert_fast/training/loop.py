@@ -193,13 +193,27 @@ def build_data(args, info: dist_mod.DistInfo):
     saved = Path(args.output_dir) / "tokenizer" if args.output_dir else None
     if tok_name in (None, "", "auto", "build") and saved is not None and saved.is_dir():
         tok_name = str(saved)  # a continued run keeps the ids its checkpoints were trained with
+    from bert_fast.training import token_shards
+
+    if args.data and token_shards.is_prepared_dir(args.data):  # bert-fast prepare-data output: read lazily
+        tokenizer, dataset = token_shards.open_for_training(args)
+        collate = coll.MaskingCollator(
+            tokenizer,
+            mlm=True,
+            mlm_probability=args.mlm_probability,
+            seed=args.seed,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+        )
+        return tokenizer, dataset, collate, "mlm", 2, None
     tokenizer = data_mod.load_tokenizer(tok_name, lines)
     label_map, num_labels = None, 2
     if task == "mlm":
         if args.nsp:
             examples = data_mod.nsp_examples(tokenizer, lines, args.max_len, seed=args.seed)
         else:
-            examples = data_mod.mlm_examples(tokenizer, lines, args.max_len, pack=args.pack)
+            examples = data_mod.mlm_examples(
+                tokenizer, lines, args.max_len, pack=args.pack, truncate=getattr(args, "truncate", False)
+            )
     elif task == "cls":
         if records is None:
             raise TrainError(f"--task cls needs a JSONL file with 'text' and 'label' fields, got {path}")
@@ -367,7 +381,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
             raise TrainError("--resume latest needs --output-dir")
         path = ckpt.resolve(args.resume, out_dir)
         state = ckpt.load_checkpoint(path, model, optimizer, scheduler, scaler, info)
-        epoch, step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        epoch, step_in_epoch = int(state["epoch"]), data_mod.restore_data_position(dataset, state, global_batch, path)
         global_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         if int(state.get("global_batch", global_batch)) != global_batch:
             _log(
@@ -436,6 +450,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         dynamic_ncols=True,
         file=sys.stderr,
     )
+            "data_position": data_mod.data_position(dataset, epoch, step_in_epoch, global_batch),
     losses: List[float] = []
     pending: List[torch.Tensor] = []  # per-step local loss sums since the last log
     pending_counts: List[float] = []  # per-step global target counts

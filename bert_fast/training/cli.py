@@ -101,12 +101,27 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--precision",
         choices=("fp32", "bf16", "fp16", "bf16-pure"),
         default=None,
-        help="default: bf16 on CUDA, fp32 on the CPU",
+        help="bf16: autocast, fp32 weights; bf16-pure: bf16 weights and activations, fp32 master weights "
+        "in the optimizer; fp16: autocast + loss scaling. Default: bf16 on CUDA, fp32 on the CPU",
     )
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("distributed / device")
-    g.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="used under torchrun")
+    g.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="used under torchrun: ddp (replicated weights) or fsdp (FSDP2 fully_shard per encoder layer; "
+        "with --precision bf16: bf16 all-gathers, fp32 reduce-scatter and fp32 master weights)",
+    )
+    g.add_argument(
+        "--fsdp-reshard-after-forward",
+        choices=("true", "false"),
+        default="true",
+        help="fsdp: true frees each layer's gathered weights after its forward and all-gathers them again "
+        "in the backward (least memory); false keeps them to the backward (one all-gather per layer fewer, "
+        "the full weights of every layer held through the backward)",
+    )
     g.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
 
     g = p.add_argument_group("checkpoints and logging")

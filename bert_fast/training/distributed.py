@@ -4,7 +4,23 @@ Under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK in the environment) the defau
 initialised with NCCL on CUDA and gloo on the CPU; without it the run is a single process.
 
 FSDP: every encoder layer is its own FSDP2 unit (bert_fast's layers are ordinary module calls, so
-the per-layer all-gather / free hooks fire), the root holds embeddings and heads.
+the per-layer all-gather / free hooks fire), the root holds embeddings and heads. bert_fast
+recognises FSDP2's dynamic layer subclasses (bert_fast.model.compat.base_class), so sharded layers
+stay on the fused path.
+
+Mixed precision under FSDP (``--precision bf16``): ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``: the sharded parameters, their gradients and the optimizer stay fp32 (the
+master weights); each layer's all-gather sends bf16 (half the bytes), the forward and backward run
+on those bf16 copies, and the gradient reduce-scatter runs in fp32. ``--precision bf16-pure``
+shards bf16 parameters (fp32 master copies live in the optimizer, training/master_weights.py).
+
+Resharding (``--fsdp-reshard-after-forward``): true (default, ZeRO-3 like) frees each layer's
+gathered parameters after its forward and all-gathers them again in the backward: the least memory,
+one extra all-gather per layer per micro-batch. false keeps them gathered from the forward to the
+backward (ZeRO-2 like): one all-gather fewer per layer, at the cost of holding every layer's
+full (param_dtype) parameters through the backward. The root module is never resharded after
+forward (its backward runs first). With gradient accumulation, sync-free micro-batches keep
+FSDP2's unsharded gradients until the last one.
 """
 
 from __future__ import annotations
@@ -122,10 +138,44 @@ def _fully_shard():
     return fully_shard
 
 
-def wrap_model(model: torch.nn.Module, strategy: str, info: DistInfo):
-    """Return (wrapped model, kind) with kind in {"none", "ddp", "fsdp2", "fsdp1"}."""
+def _mixed_precision_policy(precision: str):
+    """FSDP2's MixedPrecisionPolicy for ``--precision`` (None: parameters are all-gathered in their
+    own dtype: fp32 for fp32/fp16, bf16 for bf16-pure)."""
+    if precision != "bf16":
+        return None
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def parse_bool(value) -> bool:
+    """``true``/``false`` (also 1/0, yes/no) of a CLI flag; ValueError naming the value otherwise."""
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def wrap_model(
+    model: torch.nn.Module,
+    strategy: str,
+    info: DistInfo,
+    precision: str = "fp32",
+    reshard_after_forward: bool = True,
+):
+    """Return (wrapped model, kind) with kind in {"none", "ddp", "fsdp2", "fsdp1"}.
+
+    ``precision`` picks FSDP's mixed-precision policy (bf16: bf16 all-gathers, fp32 reduce and
+    master weights); ``reshard_after_forward`` is FSDP2's choice of the same name (module doc)."""
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"--strategy must be ddp or fsdp, got {strategy!r}")
+    reshard_after_forward = parse_bool(reshard_after_forward)
     if not dist.is_initialized():
         return model, "none"
     if strategy == "ddp":
@@ -144,19 +194,30 @@ def wrap_model(model: torch.nn.Module, strategy: str, info: DistInfo):
 
         fully_shard = _fully_shard()
         mesh = init_device_mesh(info.device.type, (info.world_size,))
+        kw = {"mesh": mesh}
+        policy = _mixed_precision_policy(precision)
+        if policy is not None:
+            kw["mp_policy"] = policy
         # One FSDP unit per encoder layer (bert_fast's layers are module calls, so the per-layer
         # all-gather hooks fire), then the root for embeddings and heads.
         for layer in getattr(model, "bert", model).encoder.layer:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+        fully_shard(model, **kw)  # the root: FSDP2 keeps it gathered after forward
         return model, "fsdp2"
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
+    extra = {}
+    if precision == "bf16":
+        extra["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if not reshard_after_forward:
+        extra["sharding_strategy"] = ShardingStrategy.SHARD_GRAD_OP
     return FSDP(
         model,
         device_id=info.device if info.device.type == "cuda" else None,
         use_orig_params=True,
         sync_module_states=False,
+        **extra,
     ), "fsdp1"
 
 

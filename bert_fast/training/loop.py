@@ -10,8 +10,10 @@ world size, accumulation steps or how the masked tokens fall into micro-batches.
 Precision (``--precision``): fp32; bf16 (torch.autocast bf16, fp32 master weights: bert_fast's
 modeling casts the weights to the autocast dtype per call); fp16 (autocast fp16 + GradScaler;
 ShardedGradScaler under FSDP1; FSDP2's gradients are DTensors, whose unscale reduces found_inf over
-the mesh, so it keeps the plain GradScaler); bf16-pure (weights, grads and AdamW state in bf16, no
-autocast).
+the mesh, so it keeps the plain GradScaler); bf16-pure (bf16 weights and grads, no autocast; the
+optimizer, training/master_weights.py, keeps fp32 master weights and moments and copies each
+step's result into the bf16 weights). Under FSDP2, bf16 adds MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32): bf16 all-gathers, fp32 sharded master weights (training/distributed.py).
 The loss is always reduced in fp32.
 
 Throughput: tokens/s counts real tokens (attention_mask == 1). MFU = model FLOPs / time / peak with
@@ -163,6 +165,10 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> torch
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw = dict(lr=args.lr, betas=(args.beta1, args.beta2), eps=args.adam_eps)
+    if getattr(args, "precision", None) == "bf16-pure":
+        from bert_fast.training.master_weights import MasterWeightAdamW
+
+        return MasterWeightAdamW(groups, **kw)  # fp32 master weights of the bf16 parameters
     if device.type == "cuda":
         try:
             return torch.optim.AdamW(groups, fused=True, **kw)
@@ -340,7 +346,13 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         model = model.to(torch.bfloat16)
     model = model.to(device)
     unwrapped = model
-    model, kind = dist_mod.wrap_model(model, args.strategy, info)
+    model, kind = dist_mod.wrap_model(
+        model,
+        args.strategy,
+        info,
+        precision=args.precision,
+        reshard_after_forward=getattr(args, "fsdp_reshard_after_forward", True),
+    )
     optimizer = build_optimizer(model, args, device)
 
     steps_per_epoch = len(

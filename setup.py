@@ -199,6 +199,7 @@ setup(
             "sentence-transformers>=3.0.1",
             "onnxruntime>=1.16",
             "onnx>=1.14",
+            "openvino>=2024.0",  # `bert-fast bench`'s openvino providers (convert_model of the torch model)
             "peft>=0.13.2",
             "accelerate>=0.30.1",
             "datasets>=2.14",
@@ -209,6 +210,8 @@ setup(
         "bench": ["pytest-benchmark>=4"],
         # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
         "ort": ["onnxruntime>=1.16", "onnx>=1.14"],
+        # `bert-fast bench`'s openvino / openvino-f32 providers
+        "openvino": ["openvino>=2024.0"],
     },
     entry_points={"console_scripts": ["bert-fast=bert_fast.cli:main"]},
     zip_safe=False,

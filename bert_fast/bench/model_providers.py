@@ -1,7 +1,12 @@
-"""Who ``bert-fast bench`` measures: the providers (bert_fast, transformers eager / SDPA /
-torch.compile, ONNX Runtime), built from one state dict (seeded random weights, or the
-checkpoint's own when ``--model`` names a folder that holds weights), and the step each one is
-timed on."""
+"""Who ``bert-fast bench`` measures: the providers (bert_fast plain and frozen, transformers eager /
+SDPA / torch.compile in the table's dtype, ONNX Runtime fp32 and int8, OpenVINO at its default
+precision and at f32), built from one state dict (seeded random weights, or the checkpoint's own
+when ``--model`` names a folder that holds weights), the step each one is timed on, and the
+reference every provider's accuracy is measured against (transformers fp32).
+
+A provider whose package is missing raises bert_fast.bench.timing.ProviderUnavailable (the run
+reports it "not installed" and goes on); ONNX Runtime and OpenVINO get torch's thread count
+(--threads) and record it with their precision (``_Runner.bench_info``)."""
 
 from __future__ import annotations
 
@@ -45,6 +50,20 @@ def reference_state_dict(config, key: str, seed: int = 0):
         _STATE_CACHE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         del model
     return _STATE_CACHE[key]
+
+
+def reference_hidden_state(config, state, inputs, device):
+    """transformers' BertModel (SDPA) in fp32 with ``state``, one no-grad call on ``inputs``: the
+    last hidden state (fp32, on the CPU) every provider's accuracy is measured against."""
+    import torch
+
+    model = _hf_model(config, "sdpa", device, torch.float32)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    model.eval()
+    with torch.no_grad():
+        out = hidden_state(model(**inputs)).detach().float().cpu()
+    del model
+    return out
 
 
 def _hf_model(config, attn: str, device, dtype):
@@ -167,25 +186,118 @@ def export_onnxruntime(config, state, key) -> tuple:
     return fused_path, fused
 
 
-def onnxruntime_runner(config, state, key, device, dtype, mode):
-    """(runner, notes): an InferenceSession of the optimized model, intra_op_num_threads = torch's
-    thread count (what the other providers get), called like the model with torch tensors."""
+class _Runner:
+    """A provider's call, like the model's (keyword tensors in, an output with last_hidden_state and
+    pooler_output out), carrying ``bench_info``: what the run records about it (precision, threads)."""
+
+    def __init__(self, fn, bench_info):
+        self.fn = fn
+        self.bench_info = bench_info
+
+    def __call__(self, **inputs):
+        return self.fn(**inputs)
+
+
+def _feeds(input_ids, attention_mask, token_type_ids):
+    import torch
+
+    return {
+        "input_ids": input_ids.numpy(),
+        "attention_mask": attention_mask.numpy(),
+        "token_type_ids": (token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)).numpy(),
+    }
+
+
+def _cpu_inference_only(name: str, device, mode: str) -> None:
     import torch
 
     from bert_fast.bench.timing import ProviderUnavailable
 
+    if torch.device(device).type != "cpu":
+        raise ProviderUnavailable(f"the {name} provider runs on the CPU only")
+    if mode != "infer":
+        raise ProviderUnavailable(f"the {name} provider measures inference only")
+
+
+# The operators optimum's dynamic quantization quantizes by default (its ORT_DEFAULT_OPS_DYNAMIC_QUANTIZATION
+# is the keys of onnxruntime.quantization.registry.IntegerOpsRegistry: MatMul, Attention, Gather, ...).
+def _ort_int8_ops() -> List[str]:
+    from onnxruntime.quantization.registry import IntegerOpsRegistry
+
+    return list(IntegerOpsRegistry)
+
+
+def quantize_onnxruntime(config, state, key) -> tuple:
+    """Dynamic int8 quantization of the optimized graph (export_onnxruntime) as optimum's
+    ``AutoQuantizationConfig.avx512_vnni(is_static=False)`` does it: QInt8 symmetric weights per
+    channel, QUInt8 asymmetric activations, full range, its default operators. Once per model and
+    process. Returns (path of the quantized model, {"operators", "per_channel", "weights", "activations"})."""
+    ckey = (key, config.to_json_string(), "int8")
+    if ckey in _ORT_CACHE:
+        return _ORT_CACHE[ckey][1:]
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    fused_path, _ = export_onnxruntime(config, state, key)
+    tmp = tempfile.TemporaryDirectory(prefix="bert_fast_ort_int8_")
+    out = os.path.join(tmp.name, "model.opt.int8.onnx")
+    ops = _ort_int8_ops()
+    import logging
+
+    quiet = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic logs a line per skipped node
+    try:
+        quantize_dynamic(
+            fused_path,
+            out,
+            op_types_to_quantize=ops,
+            per_channel=True,
+            reduce_range=False,
+            weight_type=QuantType.QInt8,
+            # DefaultTensorType: the type of tensors made by contrib ops (Attention, ...) that ONNX's
+            # shape inference cannot see; quantize_dynamic refuses the fused graph without it.
+            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False, "DefaultTensorType": 1},
+        )
+    finally:
+        logging.getLogger().setLevel(quiet)
+    import onnx
+
+    counts: Dict[str, int] = {}
+    for node in onnx.load(out, load_external_data=False).graph.node:
+        if node.op_type in ("QAttention", "MatMulInteger", "DynamicQuantizeMatMul", "QEmbedLayerNormalization"):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    info = {
+        "operators": ops,
+        "per_channel": True,
+        "weights": "QInt8 symmetric",
+        "activations": "QUInt8 dynamic",
+        "quantized_nodes": counts,
+    }
+    _ORT_CACHE[ckey] = (tmp, out, info)
+    return out, info
+
+
+def onnxruntime_runner(config, state, key, device, dtype, mode, int8: bool = False):
+    """(runner, notes): an InferenceSession of the optimized model (``int8``: of its dynamic int8
+    quantization), intra_op_num_threads = torch's thread count (what the other providers get),
+    called like the model with torch tensors. Its precision is its own (fp32 or int8), whatever
+    the table's dtype."""
+    import torch
+
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    name = "onnxruntime-int8" if int8 else "onnxruntime"
     try:
         import onnxruntime as ort
         from onnxruntime.transformers import optimizer  # noqa: F401
+
+        if int8:
+            from onnxruntime.quantization import quantize_dynamic  # noqa: F401
     except ImportError as exc:
         raise ProviderUnavailable(f'onnxruntime is not installed (pip install -e ".[ort]"): {exc}') from None
-    if torch.device(device).type != "cpu":
-        raise ProviderUnavailable("the onnxruntime provider runs on the CPU only (no CUDA execution provider set up)")
-    if mode != "infer":
-        raise ProviderUnavailable("the onnxruntime provider measures inference only")
-    if dtype != torch.float32:
-        raise ProviderUnavailable("the onnxruntime provider runs fp32 only on the CPU")
+    _cpu_inference_only(name, device, mode)
     path, fused = export_onnxruntime(config, state, key)
+    if int8:
+        path, qinfo = quantize_onnxruntime(config, state, key)
     so = ort.SessionOptions()
     so.intra_op_num_threads = torch.get_num_threads()
     so.inter_op_num_threads = 1
@@ -198,12 +310,7 @@ def onnxruntime_runner(config, state, key, device, dtype, mode):
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
     def run(input_ids, attention_mask, token_type_ids=None, **_):
-        feeds = {
-            "input_ids": input_ids.numpy(),
-            "attention_mask": attention_mask.numpy(),
-            "token_type_ids": (token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)).numpy(),
-        }
-        hidden, pooled = sess.run(None, feeds)
+        hidden, pooled = sess.run(None, _feeds(input_ids, attention_mask, token_type_ids))
         return _OrtOutput(torch.from_numpy(hidden), torch.from_numpy(pooled))
 
     ops = ", ".join(f"{k} x{v}" for k, v in fused.items())
@@ -211,7 +318,89 @@ def onnxruntime_runner(config, state, key, device, dtype, mode):
         f"onnxruntime {ort.__version__}, transformer optimizer fused: {ops or 'nothing'}; "
         f"intra_op_num_threads={so.intra_op_num_threads}, no spin-wait between calls"
     ]
-    return run, notes
+    precision = "fp32"
+    if int8:
+        precision = "int8"
+        notes.append(
+            "int8: onnxruntime.quantization.quantize_dynamic of that graph as optimum's avx512_vnni dynamic "
+            f"config (weights {qinfo['weights']} per channel, activations {qinfo['activations']}; "
+            f"operators {', '.join(qinfo['operators'])}): "
+            + (", ".join(f"{k} x{v}" for k, v in qinfo["quantized_nodes"].items()) or "NO node quantized")
+        )
+    if dtype != torch.float32:
+        notes.append(f"runs {precision} whatever the table's dtype (its precision is its own)")
+    info = {"precision": precision, "provider_threads": so.intra_op_num_threads}
+    return _Runner(run, info), notes
+
+
+# ----------------------------------------------------------------------------- OpenVINO
+_OV_CACHE: Dict[Any, Any] = {}  # (model key, config) -> ov.Model; (..., hint, threads) -> CompiledModel
+
+
+def convert_openvino(config, state, key):
+    """``openvino.convert_model`` of transformers' BertModel (its default attention, SDPA; fp32
+    weights) traced on example inputs with padding; dynamic batch and sequence. Once per model."""
+    import warnings
+
+    import openvino as ov
+    import torch
+
+    ckey = (key, config.to_json_string())
+    if ckey in _OV_CACHE:
+        return _OV_CACHE[ckey]
+    hf = compat.hf_bert_model(config, "sdpa").eval()
+    hf.load_state_dict(state, strict=True)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    example = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings about Python branches on shapes
+        model = ov.convert_model(hf, example_input=example)
+    del hf
+    _OV_CACHE[ckey] = model
+    return model
+
+
+def openvino_runner(config, state, key, device, mode, f32: bool = False):
+    """(runner, notes): the converted model compiled for the CPU with OpenVINO's default precision
+    (bf16 where the CPU has bf16 units) or, ``f32``, with INFERENCE_PRECISION_HINT f32;
+    INFERENCE_NUM_THREADS = torch's thread count."""
+    import torch
+
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    name = "openvino-f32" if f32 else "openvino"
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        raise ProviderUnavailable(f"openvino is not installed (pip install openvino): {exc}") from None
+    _cpu_inference_only(name, device, mode)
+    threads = torch.get_num_threads()
+    props = {"INFERENCE_NUM_THREADS": threads}
+    if f32:
+        props["INFERENCE_PRECISION_HINT"] = "f32"
+    ckey = (key, config.to_json_string(), f32, threads)
+    if ckey not in _OV_CACHE:
+        _OV_CACHE[ckey] = ov.Core().compile_model(convert_openvino(config, state, key), "CPU", props)
+    compiled = _OV_CACHE[ckey]
+    precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").rstrip("'>")
+    precision = {"bfloat16": "bf16", "float32": "fp32", "f32": "fp32", "bf16": "bf16", "float16": "fp16"}.get(
+        precision, precision
+    )
+    req = compiled.create_infer_request()
+
+    def run(input_ids, attention_mask, token_type_ids=None, **_):
+        res = req.infer(_feeds(input_ids, attention_mask, token_type_ids))
+        return _OrtOutput(torch.from_numpy(res[0]), torch.from_numpy(res[1]))
+
+    used = int(compiled.get_property("INFERENCE_NUM_THREADS"))
+    notes = [
+        f"openvino {ov.__version__}: convert_model(transformers model), compile_model(CPU"
+        + (", INFERENCE_PRECISION_HINT=f32" if f32 else ", default precision")
+        + f"): runs {precision}; INFERENCE_NUM_THREADS={used}"
+    ]
+    return _Runner(run, {"precision": precision, "provider_threads": used}), notes
 
 
 def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool, key: str = "model"):
@@ -219,8 +408,11 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
     import torch
 
     notes: List[str] = []
-    if provider == "onnxruntime":
-        runner, notes = onnxruntime_runner(config, state, key, device, dtype, mode)
+    if provider in ("onnxruntime", "onnxruntime-int8"):
+        runner, notes = onnxruntime_runner(config, state, key, device, dtype, mode, int8=provider.endswith("int8"))
+        return None, runner, notes
+    if provider in ("openvino", "openvino-f32"):
+        runner, notes = openvino_runner(config, state, key, device, mode, f32=provider.endswith("f32"))
         return None, runner, notes
     if provider == "hf-eager":
         model = _hf_model(config, "eager", device, dtype)

@@ -65,6 +65,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mlm-probability", type=float, default=0.15)
     g.add_argument("--pad-to-multiple-of", type=int, default=None)
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    g.add_argument(
+        "--text-column",
+        default="text",
+        help="CSV/TSV data (.csv, .tsv): the column with the text (default: text)",
+    )
+    g.add_argument(
+        "--text-pair-column",
+        default=None,
+        help="CSV/TSV data: the column with the second segment of sentence pairs (default: none)",
+    )
+    g.add_argument(
+        "--label-column",
+        default="label",
+        help="CSV/TSV data: the column with the class label, a name or an integer id (default: label)",
+    )
 
     g = p.add_argument_group("model")
     g.add_argument("--model-size", default="tiny", help="tiny | mini | small | base | large (fresh weights)")
@@ -131,6 +146,31 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (0: all)")
     g.add_argument("--resume", default=None, metavar="DIR|latest", help="continue from a checkpoint")
     g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in a non-empty --output-dir (its checkpoints, metrics, tokenizer and TensorBoard "
+        "logs are removed; other files stay). Without it (or --resume) a non-empty --output-dir is an error",
+    )
+    g.add_argument(
+        "--eval-data",
+        default=None,
+        metavar="FILE",
+        help="evaluation data in the training data's format (text, JSONL, CSV/TSV): MLM loss and masked-token "
+        "accuracy, or classification accuracy and macro F1, logged to metrics.jsonl (eval_* keys)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on --eval-data every N optimizer steps (0: only at the end of training)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log the metrics to TensorBoard under <output-dir>/tb (needs the tensorboard package)",
+    )
+    g.add_argument(
         "--stop-at-step",
         type=int,
         default=None,
@@ -159,7 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DEMO_DEFAULTS = dict(
-    max_steps=40, micro_batch_size=16, max_len=64, log_every=5, lr=1e-3, warmup_steps=4, output_dir="bert_fast_demo_run"
+    max_steps=40,
+    micro_batch_size=16,
+    max_len=64,
+    log_every=5,
+    lr=1e-3,
+    warmup_steps=4,
+    output_dir="bert_fast_demo_run",
+    overwrite=True,  # the demo's own directory: a second demo replaces the first
 )
 
 
@@ -179,6 +226,10 @@ def finalize(args: argparse.Namespace, demo: bool = False) -> argparse.Namespace
         args.log_every = 1
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise SystemExit(f"{PROG}: error: --stop-at-step must be >= 1")
+    if getattr(args, "eval_every", 0) < 0:
+        raise SystemExit(f"{PROG}: error: --eval-every must be >= 0, got {args.eval_every}")
+    if getattr(args, "eval_every", 0) and not getattr(args, "eval_data", None):
+        raise SystemExit(f"{PROG}: error: --eval-every needs --eval-data FILE")
     return args
 
 

@@ -45,6 +45,8 @@ from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import collator as coll
 from bert_fast.training import data as data_mod
 from bert_fast.training import distributed as dist_mod
+from bert_fast.training import evaluate as eval_mod
+from bert_fast.training import table_data
 
 MODEL_SIZES: Dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256),
@@ -191,14 +193,6 @@ def linear_schedule(warmup: int, total: int):
 # ----------------------------------------------------------------------------- data
 def build_data(args, info: dist_mod.DistInfo):
     """(tokenizer, dataset, collator, task, num_labels, label_map)."""
-    path = Path(args.data) if args.data else data_mod.DEMO_CORPUS
-    task = args.task
-    records = data_mod.read_jsonl(path) if data_mod.is_jsonl(path) else None
-    lines = [r["text"] for r in records] if records is not None else data_mod.read_lines(path)
-    tok_name = args.tokenizer
-    saved = Path(args.output_dir) / "tokenizer" if args.output_dir else None
-    if tok_name in (None, "", "auto", "build") and saved is not None and saved.is_dir():
-        tok_name = str(saved)  # a continued run keeps the ids its checkpoints were trained with
     from bert_fast.training import token_shards
 
     if args.data and token_shards.is_prepared_dir(args.data):  # bert-fast prepare-data output: read lazily
@@ -211,6 +205,14 @@ def build_data(args, info: dist_mod.DistInfo):
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
         return tokenizer, dataset, collate, "mlm", 2, None
+    path = Path(args.data) if args.data else data_mod.DEMO_CORPUS
+    task = args.task
+    # CSV/TSV (named columns: --text-column, --text-pair-column, --label-column), JSONL or text
+    records, lines = table_data.read_records(path, args, need_labels=(task == "cls"))
+    tok_name = args.tokenizer
+    saved = Path(args.output_dir) / "tokenizer" if args.output_dir else None
+    if tok_name in (None, "", "auto", "build") and saved is not None and saved.is_dir():
+        tok_name = str(saved)  # a continued run keeps the ids its checkpoints were trained with
     tokenizer = data_mod.load_tokenizer(tok_name, lines)
     label_map, num_labels = None, 2
     if task == "mlm":
@@ -330,8 +332,17 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     accum = args.grad_accum
     global_batch = micro * accum * world
     out_dir = Path(args.output_dir) if args.output_dir else None
+    # run safety and self-contained checkpoints (checkpoint.py): a non-empty --output-dir needs
+    # --resume or --overwrite; --init-from a checkpoint without --tokenizer uses its tokenizer
+    ckpt.prepare_output_dir(out_dir, args.resume, getattr(args, "overwrite", False), info)
+    ckpt.default_tokenizer_to_init_from(args)
+    if getattr(args, "tensorboard", False):
+        try:
+            eval_mod.check_tensorboard()
+        except eval_mod.TensorBoardMissing as exc:
+            raise TrainError(str(exc)) from None
 
-    tokenizer, dataset, collate, task, num_labels, _ = build_data(args, info)
+    tokenizer, dataset, collate, task, num_labels, label_map = build_data(args, info)
     nsp = task == "mlm" and args.nsp
 
     torch.manual_seed(args.seed)
@@ -342,6 +353,9 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     model = build_model(args, tokenizer, task, num_labels)
     n_params = count_params(model)
     cfg = model.config
+    ckpt.describe_config(cfg, model, label_map if task == "cls" else None)  # architectures, id2label
+    if args.init_from:
+        ckpt.check_tokenizer(tokenizer, cfg, args.init_from, what="--init-from")
     if args.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
     model = model.to(device)
@@ -392,6 +406,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         if out_dir is None and args.resume == "latest":
             raise TrainError("--resume latest needs --output-dir")
         path = ckpt.resolve(args.resume, out_dir)
+        ckpt.check_tokenizer(tokenizer, cfg, path, what="--resume")
         state = ckpt.load_checkpoint(path, model, optimizer, scheduler, scaler, info)
         epoch, step_in_epoch = int(state["epoch"]), data_mod.restore_data_position(dataset, state, global_batch, path)
         global_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
@@ -407,7 +422,14 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not (out_dir / "tokenizer").exists():
             tokenizer.save_pretrained(str(out_dir / "tokenizer"))
-    metrics_f = open(out_dir / "metrics.jsonl", "a") if (out_dir is not None and info.is_main) else None
+    # metrics.jsonl (+ TensorBoard); a resumed run drops the rows after its checkpoint's step
+    logger = eval_mod.MetricsLogger(
+        out_dir, info.is_main, global_step if args.resume else None, getattr(args, "tensorboard", False)
+    )
+    evaluator = None
+    if getattr(args, "eval_data", None):
+        evaluator = eval_mod.Evaluator.build(args.eval_data, args, tokenizer, task, nsp, label_map, num_labels, info)
+        _log(info, f"evaluation: {evaluator.n_examples} examples of {args.eval_data}")
 
     peak = args.peak_tflops
     if not peak:
@@ -428,6 +450,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         return {
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
+            "data_position": data_mod.data_position(dataset, epoch, step_in_epoch, global_batch),
             "tokens_seen": tokens_seen,
             "global_batch": global_batch,
             "total_steps": total_steps,
@@ -449,6 +472,8 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
             info,
             unwrapped,
             keep=args.keep_checkpoints,
+            tokenizer=tokenizer,
+            run_args=args,
         )
         _log(info, f"saved checkpoint {path}")
         return path
@@ -462,7 +487,6 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         dynamic_ncols=True,
         file=sys.stderr,
     )
-            "data_position": data_mod.data_position(dataset, epoch, step_in_epoch, global_batch),
     losses: List[float] = []
     pending: List[torch.Tensor] = []  # per-step local loss sums since the last log
     pending_counts: List[float] = []  # per-step global target counts
@@ -473,7 +497,14 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def flush_logs():
+    def lr_of_step(s: int) -> float:
+        """The learning rate optimizer step s (1-based) used: LambdaLR's factor before its s-th step."""
+        lambdas = getattr(scheduler, "lr_lambdas", None)
+        if lambdas:
+            return float(scheduler.base_lrs[0] * lambdas[0](s - 1))
+        return float(scheduler.get_last_lr()[0])
+
+    def flush_logs(extra=None):
         nonlocal window_tokens, window_flops, window_t0, last_tok_s, last_mfu
         if not pending:
             return
@@ -486,25 +517,21 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         last_tok_s = tok_window[0] / max(elapsed, 1e-9)
         last_mfu = tok_window[1] / max(elapsed, 1e-9) / (peak * 1e12 * world)
         first = global_step - len(step_losses) + 1
-        lr = scheduler.get_last_lr()[0]
+        lr = lr_of_step(global_step)
         for i, l in enumerate(step_losses):
             losses.append(l)
-            if metrics_f is not None:
-                metrics_f.write(
-                    json.dumps(
-                        {
-                            "step": first + i,
-                            "loss": l,
-                            "lr": lr,
-                            "tokens_per_s": last_tok_s,
-                            "mfu": last_mfu,
-                            "tokens_seen": tokens_seen,
-                        }
-                    )
-                    + "\n"
-                )
-        if metrics_f is not None:
-            metrics_f.flush()
+            row = {
+                "step": first + i,
+                "loss": l,
+                "lr": lr_of_step(first + i),
+                "tokens_per_s": last_tok_s,
+                "mfu": last_mfu,
+                "tokens_seen": tokens_seen,
+            }
+            if extra and first + i == global_step:
+                row.update(extra)
+            logger.log(row)
+        logger.flush()
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         pbar.set_postfix(
             loss=f"{step_losses[-1]:.4f}",
@@ -522,6 +549,13 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         pending_counts.clear()
         window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
 
+    def run_eval(step: int) -> dict:
+        res = evaluator.run(model, device, info, autocast)
+        _log(info, f"eval step {step}: " + " ".join(f"{k[5:]} {v:.4f}" for k, v in res.items()))
+        eval_history.append(dict(res, step=step))
+        return res
+
+    eval_history: List[dict] = []
     stop_at = args.stop_at_step or 0
     done = global_step >= total_steps
     while not done:
@@ -591,8 +625,13 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
             if epoch_over:
                 epoch, step_in_epoch = epoch + 1, 0
             finished = global_step >= total_steps
-            if global_step % args.log_every == 0 or finished or stop_now or global_step == stop_at:
-                flush_logs()
+            eval_now = (
+                evaluator is not None
+                and not stop_now
+                and (finished or global_step == stop_at or (args.eval_every and global_step % args.eval_every == 0))
+            )
+            if eval_now or global_step % args.log_every == 0 or finished or stop_now or global_step == stop_at:
+                flush_logs(run_eval(global_step) if eval_now else None)
             if stop_now:
                 _log(info, f"SIGTERM: stopping at step {global_step}, saving a checkpoint")
                 last_saved = save(global_step)
@@ -612,8 +651,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
     if not stopped_on_signal and (args.save_final or global_step == stop_at) and out_dir is not None:
         if last_saved is None or last_saved.name != ckpt.checkpoint_dir(out_dir, global_step).name:
             last_saved = save(global_step)
-    if metrics_f is not None:
-        metrics_f.close()
+    logger.close()
     summary = {
         "steps": global_step,
         "losses": losses,
@@ -622,6 +660,7 @@ def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
         "peak_tflops": peak,
         "params": n_params,
         "checkpoint": str(last_saved) if last_saved else None,
+        "eval": eval_history,
         "stopped_on_signal": stopped_on_signal,
         "strategy": kind,
         "world_size": world,

@@ -307,9 +307,10 @@ def prepare(
     paths = _expand(inputs)
     tasks = plan_chunks(paths, max(1, int(chunk_mb * (1 << 20))), text_field, docs, split)
     _prepare_output(out, overwrite)
-    texts = _sample_texts(tasks, text_field) if tokenizer in (None, "", "auto", "build") else ()
-    if tokenizer in (None, "", "auto") and data_mod.minilm_tokenizer_dir():
-        texts = ()
+    build = tokenizer == "build" or (tokenizer in (None, "", "auto") and not data_mod.minilm_tokenizer_dir())
+    texts = _sample_texts(tasks, text_field) if build else []
+    if build and not any(t.strip() for t in texts):
+        raise data_mod.DataError(f"the corpus {', '.join(map(str, paths))} holds no text (only blank lines)")
     tok = data_mod.load_tokenizer(tokenizer, texts)
     data_mod._need_special(tok)
     tok_dir = out / ts.TOKENIZER_DIR

@@ -203,6 +203,8 @@ setup(
             "peft>=0.13.2",
             "accelerate>=0.30.1",
             "datasets>=2.14",
+            # tests/test_training_run.py: `bert-fast train --tensorboard` (optional at run time)
+            "tensorboard>=2.14",
             # tests/test_architecture.py: the import layering contracts and the style checks
             "import-linter>=2.1",
             "ruff>=0.6",

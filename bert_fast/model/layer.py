@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bert_fast import ops
-from bert_fast.model import compat, direct_ops, frozen
+from bert_fast.model import compat, direct_ops, frozen, int8
 from bert_fast.model.gemms import ModuleGemms, cast
 from bert_fast.model.padding import Unpadded
 
@@ -62,6 +62,8 @@ class Batch:
     # The model's packed inference weights (frozen.py), when it is frozen and the layers run on
     # direct_ops: {layer index: packed layer}.
     frozen: Optional[dict] = None
+    # The model's int8 GEMMs (int8.py), when quantized and the layers run on direct_ops.
+    int8: Optional[dict] = None
 
 
 # ----------------------------------------------------------------------------- transformers' modules
@@ -123,8 +125,13 @@ def embeddings_forward(
 
 # ----------------------------------------------------------------------------- one layer
 def gemms_for(layer, index: int, dtype: torch.dtype, batch: Batch):
-    """The GEMM set this layer runs: its packed copies when the model is frozen (and they apply),
-    else its own module weights through the batch's op namespace."""
+    """The GEMM set this layer runs: its int8 GEMMs when the model is quantized (int8.py), its packed
+    copies when the model is frozen (and they apply), else its own module weights through the
+    batch's op namespace."""
+    if batch.int8 and batch.ops is direct_ops:
+        entry = int8.entry_for(batch.int8, index, layer)
+        if entry is not None:
+            return entry
     if batch.frozen is not None and batch.ops is direct_ops:
         entry = frozen.entry_for(batch.frozen, index, layer, dtype)
         if entry is not None:

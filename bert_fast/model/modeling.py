@@ -37,7 +37,7 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
 )
 
-from bert_fast.model import compat, direct_ops, dropin, frozen
+from bert_fast.model import compat, direct_ops, dropin, frozen, int8, precision
 from bert_fast.model.gemms import cast
 from bert_fast.model.layer import ACTIVATIONS, Batch, call_hf, embeddings_forward, first, layer_forward
 from bert_fast.model.masks import key_padding_mask
@@ -482,6 +482,8 @@ class FastModel:
         source = input_ids if input_ids is not None else inputs_embeds
         if source.device != device:
             raise ValueError(f"input is on device {source.device} but the model is on device {device}")
+        if device.type == "cpu" and emb.word_embeddings.weight.dtype in (torch.float16, torch.bfloat16):
+            precision.warn_slow_dtype(emb.word_embeddings.weight.dtype)  # once: fp16, bf16 without units
         if input_ids is not None and input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if inputs_embeds is not None and inputs_embeds.dim() != 3:
@@ -542,6 +544,9 @@ class FastModel:
         if not found and direct_ops.usable(h, self.training):
             batch.ops = direct_ops
             batch.frozen = frozen.store_of(self)
+            batch.int8 = int8.store_of(self)
+        elif int8.store_of(self):
+            int8.warn_not_inference(self)
 
         def to_bsh(x):
             return x if padded else pad(x, batch.unpadded)

@@ -1,0 +1,273 @@
+"""int8 inference GEMMs on the CPU, behind an accuracy guard: ``optimize(model, int8=True)``.
+
+What runs. Each encoder GEMM y = act(x W^T + b) becomes
+    x_q, s_x = quantize_rows(x)           int8 [M, K], one fp32 scale per row (symmetric, dynamic)
+    acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it)
+    y        = act(acc * s_x * s_w + b)    in the model's dtype (fp32 or bf16)
+with W_q int8 per output channel (symmetric, s_w [N]), quantized once. Why per-row activations
+and per-channel weights: on all-MiniLM-L6-v2 (64 shipped sentences, min cosine of mean-pooled
+embeddings to fp32), per-tensor dynamic int8 of every Linear (torch.ao's quantize_dynamic, what
+most CPU int8 recipes do) gave 0.902, per-channel weights 0.967, per-row activations and
+per-channel weights 0.9965 (benchmarks/NOTES.md, "int8 on the CPU"). Attention, LayerNorm and the
+residual stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
+
+Why a guard. int8 keeps bert-base near fp32 and degrades some small models badly: it is never
+applied without measuring. ``quantize(model, calibration)`` runs the calibration batch with and
+without the int8 GEMMs and refuses (``Int8AccuracyError``, naming the measured cosine and pointing
+to bf16) when the min cosine of the mean-pooled outputs to the fp32 model is below ``min_cosine``
+(0.99 by default). The int8 copies are a cache of the weights like freeze()'s: built from the
+weights at quantize() time; when a weight changes afterwards the layers run their own weights
+again, with a warning, until quantize() is called again (a re-quantized model is re-checked).
+Inference only: training, gradients and autocast take the normal path (with a warning once).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bert_fast.ops.torch_impl import GELU_APPROXIMATE
+
+DEFAULT_MIN_COSINE = 0.99
+
+# model -> {layer index: _Int8Layer}; weak keys, as frozen.py's store
+_STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class Int8AccuracyError(ValueError):
+    """int8 would degrade this model beyond the accuracy bound: it was not applied."""
+
+
+def available() -> bool:
+    """torch._int_mm runs on the CPU in this torch build."""
+    try:
+        a = torch.ones(17, 32, dtype=torch.int8)
+        return bool(torch._int_mm(a, torch.ones(32, 8, dtype=torch.int8))[0, 0] == 32)
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
+
+
+def quantize_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """(W_q^T int8 [K, N] contiguous, s_w fp32 [N]): symmetric per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.t().contiguous(), scale
+
+
+def quantize_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """(x_q int8 [M, K], s_x fp32 [M, 1]): symmetric per row, dynamic (computed at every call)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
+    return torch.round(xf / scale).to(torch.int8), scale
+
+
+class _Int8Linear:
+    """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype."""
+
+    __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes")
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
+        self.n, self.k = weight.shape
+        self.wq, self.scale = quantize_weight(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        self.nbytes = self.wq.numel() + 4 * self.n + (0 if bias is None else 4 * self.n)
+
+    def __call__(self, x: Tensor, activation: Optional[str] = None) -> Tensor:
+        x2 = x.reshape(-1, self.k)
+        if x2.shape[0] == 0:
+            return x.new_empty((*x.shape[:-1], self.n))
+        xq, xs = quantize_rows(x2)
+        y = torch._int_mm(xq, self.wq).float().mul_(xs).mul_(self.scale)
+        if self.bias is not None:
+            y.add_(self.bias)
+        if activation is not None:
+            y = F.gelu(y, approximate=GELU_APPROXIMATE[activation])
+        return y.to(x.dtype).view(*x.shape[:-1], self.n)
+
+
+def _linears(layer):
+    sa, att = layer.attention.self, layer.attention
+    return (sa.query, sa.key, sa.value, att.output.dense, layer.intermediate.dense, layer.output.dense)
+
+
+def _stamp(linears) -> Tuple:
+    out = []
+    for m in linears:
+        for t in (m.weight, m.bias):
+            out.append(None if t is None else (id(t), t.data_ptr(), t._version))
+    return tuple(out)
+
+
+class _Int8Layer:
+    """One layer's int8 GEMM set for layer.layer_forward (see gemms.py)."""
+
+    __slots__ = ("stamp", "qkv", "out", "up", "down")
+
+    def __init__(self, linears):
+        self.stamp = _stamp(linears)
+        q, k, v, o, i, d = linears
+        with torch.no_grad():
+            b = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
+            self.qkv = _Int8Linear(torch.cat([q.weight, k.weight, v.weight]), b)
+            self.out, self.up, self.down = (_Int8Linear(m.weight, m.bias) for m in (o, i, d))
+
+    def fresh(self, linears) -> bool:
+        return _stamp(linears) == self.stamp
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.out.nbytes + self.up.nbytes + self.down.nbytes
+
+    def separate_qkv(self):
+        return None  # one fused int8 QKV GEMM
+
+
+def _quantizable(linears) -> bool:
+    if not all(type(m) is torch.nn.Linear for m in linears):
+        return False
+    q, k, v = linears[:3]
+    if (q.bias is None) != (k.bias is None) or (q.bias is None) != (v.bias is None):
+        return False
+    return all(m.weight.device.type == "cpu" for m in linears)
+
+
+def store_of(model) -> Optional[Dict[int, _Int8Layer]]:
+    return _STORE.get(model)
+
+
+def drop(model) -> None:
+    _STORE.pop(model, None)
+
+
+_WARNED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+_STALE_WARNED: set = set()  # id() of stores already warned about
+
+
+def entry_for(store: Dict[int, _Int8Layer], index: int, layer) -> Optional[_Int8Layer]:
+    """The int8 layer ``index`` when its weights are the ones quantize() checked; else None (the
+    layer runs its own weights), with one warning per model."""
+    entry = store.get(index)
+    if entry is None:
+        return None
+    if entry.fresh(_linears(layer)):
+        return entry
+    store.pop(index, None)
+    if id(store) not in _STALE_WARNED:
+        _STALE_WARNED.add(id(store))
+        warnings.warn(
+            "bert_fast: weights changed after int8 quantization; those layers now run their own "
+            "(unquantized) weights. Call bert_fast.optimize(model, int8=True) again to re-quantize "
+            "and re-check accuracy.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
+
+
+def warn_not_inference(model) -> None:
+    """An int8 model asked to train / take gradients / autocast: the normal path runs, said once."""
+    if model not in _WARNED:
+        _WARNED.add(model)
+        warnings.warn(
+            "bert_fast: int8 weights are for no-grad inference; this forward (training, gradients or "
+            "autocast) runs the model's own weights in their dtype",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+# ----------------------------------------------------------------------------- the guard
+def _pooled(model, batch: Dict[str, Tensor]) -> Tensor:
+    with torch.inference_mode():
+        h = model(**batch).last_hidden_state.float()
+    mask = batch["attention_mask"].to(h.dtype).unsqueeze(-1)
+    return (h * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+
+def min_cosine_to(reference: Tensor, pooled: Tensor) -> float:
+    return F.cosine_similarity(pooled.double(), reference.double(), dim=-1).min().item()
+
+
+def quantize(
+    model,
+    calibration: Dict[str, Tensor],
+    min_cosine: float = DEFAULT_MIN_COSINE,
+    reference: Optional[Tensor] = None,
+) -> float:
+    """Build int8 GEMMs for every layer of ``model`` (a bert_fast BertModel-like FastModel) and keep
+    them only if the calibration batch's mean-pooled outputs keep ``min cosine >= min_cosine`` to
+    the fp32 model (``reference``: those pooled outputs, computed here from the model's current
+    weights in fp32 when not given). Returns the measured min cosine; raises Int8AccuracyError
+    (nothing applied) below the bound."""
+    if not available():
+        raise RuntimeError("int8 needs torch._int_mm on the CPU, which this torch build lacks")
+    weight = model.embeddings.word_embeddings.weight
+    if weight.device.type != "cpu":
+        raise ValueError(f"int8 quantization is for CPU inference; this model is on {weight.device}")
+    if "attention_mask" not in calibration or "input_ids" not in calibration:
+        raise ValueError("calibration must hold input_ids and attention_mask (a tokenizer's output)")
+    drop(model)
+    was_training = model.training
+    model.eval()
+    try:
+        if reference is None:
+            reference = reference_pooled(model, calibration)
+        store: Dict[int, _Int8Layer] = {}
+        for i, layer in enumerate(model.encoder.layer):
+            linears = _linears(layer)
+            if _quantizable(linears):
+                store[i] = _Int8Layer(linears)
+        if not store:
+            raise ValueError("no layer of this model has plain nn.Linear weights to quantize to int8")
+        _STORE[model] = store
+        cos = min_cosine_to(reference, _pooled(model, calibration))
+    finally:
+        model.train(was_training)
+    if not cos >= min_cosine:  # NaN refuses too
+        drop(model)
+        raise Int8AccuracyError(
+            f"int8 would degrade {type(model).__name__}: min cosine of mean-pooled outputs to fp32 on the "
+            f"{len(reference)} calibration sequences is {cos:.4f}, below the bound {min_cosine}. int8 was not "
+            "applied; use bf16 instead (bert_fast.optimize(model, dtype=torch.bfloat16)), which keeps "
+            ">= 0.999 on the models tested."
+        )
+    return cos
+
+
+def reference_pooled(model, calibration: Dict[str, Tensor]) -> Tensor:
+    """The fp32 model's mean-pooled outputs (the model itself when fp32, else an fp32 copy of it),
+    without int8 GEMMs, in eval mode."""
+    was_training = model.training
+    saved = _STORE.pop(model, None)
+    try:
+        model.eval()
+        if next(model.parameters()).dtype == torch.float32:
+            return _pooled(model, calibration)
+        import copy
+
+        return _pooled(copy.deepcopy(model).float(), calibration)
+    finally:
+        model.train(was_training)
+        if saved is not None:
+            _STORE[model] = saved
+
+
+def calibration_batch(tokenizer, sentences: Optional[Sequence[str]] = None, max_length: int = 128) -> dict:
+    """The tokenizer's batch of ``sentences`` (default: the shipped encode sentences)."""
+    if sentences is None:
+        from importlib import resources
+
+        text = resources.files("bert_fast").joinpath("data/encode_sentences.txt").read_text(encoding="utf-8")
+        sentences = [s.strip() for s in text.splitlines() if s.strip()][:64]
+    if not sentences:
+        raise ValueError("calibration needs at least one sentence")
+    enc = tokenizer(list(sentences), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}

@@ -4,7 +4,8 @@ from the files under benchmarks/results/cpu/, so that no figure in the README is
 
     python benchmarks/make_readme_cpu_performance.py [--results-dir benchmarks/results/cpu] [--stdout]
 
-Reads: bench_fp32.json and bench_bf16.json (`bert-fast bench --json`), encode.json
+Reads: bench_cpu.json (`bert-fast bench --json`, the CPU default: fp32 and bf16 tables, every
+provider with its precision and accuracy; without it the older bench_fp32.json and bench_bf16.json), encode.json
 (`bert-fast bench --encode --json`), train_mlm.json and bf16_error.json
 (benchmarks/cpu_train_bf16.py), dropin.json (benchmarks/bench_dropin.py). A missing file leaves
 its table out. Needs only the standard library.
@@ -42,28 +43,90 @@ def _sp_frozen(run: dict, provider: str) -> str:
     return f"{v['value']:.2f}x ({lo:.2f}-{hi:.2f})" + (" unstable" if v.get("unstable") else "")
 
 
-def _bench_table(doc: dict, title: str, name: str) -> list:
+# Column order and names of the providers (others follow in the order the run has them).
+_ORDER = (
+    "bert_fast",
+    "bert_fast-frozen",
+    "hf-sdpa",
+    "onnxruntime",
+    "onnxruntime-int8",
+    "openvino",
+    "openvino-f32",
+)
+_NAMES = {
+    "bert_fast": "bert_fast",
+    "bert_fast-frozen": "bert_fast frozen",
+    "hf-sdpa": "transformers SDPA",
+    "onnxruntime": "ONNX Runtime",
+    "onnxruntime-int8": "ONNX Runtime int8",
+    "openvino": "OpenVINO",
+    "openvino-f32": "OpenVINO f32",
+}
+
+
+def _cell(r: dict) -> str:
+    """A provider's median and its accuracy against transformers fp32 (min cosine), or why not."""
+    if r.get("status") != "ok" or r.get("median_ms") is None:
+        return r.get("status", "?")
+    acc = r.get("accuracy") or {}
+    cos = acc.get("min_cosine")
+    text = f"{r['median_ms']:.1f}"
+    if r.get("precision"):
+        text += f" {r['precision']}"
+    return text + (f", cos {cos:.5f}" if cos is not None else "")
+
+
+def _bench_table(doc: dict, title: str, name: str, dtype=None) -> list:
+    """The runs of ``doc`` (those of ``dtype`` when given): one table of each provider's median ms,
+    precision and accuracy (min cosine of mean-pooled output to transformers fp32), one of the
+    speedups of bert_fast (plain and frozen) over every other provider."""
     env = doc.get("environment", {})
+    runs = [r for r in doc["runs"] if dtype is None or r.get("dtype", dtype) == dtype]
+    runs = [r for r in runs if any(x.get("provider") == "bert_fast" and x.get("status") == "ok" for x in r["results"])]
+    if not runs:
+        return []
+    seen = {x["provider"] for r in runs for x in r["results"]}
+    provs = [p for p in _ORDER if p in seen] + sorted(seen - set(_ORDER))
+    others = [p for p in provs if p not in ("bert_fast", "bert_fast-frozen")]
+    cpu = doc.get("cpu_line") or f"CPU: {env.get('device_name', '?')}"
     lines = [
-        f"**{title}** ({doc.get('threads')} threads, torch {env.get('torch', '?')}, "
+        f"**{title}** ({cpu}; {doc.get('threads')} threads, torch {env.get('torch', '?')}, "
         f"commit {str(env.get('git_commit', '?'))[:8]}; `benchmarks/results/cpu/{name}`). "
-        "bert_fast: `optimize(model)`; frozen: `optimize(model, freeze=True)` (packed weights, "
-        "inference only):",
+        "bert_fast: `optimize(model)`; frozen: `optimize(model, freeze=True)` (packed weights, inference "
+        "only). Median ms, the precision each provider ran in (ONNX Runtime and OpenVINO run their own, "
+        "whatever the table's dtype) and cos = the min over the batch of the cosine of the mean-pooled "
+        "output to transformers fp32:",
         "",
-        "| model | case | bert_fast ms | bert_fast vs transformers SDPA | bert_fast vs ONNX Runtime "
-        "| frozen vs transformers SDPA | frozen vs ONNX Runtime |",
-        "|---|---|---|---|---|---|---|",
+        "| model | case | " + " | ".join(_NAMES.get(p, p) for p in provs) + " |",
+        "|---|---|" + "---|" * len(provs),
     ]
-    for run in doc["runs"]:
-        res = {r["provider"]: r for r in run["results"] if r.get("status") == "ok"}
-        bf = res.get("bert_fast")
-        if bf is None:
-            continue
+    for run in runs:
+        res = {r["provider"]: r for r in run["results"]}
         lengths = "full" if run["lengths"] == "full" else f"ragged {run['lengths']}"
         case = f"B={run['batch']} S={run['seq']} {lengths}"
-        cells = [_sp(res[p]) if p in res else "not run" for p in ("hf-sdpa", "onnxruntime")]
-        cells += [_sp_frozen(run, p) if p in res else "not run" for p in ("hf-sdpa", "onnxruntime")]
-        lines.append(f"| {run['model_name']} | {case} | {bf['median_ms']:.1f} | " + " | ".join(cells) + " |")
+        cells = [_cell(res[p]) if p in res else "not run" for p in provs]
+        lines.append(f"| {run['model_name']} | {case} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Speedup of bert_fast (and of bert_fast frozen) over each (95% interval; above 1: bert_fast is faster):",
+        "",
+        "| model | case | " + " | ".join(f"vs {_NAMES.get(p, p)}" for p in others) + " |",
+        "|---|---|" + "---|" * len(others),
+    ]
+    for run in runs:
+        res = {r["provider"]: r for r in run["results"] if r.get("status") == "ok"}
+        lengths = "full" if run["lengths"] == "full" else f"ragged {run['lengths']}"
+        case = f"B={run['batch']} S={run['seq']} {lengths}"
+        cells = []
+        for p in others:
+            if p not in res or res[p].get("speedup_of_bert_fast") is None:
+                cells.append("not run")
+                continue
+            text = _sp(res[p])
+            if "bert_fast-frozen" in res:
+                text += f"; frozen {_sp_frozen(run, p)}"
+            cells.append(text)
+        lines.append(f"| {run['model_name']} | {case} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -71,16 +134,23 @@ def section(d: Path) -> str:
     out = [
         "### CPU results (the CPU path, not the GPU kernels)",
         "",
-        "Measured on the project's 2-core CPU machine (AVX-512), providers side by side in one "
+        "Measured on the project's 2-core CPU machine (the CPU line above each table), providers side by side in one "
         "process, interleaved rounds, medians with 95% intervals; a speedup above 1 means "
         "bert_fast is faster. Files: `benchmarks/results/cpu/` (all of them: `bash benchmarks/run_cpu_results.sh`, "
         "then this table: `python benchmarks/make_readme_cpu_performance.py`).",
         "",
     ]
-    for name, title in (("bench_fp32.json", "Inference, fp32"), ("bench_bf16.json", "Inference, bf16")):
-        doc = _load(d, name)
-        if doc:
-            out += _bench_table(doc, title, name)
+    cpu = _load(d, "bench_cpu.json")  # `bert-fast bench` default: fp32 and (bf16 CPUs) bf16 tables
+    if cpu:
+        for dtype in cpu.get("dtypes") or sorted({r.get("dtype", "fp32") for r in cpu["runs"]}):
+            out += _bench_table(cpu, f"Inference, {dtype}", "bench_cpu.json", dtype)
+        if cpu.get("bf16_skipped"):
+            out += [cpu["bf16_skipped"] + ".", ""]
+    else:  # files of the runs before issue 25: one dtype each
+        for name, title in (("bench_fp32.json", "Inference, fp32"), ("bench_bf16.json", "Inference, bf16")):
+            doc = _load(d, name)
+            if doc:
+                out += _bench_table(doc, title, name)
     enc = _load(d, "encode.json")
     if enc:
         for run in enc["runs"]:

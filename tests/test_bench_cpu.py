@@ -270,7 +270,7 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
     pytest.importorskip("onnxruntime")
     pytest.importorskip("openvino")
     fake_caps(monkeypatch, bf16=True)
-    out_json = tmp_path / "all.json"
+    out_json = tmp_path / "bench_cpu.json"
     rc = cli.main(
         ["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5", *FAST]
         + ["--json", str(out_json)]
@@ -308,6 +308,17 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
         int8_note = " ".join(res["onnxruntime-int8"]["notes"])
         assert "quantize_dynamic" in int8_note and ("MatMulInteger x" in int8_note or "QAttention x" in int8_note)
         assert f"INFERENCE_NUM_THREADS={threads}" in res["openvino"]["notes"][0]
+    # the README's CPU section reads this file: a table per dtype, every provider with its accuracy
+    import importlib.util
+
+    from bert_fast.bench.results import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("mkcpu", REPO_ROOT / "benchmarks" / "make_readme_cpu_performance.py")
+    mk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mk)
+    text = mk.section(tmp_path)
+    assert "**Inference, fp32** (CPU: Fake CPU 9000" in text and "**Inference, bf16**" in text
+    assert "| ONNX Runtime int8 | OpenVINO | OpenVINO f32 |" in text and "int8, cos 0.9" in text
 
 
 def test_a_wrong_provider_shows_a_low_cosine(tiny_folder, tmp_path, capsys, monkeypatch):

@@ -392,3 +392,33 @@ def test_master_weights_match_torch_adamw_in_fp32():
         oa.step()
         ob.step()
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- bench --mode train-mlm
+def test_bench_train_mlm_runs_and_reports_tokens_and_mfu(tmp_path, capsys, monkeypatch):
+    """`bert-fast bench --mode train-mlm` at a tiny size: every provider (bert_fast and transformers
+    through the same loop, transformers.Trainer) gets a time, tokens/s and MFU (no timing claim)."""
+    from bert_fast import cli as top_cli
+    from bert_fast.bench import train_bench
+    from bert_fast.bench.model_workload import load_config
+
+    cfg = load_config("tiny")
+    b = train_bench.make_batches(cfg, 3, 16, [16, 9, 1], 2, 0)[0]
+    assert b["attention_mask"].sum(1).tolist() == [16, 9, 1]
+    real = b["attention_mask"].bool()
+    assert ((b["labels"] != -100) <= real).all() and (b["labels"] != -100).any(1).all()
+    assert (b["input_ids"][b["labels"] != -100] == 103).all() and (b["input_ids"][real] >= 5).all()
+
+    monkeypatch.setenv("BERT_FAST_PEAK_TFLOPS", "1.0")  # no ceiling measurement: the test is not a timing
+    out = tmp_path / "train.json"
+    argv = ["bench", "--mode", "train-mlm", "--model", "tiny", "--batch", "2", "--seq", "16", "--device", "cpu"]
+    argv += ["--warmup", "1", "--min-rounds", "2", "--max-rounds", "2", "--json", str(out)]
+    assert top_cli.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"bert_fast", "hf-sdpa", "hf-trainer"}
+    for name, r in doc["results"].items():
+        assert r["median_ms"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, (name, r)
+    assert doc["tokens_per_step"] == 32 and doc["flops_per_step"] > 0 and doc["peak_tflops"] == 1.0
+    r = doc["results"]["bert_fast"]
+    assert r["mfu"] == pytest.approx(doc["flops_per_step"] / (r["median_ms"] / 1e3) / 1e12)
+    assert "hf-sdpa" in capsys.readouterr().out

@@ -65,7 +65,7 @@ CPU_PROVIDERS = [
 ]
 # Providers whose precision is their own, whatever the table's dtype.
 OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32")
-MODES = ("infer", "train")
+MODES = ("infer", "train", "train-mlm")  # train-mlm: bert_fast.bench.train_bench
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
 # The CPU suite (issue 14): dense, ragged and batch-1 inference, run when no --batch/--seq/--lengths
@@ -461,7 +461,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mode",
         default="infer",
         choices=MODES,
-        help="infer: forward under no_grad; train: forward + backward + AdamW step",
+        help="infer: forward under no_grad; train: forward + backward + AdamW step; train-mlm: an MLM "
+        "training step of bert_fast vs transformers' BertForMaskedLM (same loop) and transformers.Trainer",
     )
     p.add_argument(
         "--providers",
@@ -741,6 +742,11 @@ def build_cases(args) -> List[Dict[str, Any]]:
 def run(args) -> int:
     """``bert-fast bench``."""
     import torch
+
+    if args.mode == "train-mlm":  # MLM training step vs transformers' loop and Trainer
+        from bert_fast.bench import train_bench
+
+        return train_bench.run(args)
 
     from bert_fast.bench import ceilings as ceil_mod
     from bert_fast.bench import cpu_caps, plots

@@ -26,6 +26,9 @@ the embedding) at small shapes, bf16 skipped for the kernels built on ``tl.dot``
 bf16 dot is wrong); that says the kernels' logic is right with this Triton, not that they compile
 and run on a GPU: a GPU verdict needs a GPU.
 
+On the CPU the doctor also says which precision this machine should run inference in, and why
+(bert_fast.doctor_precision: the CPU's bf16/int8 units, GEMM rates measured here, the call to use).
+
 ``BERT_FAST_DOCTOR_PRELOAD=file.py``: each check process runs that file first (to instrument or
 patch kernels while debugging; the tests use it to plant failures).
 """
@@ -831,6 +834,12 @@ def run(args) -> int:
             "a GPU: run `bert-fast doctor` there."
         )
         print("note: " + note)
+    precision = None
+    if not gpu:  # which precision this CPU should run inference in (issue 25): a few seconds of GEMMs
+        from bert_fast import doctor_precision
+
+        precision = doctor_precision.report()
+        print("\n" + doctor_precision.format_report(precision))
     status = EXIT_FAIL if bad else 0
     if args.json:
         report = {
@@ -842,6 +851,7 @@ def run(args) -> int:
             "summary": counts,
             "exit_status": status,
             "note": note,
+            "precision": precision,
             "seconds": round(time.monotonic() - t0, 1),
         }
         write_json(args.json, report)

@@ -72,6 +72,12 @@ def test_doctor_cpu_prints_its_table(tmp_path):
     assert report["summary"]["pass"] == 2 and report["summary"]["skip"] == 6
     row = next(c for c in report["checks"] if c["op"] == "bias_gelu" and c["direction"] == "fwd")
     assert row["worst"]["err"] <= row["worst"]["bound"] and row["kernel_ms"] > 0 and row["torch_ms"] > 0
+    # the precision advice of issue 25: capability, measured rates, the call to use
+    assert "precision for CPU inference:" in out and "recommended: " in out and "bert_fast.optimize(model" in out
+    prec = report["precision"]
+    assert prec["recommendation"]["precision"] in ("bf16", "fp32")
+    assert prec["rates"]["fp32"] > 0 and prec["rates"]["bf16"] > 0 and prec["rates"]["seconds"] < 30
+    assert prec["capabilities"]["model"] in out
 
 
 PLANTED = """
@@ -155,3 +161,68 @@ def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
     doc = results.merge(tmp_path / "out.json", run_dir=run_dir, doctor_json=run_dir / "doctor.json")
     assert doc["doctor"]["summary"] == {"pass": 1, "fault": 1} and doc["doctor"]["problems"] == [bad]
     assert doc["doctor"]["file"] == "run/doctor.json"
+
+
+# ----------------------------------------------------------------------------- precision advice (issue 25)
+def _caps(*flags, onednn=None):
+    from bert_fast.bench import cpu_caps
+
+    onednn = bool({"amx_bf16", "avx512_bf16"} & set(flags)) if onednn is None else onednn  # as torch reports
+    found = {f: f in flags for f in cpu_caps.FLAGS}
+    ok, why = cpu_caps._bf16_verdict(found, onednn)
+    return {"model": "Test CPU 9000", "flags": found, "mkldnn_bf16": onednn, "bf16": ok, "bf16_reason": why}
+
+
+def _rates(fp32, bf16, int8):
+    return {"fp32": fp32, "bf16": bf16, "bf16_linear": bf16, "bf16_packed": bf16, "int8": int8, "threads": 2}
+
+
+@pytest.mark.parametrize(
+    "flags, rates, precision, int8",
+    [
+        # AMX: bf16 units, bf16 4x fp32, int8 only 1.1x bf16 -> bf16, no int8 mention
+        (("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"), (0.35, 1.4, 1.5), "bf16", False),
+        # AMX with int8 measured 1.5x bf16 -> bf16, int8 mentioned behind its guard
+        (("amx_bf16", "amx_int8", "avx512f", "avx2"), (0.35, 1.4, 2.1), "bf16", True),
+        # AVX-512 BF16 only (Zen 4)
+        (("avx512_bf16", "avx512_vnni", "avx512f", "avx2"), (0.3, 0.6, 0.5), "bf16", False),
+        # AVX2 only: no bf16 units -> fp32, bf16 emulated
+        (("avx2",), (0.2, 0.05, 0.1), "fp32", False),
+        # bf16 units but bf16 measured slower than fp32 -> keep fp32
+        (("avx512_bf16", "avx512f", "avx2"), (0.3, 0.25, 0.2), "fp32", False),
+    ],
+)
+def test_precision_recommendation_for_faked_capabilities(flags, rates, precision, int8):
+    from bert_fast import doctor_precision as dp
+
+    caps = _caps(*flags)
+    rec = dp.recommend(caps, _rates(*rates))
+    assert rec["precision"] == precision
+    assert rec["call"] == (dp.CALL_BF16 if precision == "bf16" else dp.CALL_FP32)
+    assert "freeze=True" in rec["call"] and "Test CPU 9000" in rec["why"][0]
+    assert (rec["int8"] is not None) == int8
+    if int8:
+        assert dp.CALL_INT8 in rec["int8"] and "refuses" in rec["int8"]
+    text = " ".join(rec["why"])
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        assert "emulated and slow" in text
+    elif precision == "fp32":
+        assert "not faster than fp32" in text
+    shown = dp.format_report({"capabilities": caps, "rates": _rates(*rates), "recommendation": rec})
+    assert "recommended: " + precision in shown and "Test CPU 9000" in shown
+
+
+def test_precision_recommendation_without_oneDNN_bf16_is_fp32():
+    from bert_fast import doctor_precision as dp
+
+    # the CPU lists bf16 units, but this torch's oneDNN does not run bf16 natively: emulated, fp32
+    rec = dp.recommend(_caps("avx512_bf16", "avx2", onednn=False), _rates(0.3, 0.9, 0.5))
+    assert rec["precision"] == "fp32" and "emulated" in " ".join(rec["why"])
+
+
+def test_precision_rates_are_measured_quickly():
+    from bert_fast import doctor_precision as dp
+
+    rates = dp.measure_rates(shapes=((64, 64, 64),), budget_s=0.01)
+    assert rates["fp32"] > 0 and rates["bf16"] > 0 and rates["threads"] == dp.THREADS
+    assert rates["per_shape"][0]["m"] == 64

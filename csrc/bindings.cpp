@@ -9,6 +9,7 @@ namespace py = pybind11;
 
 namespace bert_fast {
 void bind_keep_mask(py::module_& m);  // keep_mask_cpu.cpp
+void bind_int8(py::module_& m);       // int8_cpu.cpp
 }  // namespace bert_fast
 
 #ifndef BERT_FAST_CUDA_ARCHS
@@ -31,8 +32,9 @@ static py::dict build_info() {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask)";
+  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask; the int8 GEMM's quantize/dequantize passes)";
   m.def("build_info", &build_info, "How this module was compiled");
   bert_fast::bind_embedding(m);
   bert_fast::bind_keep_mask(m);
+  bert_fast::bind_int8(m);
 }

@@ -1,10 +1,10 @@
 """int8 inference GEMMs on the CPU, behind an accuracy guard: ``optimize(model, int8=True)``.
 
-What runs. Each encoder GEMM y = act(x W^T + b) becomes
+What runs. Each encoder GEMM y = act(x W^T + b) becomes bert_fast.ops.int8_gemm.int8_linear:
     x_q, s_x = quantize_rows(x)           int8 [M, K], one fp32 scale per row (symmetric, dynamic)
     acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it)
     y        = act(acc * s_x * s_w + b)    in the model's dtype (fp32 or bf16)
-with W_q int8 per output channel (symmetric, s_w [N]), quantized once. Why per-row activations
+with W_q int8 per output channel (symmetric, s_w [N]), quantized once here. Why per-row activations
 and per-channel weights: on all-MiniLM-L6-v2 (64 shipped sentences, min cosine of mean-pooled
 embeddings to fp32), per-tensor dynamic int8 of every Linear (torch.ao's quantize_dynamic, what
 most CPU int8 recipes do) gave 0.902, per-channel weights 0.967, per-row activations and
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bert_fast.ops import int8_gemm
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
 DEFAULT_MIN_COSINE = 0.99
@@ -60,13 +61,6 @@ def quantize_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
     return q.t().contiguous(), scale
 
 
-def quantize_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
-    """(x_q int8 [M, K], s_x fp32 [M, 1]): symmetric per row, dynamic (computed at every call)."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
-    return torch.round(xf / scale).to(torch.int8), scale
-
-
 class _Int8Linear:
     """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype."""
 
@@ -82,13 +76,8 @@ class _Int8Linear:
         x2 = x.reshape(-1, self.k)
         if x2.shape[0] == 0:
             return x.new_empty((*x.shape[:-1], self.n))
-        xq, xs = quantize_rows(x2)
-        y = torch._int_mm(xq, self.wq).float().mul_(xs).mul_(self.scale)
-        if self.bias is not None:
-            y.add_(self.bias)
-        if activation is not None:
-            y = F.gelu(y, approximate=GELU_APPROXIMATE[activation])
-        return y.to(x.dtype).view(*x.shape[:-1], self.n)
+        gelu = None if activation is None else GELU_APPROXIMATE[activation]
+        return int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu).view(*x.shape[:-1], self.n)
 
 
 def _linears(layer):

@@ -1,0 +1,92 @@
+"""The int8 GEMM of CPU inference, y = act(x W^T + b) with x quantized per row and W per output
+channel (bert_fast/model/int8.py builds the weights and guards the accuracy):
+
+    x_q, s_x = quantize_rows(x)               one pass over x (bert_fast._C), or 5 torch ops
+    acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8)
+    y        = dequantize(acc, s_x, s_w, b)   one pass over acc (bert_fast._C), or 3-4 torch ops
+
+The torch-op versions are the oracle of the C++ ones (equal bit for bit: tests/test_int8_gemm.py)
+and the fallback where the extension was built without them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+try:
+    from bert_fast import _C as _ext
+
+    if not hasattr(_ext, "int8_quantize_rows"):  # an extension built before these passes existed
+        _ext = None
+except ImportError:  # pragma: no cover - the extension is part of every install
+    _ext = None
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def native() -> bool:
+    """The one-pass C++ versions are in this build."""
+    return _ext is not None
+
+
+def quantize_rows_torch(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """(x_q int8 [M, K], s_x fp32 [M]): symmetric per row, s_x = max|x_row| / 127, round half to even."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale.squeeze(1)
+
+
+def dequantize_torch(acc: Tensor, sx: Tensor, sw: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    y = acc.float().mul_(sx[:, None]).mul_(sw)
+    if bias is not None:
+        y.add_(bias)
+    return y.to(dtype)
+
+
+def quantize_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """quantize_rows_torch in one pass where the extension has it (x fp32 or bf16, [M, K])."""
+    code = _CODES.get(x.dtype)
+    if _ext is None or code is None or x.device.type != "cpu":
+        return quantize_rows_torch(x)
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8)
+    s = torch.empty((m,), dtype=torch.float32)
+    _ext.int8_quantize_rows(x.data_ptr(), code, m, k, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    return q, s
+
+
+def dequantize(acc: Tensor, sx: Tensor, sw: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """acc * s_x[:, None] * s_w + b in ``dtype`` (fp32 or bf16), one pass where the extension has it."""
+    code = _CODES.get(dtype)
+    if _ext is None or code is None or acc.device.type != "cpu":
+        return dequantize_torch(acc, sx, sw, bias, dtype)
+    m, n = acc.shape
+    y = torch.empty((m, n), dtype=dtype)
+    _ext.int8_dequantize(
+        acc.contiguous().data_ptr(),
+        m,
+        n,
+        sx.contiguous().data_ptr(),
+        sw.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        code,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def int8_linear(x2: Tensor, wq_t: Tensor, sw: Tensor, bias: Optional[Tensor], gelu: Optional[str]) -> Tensor:
+    """act(x2 W^T + b) for x2 [M, K] fp32/bf16, W as (W_q^T int8 [K, N], s_w fp32 [N]), b fp32 [N] or
+    None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns x2's dtype."""
+    xq, sx = quantize_rows(x2)
+    acc = torch._int_mm(xq, wq_t)
+    if gelu is None:
+        return dequantize(acc, sx, sw, bias, x2.dtype)
+    y = dequantize(acc, sx, sw, bias, torch.float32)  # GELU on fp32 values, then the model's dtype
+    torch._C._nn.gelu_(y, approximate=gelu)
+    return y.to(x2.dtype)

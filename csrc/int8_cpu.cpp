@@ -1,0 +1,235 @@
+// The two memory passes around an int8 GEMM on the CPU (bert_fast/model/int8.py):
+//   quantize_rows:  x [M, K] fp32|bf16 -> x_q int8 [M, K], s_x fp32 [M]   (symmetric per row)
+//   dequantize:     acc int32 [M, N] -> y = acc * s_x[m] * s_w[n] + b[n], fp32|bf16 [M, N]
+// torch._int_mm does the GEMM between them. Why our own code: written with torch ops, the
+// quantization is 5 passes over x (abs, amax, div, round, cast) and the dequantization 3-4 over
+// the int32 output (cast, two scales, bias), which on all-MiniLM-L6-v2 shapes cost more than int8
+// saves over bf16 (benchmarks/NOTES.md, "int8 on the CPU"). Here each is one pass: a row of x
+// (K <= a few thousand) stays in L1 between its max and its quantization.
+//
+// Rounding: to nearest, ties to even (the vector conversion's default mode, and torch.round's),
+// so results equal the torch-op version in bert_fast/model/int8.py bit for bit (tested).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace bert_fast {
+namespace {
+
+enum Dtype : int { kF32 = 0, kBF16 = 1 };
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's conversion (NaN kept NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline int8_t q8(float v) {  // nearbyint under the default rounding mode: ties to even
+  float r = std::nearbyint(v);
+  r = std::min(127.0f, std::max(-127.0f, r));
+  return static_cast<int8_t>(r);
+}
+
+// ----------------------------------------------------------------------------- portable versions
+void quant_rows_scalar(const void* x, int dt, int64_t r0, int64_t r1, int64_t k, int8_t* q, float* s) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float amax = 0.0f;
+    if (dt == kF32) {
+      const float* row = static_cast<const float*>(x) + r * k;
+      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(row[j]));
+    } else {
+      const uint16_t* row = static_cast<const uint16_t*>(x) + r * k;
+      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(bf16_to_f32(row[j])));
+    }
+    const float scale = std::max(amax, 1e-12f) / 127.0f;
+    s[r] = scale;
+    int8_t* out = q + r * k;
+    if (dt == kF32) {
+      const float* row = static_cast<const float*>(x) + r * k;
+      for (int64_t j = 0; j < k; ++j) out[j] = q8(row[j] / scale);
+    } else {
+      const uint16_t* row = static_cast<const uint16_t*>(x) + r * k;
+      for (int64_t j = 0; j < k; ++j) out[j] = q8(bf16_to_f32(row[j]) / scale);
+    }
+  }
+}
+
+void dequant_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw,
+                         const float* b, void* y, int dt) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int32_t* a = acc + r * n;
+    for (int64_t j = 0; j < n; ++j) {
+      float v = static_cast<float>(a[j]) * sx[r] * sw[j];
+      if (b) v += b[j];
+      if (dt == kF32)
+        static_cast<float*>(y)[r * n + j] = v;
+      else
+        static_cast<uint16_t*>(y)[r * n + j] = f32_to_bf16(v);
+    }
+  }
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define BF_INT8_X86 1
+#include <immintrin.h>
+
+// 16 lanes of fp32 from x (fp32 or bf16), masked tail.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* x, int dt, int64_t i, __mmask16 m) {
+  if (dt == kF32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(x) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(x) + i);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_rows_avx512(const void* x, int dt, int64_t r0,
+                                                                             int64_t r1, int64_t k, int8_t* q,
+                                                                             float* s) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t base = r * k;
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+      const __mmask16 m = (k - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - j)) - 1);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x, dt, base + j, m)));
+    }
+    const float scale = std::max(_mm512_reduce_max_ps(vmax), 1e-12f) / 127.0f;
+    s[r] = scale;
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t j = 0; j < k; j += 16) {
+      const __mmask16 m = (k - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - j)) - 1);
+      // x / scale (a division, not a multiply by 127/amax: the torch version's numbers exactly)
+      __m512 v = _mm512_div_ps(load16(x, dt, base + j, m), vs);
+      v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+      const __m512i iv = _mm512_cvtps_epi32(v);  // round to nearest even
+      _mm_mask_storeu_epi8(q + base + j, m, _mm512_cvtsepi32_epi8(iv));
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(const int32_t* acc, int64_t r0,
+                                                                               int64_t r1, int64_t n, const float* sx,
+                                                                               const float* sw, const float* b,
+                                                                               void* y, int dt) {
+  const __m512i round_bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const __m512 vsx = _mm512_set1_ps(sx[r]);
+    const int32_t* a = acc + r * n;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      // (acc * s_x) * s_w + b, in the scalar version's order
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j)), vsx),
+                               _mm512_maskz_loadu_ps(m, sw + j));
+      if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + j));
+      if (dt == kF32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * n + j, m, v);
+      } else {  // round to nearest even (finite values: the int8 GEMM cannot make NaN or inf)
+        __m512i u = _mm512_castps_si512(v);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+      }
+    }
+  }
+}
+#endif
+
+bool use_avx512(const std::string& isa) {
+#ifdef BF_INT8_X86
+  __builtin_cpu_init();
+  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl");
+  if (isa == "avx512" && !has) throw std::invalid_argument("this CPU cannot run isa=avx512");
+  return has && isa != "scalar";
+#else
+  if (isa == "avx512") throw std::invalid_argument("this build has no AVX-512 code");
+  return false;
+#endif
+}
+
+// Below this many elements per thread one thread does it: starting a thread costs ~20-50 us.
+constexpr int64_t kMinElementsPerThread = 1 << 17;
+
+template <class F>
+void split_rows(int64_t rows, int64_t cols, int threads, F f) {
+  const int64_t by_size = std::max<int64_t>(1, rows * cols / kMinElementsPerThread);
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(threads), by_size, rows}));
+  if (n == 1) {
+    f(0, rows);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t per = (rows + n - 1) / n;
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
+    if (r0 < r1) pool.emplace_back(f, r0, r1);
+  }
+  f(0, std::min(rows, per));
+  for (auto& t : pool) t.join();
+}
+
+void quantize_rows(uintptr_t x, int dt, int64_t rows, int64_t k, uintptr_t q, uintptr_t s, int threads,
+                   const std::string& isa) {
+  if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_quantize_rows: dtype code must be 0 or 1");
+  if (rows <= 0 || k <= 0) return;
+  const bool v = use_avx512(isa);
+  const void* xp = reinterpret_cast<const void*>(x);
+  int8_t* qp = reinterpret_cast<int8_t*>(q);
+  float* sp = reinterpret_cast<float*>(s);
+  py::gil_scoped_release nogil;
+  split_rows(rows, k, threads, [=](int64_t r0, int64_t r1) {
+#ifdef BF_INT8_X86
+    if (v) return quant_rows_avx512(xp, dt, r0, r1, k, qp, sp);
+#endif
+    quant_rows_scalar(xp, dt, r0, r1, k, qp, sp);
+  });
+}
+
+void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t sw, uintptr_t bias, uintptr_t y,
+                int dt, int threads, const std::string& isa) {
+  if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_dequantize: dtype code must be 0 or 1");
+  if (rows <= 0 || n <= 0) return;
+  const bool v = use_avx512(isa);
+  const int32_t* ap = reinterpret_cast<const int32_t*>(acc);
+  const float* sxp = reinterpret_cast<const float*>(sx);
+  const float* swp = reinterpret_cast<const float*>(sw);
+  const float* bp = reinterpret_cast<const float*>(bias);  // 0: no bias
+  void* yp = reinterpret_cast<void*>(y);
+  py::gil_scoped_release nogil;
+  split_rows(rows, n, threads, [=](int64_t r0, int64_t r1) {
+#ifdef BF_INT8_X86
+    if (v) return dequant_rows_avx512(ap, r0, r1, n, sxp, swp, bp, yp, dt);
+#endif
+    dequant_rows_scalar(ap, r0, r1, n, sxp, swp, bp, yp, dt);
+  });
+}
+
+}  // namespace
+
+void bind_int8(py::module_& m) {
+  m.def("int8_quantize_rows", &quantize_rows, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"),
+        py::arg("q"), py::arg("scale"), py::arg("threads"), py::arg("isa") = "",
+        "x [rows, cols] (dtype 0: fp32, 1: bf16; contiguous) -> q int8 [rows, cols], scale fp32 [rows]: "
+        "symmetric per row, round to nearest even; isa: \"\" (widest) | avx512 | scalar");
+  m.def("int8_dequantize", &dequantize, py::arg("acc"), py::arg("rows"), py::arg("cols"), py::arg("row_scale"),
+        py::arg("col_scale"), py::arg("bias"), py::arg("out"), py::arg("dtype"), py::arg("threads"),
+        py::arg("isa") = "",
+        "out [rows, cols] (dtype 0: fp32, 1: bf16) = acc int32 * row_scale[r] * col_scale[c] + bias[c] "
+        "(bias 0: none); one pass");
+}
+
+}  // namespace bert_fast

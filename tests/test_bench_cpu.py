@@ -94,10 +94,21 @@ def test_cpu_defaults_measure_real_models(monkeypatch):
     ]
     assert [c["dtype"] for c in cases] == ["fp32"] * 6 + ["bf16"] * 6
     assert cases[6]["_dtype"] == torch.bfloat16 and cases[0]["weights"] == "random"
-    # --dtype still picks one
+    # --dtype still picks one; explicit shapes keep the single default dtype; a list gives a table each
     args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "bf16"])
     model_bench.apply_defaults(args)
     assert args.dtypes == ["bf16"] and {c["dtype"] for c in model_bench.build_cases(args)} == {"bf16"}
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--batch", "2"])
+    model_bench.apply_defaults(args)
+    assert args.dtypes == ["fp32"] and args.dtype == "fp32"
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--batch", "2", "--dtype", "bf16,fp32"])
+    model_bench.apply_defaults(args)
+    assert (
+        args.dtypes == ["bf16", "fp32"]
+        and [c["dtype"] for c in model_bench.build_cases(args)] == ["bf16"] * 2 + ["fp32"] * 2
+    )
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--dtype", "fp32,int4"])
 
 
 def test_cpu_without_bf16_units_says_why_it_skips_bf16(monkeypatch):
@@ -272,8 +283,8 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
     fake_caps(monkeypatch, bf16=True)
     out_json = tmp_path / "bench_cpu.json"
     rc = cli.main(
-        ["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5", *FAST]
-        + ["--json", str(out_json)]
+        ["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5"]
+        + ["--dtype", "fp32,bf16", *FAST, "--json", str(out_json)]
     )
     assert rc == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out

@@ -298,7 +298,7 @@ def _case_label(case: Dict[str, Any]) -> str:
     if case["mode"] == "encode":
         return f"{name} encode {case['batch']} sentences bs={case.get('encode_batch_size')}"
     dtype = f" {case['dtype']}" if case.get("dtype") else ""
-    return f"{name} {case['mode']}{dtype} B={case['batch']} S={case['seq']} {case['lengths']}" + (
+    return f"{name} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}{dtype}" + (
         " graphs" if case.get("cuda_graphs") else ""
     )
 
@@ -404,6 +404,17 @@ def _providers(text: str) -> List[str]:
     return list(dict.fromkeys(names))
 
 
+def _dtypes(text: str) -> List[str]:
+    names = _csv(text)
+    bad = [n for n in names if n not in ("bf16", "fp16", "fp32")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {', '.join(map(repr, bad)) or repr(text)} (use bf16, fp16 or fp32, or a "
+            "comma-separated list of them)"
+        )
+    return list(dict.fromkeys(names))
+
+
 def _nonneg_int(text: str) -> int:
     try:
         v = int(text)
@@ -453,9 +464,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=("bf16", "fp16", "fp32"),
-        help="default: bf16 on CUDA; on the CPU (inference) fp32 and bf16 cases where the CPU has bf16 "
-        "units (AMX or AVX-512 BF16, bert_fast.bench.cpu_caps), fp32 alone otherwise (the run says why)",
+        type=_dtypes,
+        help="bf16, fp16 or fp32, or a comma-separated list (a table each, e.g. fp32,bf16). Default: bf16 "
+        "on CUDA; on the CPU fp32, and for the default suite (no --batch/--seq/--lengths, inference) fp32 "
+        "and bf16 where the CPU has bf16 units (AMX or AVX-512 BF16, bert_fast.bench.cpu_caps; the run "
+        "prints the CPU and says why it skips bf16 where it has none)",
     )
     p.add_argument(
         "--mode",
@@ -613,13 +626,16 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
     if args.dtype is None:
         args.dtype = "bf16" if cuda else "fp32"
         args.dtypes = [args.dtype]
-        if not cuda and args.mode == "infer" and not args.encode:
+        if args.suite and args.mode == "infer":  # the CPU default: the suite, in fp32 and bf16
             if args.cpu["bf16"]:
                 args.dtypes = ["fp32", "bf16"]
             else:
                 args.bf16_skipped = f"bf16 cases skipped: {args.cpu['bf16_reason']} (--dtype bf16 runs them anyway)"
     else:
-        args.dtypes = [args.dtype]
+        args.dtypes = list(args.dtype) if isinstance(args.dtype, (list, tuple)) else [args.dtype]
+        args.dtype = args.dtypes[0]
+        if args.encode and len(args.dtypes) > 1:
+            raise BenchError(f"--encode takes one --dtype, got {','.join(args.dtypes)}")
     if args.providers is None:
         args.providers = list(PROVIDERS[:4]) if cuda else list(CPU_PROVIDERS)
     if args.encode and args.mode != "infer":

@@ -73,8 +73,10 @@ def estimate_case(
     min_rounds: int,
     max_rounds: int,
     max_seconds: Optional[float],
+    paid: Sequence[str] = (),
 ) -> Optional[Estimate]:
-    """None without a measured rate (nothing to estimate from)."""
+    """None without a measured rate (nothing to estimate from). ``paid``: providers whose fixed
+    cost (export, conversion: once per model and process) an earlier case already paid."""
     if not rate_tflops or rate_tflops <= 0:
         return None
     call = flops_per_call / (MODEL_EFFICIENCY * rate_tflops * 1e12)
@@ -86,6 +88,7 @@ def estimate_case(
         min_rounds=min_rounds,
         max_rounds=max_rounds,
         max_seconds=max_seconds,
+        paid=paid,
     )
 
 
@@ -112,9 +115,10 @@ def estimate_calls(
     min_rounds: int,
     max_rounds: int,
     max_seconds: Optional[float],
+    paid: Sequence[str] = (),
 ) -> Estimate:
     p = len(providers)
-    fixed = sum(FIXED_SECONDS.get(name, {}).get(device_type, 0.0) for name in providers)
+    fixed = sum(FIXED_SECONDS.get(name, {}).get(device_type, 0.0) for name in providers if name not in paid)
     calls = p * (1 + warmup + min_rounds)
     min_s = fixed + calls * call
     round_s = p * call

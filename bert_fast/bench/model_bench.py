@@ -806,6 +806,7 @@ def run(args) -> int:
 
     # Bounded time: estimate each case before running anything, skip what exceeds the budget.
     estimates: List[Optional[float]] = []
+    exported: set = set()  # models whose ONNX export / OpenVINO conversion an earlier case pays
     for case in cases:
         rate = by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops")
         if case["mode"] == "encode":  # the model is loaded later: no estimate, it is small by nature
@@ -821,7 +822,9 @@ def run(args) -> int:
             min_rounds=args.min_rounds,
             max_rounds=args.max_rounds,
             max_seconds=args.max_seconds,
+            paid=OWN_PRECISION if case["model"] in exported else (),
         )
+        exported.add(case["model"])
         case["estimated_seconds"] = None if est is None else est.expected_s
         if est is not None and est.min_s > args.max_minutes * 60:
             why = (

@@ -327,8 +327,11 @@ def prepare(
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
+        # fork where there is one: workers start at once with the tokenizer already loaded (tokenizers
+        # turns its own thread pool off in forked children); spawn elsewhere
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
             records = list(pool.map(_work, jobs))
     if not any(r["docs"] for r in records):
         for r in records:

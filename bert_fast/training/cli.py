@@ -5,6 +5,7 @@
         --precision bf16 --max-steps 10000 --output-dir run1
     torchrun --nproc_per_node 8 -m bert_fast.training.cli --strategy fsdp --data corpus.txt ...
     bert-fast train --task cls --data train.jsonl --init-from run1/checkpoints/step_00010000 ...
+    bert-fast train --task cls --data train.csv --label-column topic --eval-data dev.csv --eval-every 200 ...
     bert-fast train ... --output-dir run1 --resume latest
 
 Also ``python -m bert_fast.training.cli``. Hooks for bert_fast/cli.py: ``main(argv)``,
@@ -34,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--task",
         choices=("mlm", "cls"),
         default="mlm",
-        help="mlm: masked-LM pretraining (+ --nsp); cls: sequence classification (JSONL with labels)",
+        help="mlm: masked-LM pretraining (+ --nsp); cls: sequence classification (JSONL with labels, or CSV/TSV "
+        "with --text-column/--label-column)",
     )
     g.add_argument("--nsp", action="store_true", help="add next-sentence prediction (BertForPreTraining)")
     g.add_argument(

@@ -171,6 +171,31 @@ def test_cli_prepare_data_prints_the_counts(corpus, tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_truncate_mode_is_one_sequence_per_document(corpus, prepared):
+    out, res = prepared
+    ds = token_shards.TokenSequenceDataset(out, max_len=16, truncate=True)
+    assert len(ds) == res["stats"]["documents"]
+    tok = _tok(out)
+    first_lines = [d[0] for d in corpus[1]]
+    for i in (0, 1, len(ds) - 1):
+        ids = ds[(0, i)]["input_ids"][1:-1].tolist()
+        want = tok(first_lines[i], add_special_tokens=False)["input_ids"]
+        assert ids == want[:14] or (len(want) < 14 and ids[: len(want)] == want)
+
+
+def test_data_position_round_trip_and_new_global_batch(prepared):
+    out, _ = prepared
+    ds = token_shards.TokenSequenceDataset(out, max_len=16)
+    pos = data.data_position(ds, epoch=1, step_in_epoch=6, global_batch=8)
+    state = {"epoch": 1, "step_in_epoch": 6, "data_position": pos}
+    assert pos["samples_consumed"] == 48
+    assert data.restore_data_position(ds, state, 8, "ck") == 6
+    assert data.restore_data_position(ds, state, 16, "ck") == 3  # the same sample position, in bigger batches
+    other = token_shards.TokenSequenceDataset(out, max_len=12)
+    with pytest.raises(DataError, match="ck was trained on other data"):
+        data.restore_data_position(other, state, 8, "ck")
+
+
 # ----------------------------------------------------------------------------- text path
 def test_text_path_keeps_long_lines_unless_truncate():
     tok = data.build_wordpiece_tokenizer([" ".join(WORDS)])

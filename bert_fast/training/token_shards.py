@@ -33,7 +33,7 @@ import json
 import mmap
 import os
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -76,8 +76,9 @@ def special_ids(tokenizer) -> Dict[str, Optional[int]]:
 
 
 # ----------------------------------------------------------------------------- writing
-def write_shard(out_dir: os.PathLike, k: int, docs: List[List[int]], dtype: str) -> dict:
-    """Write shard ``k`` from documents already ending in their separator; returns its record."""
+def write_shard(out_dir: os.PathLike, k: int, docs: Sequence, dtype: str) -> dict:
+    """Write shard ``k`` from documents (lists or arrays of ids) already ending in their separator;
+    returns its record."""
     out_dir = Path(out_dir)
     bin_name, idx_name = shard_names(k)
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
@@ -87,8 +88,9 @@ def write_shard(out_dir: os.PathLike, k: int, docs: List[List[int]], dtype: str)
     tmp_bin = out_dir / f".{bin_name}.tmp-{os.getpid()}"
     with open(tmp_bin, "wb") as f:
         for i in range(0, len(docs), 4096):
-            part = [t for d in docs[i : i + 4096] for t in d]
-            f.write(np.asarray(part, dtype=np_dtype).tobytes())
+            part = [np.asarray(d, dtype=np_dtype) for d in docs[i : i + 4096]]
+            if part:
+                f.write(np.concatenate(part).tobytes())
     os.replace(tmp_bin, out_dir / bin_name)
     tmp_idx = out_dir / f".{idx_name}.tmp-{os.getpid()}.npy"
     np.save(tmp_idx, offsets)

@@ -148,7 +148,8 @@ def test_prepare_is_independent_of_workers_and_reads_jsonl_and_datasets(corpus, 
     jl = tmp_path / "c.jsonl"
     jl.write_text("".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(texts)))
     rj = _prepare(jl, tmp_path / "j", text_field="body", tokenizer=str(out1 / "tokenizer"))
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a test extra (setup.py): never skipped
+
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(tmp_path / "hf"))
     rh = _prepare(tmp_path / "hf", tmp_path / "h", text_field="body", tokenizer=str(out1 / "tokenizer"))
     tok = _tok(out1)
@@ -321,7 +322,8 @@ def test_jsonl_line_without_text_field_names_the_line(tmp_path):
         _prepare(jl, tmp_path / "o", chunk_mb=0.01)
     with pytest.raises(DataError, match=r"c.jsonl:251: .*no field 'text'"):
         data.read_jsonl(jl)
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a test extra (setup.py): never skipped
+
     datasets.Dataset.from_dict({"body": ["a b"]}).save_to_disk(str(tmp_path / "hf"))
     with pytest.raises(DataError, match="no column 'text'.*body"):
         _prepare(tmp_path / "hf", tmp_path / "o2")

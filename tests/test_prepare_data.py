@@ -170,6 +170,13 @@ def test_cli_prepare_data_prints_the_counts(corpus, tmp_path, capsys):
     # refuses to overwrite without --overwrite
     assert main_cli.main(["prepare-data", str(corpus[0]), "-o", str(tmp_path / "o"), "--tokenizer", "build"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    o = str(tmp_path / "o")
+    assert main_cli.main(["prepare-data", str(corpus[0]), "-o", o, "--tokenizer", "build", "--overwrite"]) == 0
+    capsys.readouterr()
+    # never deletes what it did not write
+    (tmp_path / "o" / "notes.txt").write_text("mine")
+    assert main_cli.main(["prepare-data", str(corpus[0]), "-o", o, "--tokenizer", "build", "--overwrite"]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (tmp_path / "o" / "notes.txt").is_file()
 
 
 def test_truncate_mode_is_one_sequence_per_document(corpus, prepared):

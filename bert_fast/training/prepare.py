@@ -263,13 +263,18 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise DataError(f"--output {out} is not empty: give --overwrite to replace prepared data there")
-        if not (out / INDEX_FILE).is_file():
-            raise DataError(f"--output {out} is not empty and holds no prepared data: refusing to delete anything")
+        ours = lambda f: (
+            (f.name == TOKENIZER_DIR and f.is_dir())
+            or (f.is_file() and (f.name == INDEX_FILE or f.name.startswith(("shard_", ".shard_", f".{INDEX_FILE}"))))
+        )
+        foreign = [f.name for f in out.iterdir() if not ours(f)]
+        if foreign:  # an interrupted prepare-data leaves only its own files: those may go
+            raise DataError(
+                f"--output {out} holds files prepare-data did not write ({', '.join(sorted(foreign)[:3])}): "
+                "refusing to delete anything"
+            )
         for f in out.iterdir():
-            if f.name == INDEX_FILE or f.name.startswith(("shard_", ".shard_", ".index")):
-                f.unlink()
-            elif f.name == TOKENIZER_DIR and f.is_dir():
-                shutil.rmtree(f)
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 

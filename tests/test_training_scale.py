@@ -422,3 +422,17 @@ def test_bench_train_mlm_runs_and_reports_tokens_and_mfu(tmp_path, capsys, monke
     r = doc["results"]["bert_fast"]
     assert r["mfu"] == pytest.approx(doc["flops_per_step"] / (r["median_ms"] / 1e3) / 1e12)
     assert "hf-sdpa" in capsys.readouterr().out
+
+
+def test_bf16_pure_resume_is_exact(monkeypatch, tmp_path):
+    """A bf16-pure run stopped at step 4 and resumed gives the uninterrupted run's losses: the
+    checkpoint keeps the fp32 master weights and moments (torch's Optimizer.load_state_dict would
+    round them to the bf16 parameters' dtype)."""
+    monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
+    argv = PURE[: PURE.index("--max-steps")] + ["--max-steps", "8", "--dropout", "0", "--precision", "bf16-pure"]
+    argv[argv.index("--lr") + 1] = "1e-3"
+    full = loop.train(cli.parse_args(argv + ["--output-dir", str(tmp_path / "full")]))
+    part = tmp_path / "part"
+    first = loop.train(cli.parse_args(argv + ["--output-dir", str(part), "--stop-at-step", "4"]))
+    rest = loop.train(cli.parse_args(argv + ["--output-dir", str(part), "--resume", "latest"]))
+    assert first["losses"] + rest["losses"] == full["losses"]

@@ -45,6 +45,7 @@ def tiny_folder(tmp_path_factory):
 ALL_CPU = [
     "bert_fast",
     "bert_fast-frozen",
+    "bert_fast-int8",
     "hf-sdpa",
     "onnxruntime",
     "onnxruntime-int8",

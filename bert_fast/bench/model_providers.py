@@ -426,7 +426,7 @@ def quantize_int8(model, config, device, mode: str) -> str:
         tok = transformers.AutoTokenizer.from_pretrained(str(pkg.get_model_path()))
     except (ImportError, OSError) as exc:
         raise ProviderUnavailable(f"no tokenizer for the int8 calibration sentences: {exc}") from None
-    cal = int8.calibration_batch(tok)
+    cal = int8.calibration_batch(tok, max_length=min(128, config.max_position_embeddings))
     cal["input_ids"] = cal["input_ids"].clamp_max(config.vocab_size - 1)
     cal = {k: v.to(device) for k, v in cal.items() if k != "token_type_ids" or config.type_vocab_size > 1}
     try:

@@ -161,13 +161,25 @@ def entry_for(store: Dict[int, _Int8Layer], index: int, layer) -> Optional[_Int8
     return None
 
 
+def usable(t: Tensor, training: bool) -> bool:
+    """The int8 GEMMs run for tensors like ``t``: no-grad eval forwards on the CPU, not under autocast
+    or torch.compile (whatever op namespace the rest of the layer runs on)."""
+    return (
+        t.device.type == "cpu"
+        and not training
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
 def warn_not_inference(model) -> None:
     """An int8 model asked to train / take gradients / autocast: the normal path runs, said once."""
     if model not in _WARNED:
         _WARNED.add(model)
         warnings.warn(
-            "bert_fast: int8 weights are for no-grad inference; this forward (training, gradients or "
-            "autocast) runs the model's own weights in their dtype",
+            "bert_fast: int8 weights are for no-grad inference without hooks or autocast; this forward "
+            "(training, gradients, autocast, torch.compile or a hooked module) runs the model's own weights",
             RuntimeWarning,
             stacklevel=4,
         )

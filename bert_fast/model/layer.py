@@ -128,7 +128,7 @@ def gemms_for(layer, index: int, dtype: torch.dtype, batch: Batch):
     """The GEMM set this layer runs: its int8 GEMMs when the model is quantized (int8.py), its packed
     copies when the model is frozen (and they apply), else its own module weights through the
     batch's op namespace."""
-    if batch.int8 and batch.ops is direct_ops:
+    if batch.int8:
         entry = int8.entry_for(batch.int8, index, layer)
         if entry is not None:
             return entry

@@ -544,9 +544,12 @@ class FastModel:
         if not found and direct_ops.usable(h, self.training):
             batch.ops = direct_ops
             batch.frozen = frozen.store_of(self)
-            batch.int8 = int8.store_of(self)
-        elif int8.store_of(self):
-            int8.warn_not_inference(self)
+        quantized = int8.store_of(self)
+        if quantized:
+            if not found and int8.usable(h, self.training):
+                batch.int8 = quantized
+            else:
+                int8.warn_not_inference(self)
 
         def to_bsh(x):
             return x if padded else pad(x, batch.unpadded)

@@ -234,6 +234,37 @@ def test_dataset_is_lazy_memmap(prepared):
     assert isinstance(plan, collator.LazyEpochPlan) and len(plan) == len(ds) // 8
 
 
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident KB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:  # a mapping header
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_reads_do_not_accumulate_resident_pages(tmp_path):
+    """Random windows of a 16 MB shard: without releasing the mapping, every page fault leaves
+    64 KB - 2 MB mapped, and the process's RSS grows towards the size of the corpus."""
+    rng = np.random.default_rng(0)
+    toks = rng.integers(5, 1000, 8 << 20).astype(np.uint16)
+    toks[-1] = 3
+    rec = token_shards.write_shard(tmp_path, 0, [toks], "uint16")
+    sp = {"cls_token_id": 2, "sep_token_id": 3, "pad_token_id": 0, "mask_token_id": 4}
+    token_shards.write_index(tmp_path, dict(dtype="uint16", vocab_size=1000, special_ids=sp), [rec])
+    ds = token_shards.TokenSequenceDataset(tmp_path, max_len=128)
+    bin_path = (tmp_path / rec["bin"]).resolve()
+    for i in rng.integers(0, len(ds), 400):
+        assert np.array_equal(ds[(0, int(i))]["input_ids"][1:-1], toks[i * 126 : i * 126 + 126])
+    assert _mapped_rss_kb(bin_path) <= 1024
+    mm = ds.store.tokens(0)
+    np.asarray(mm[::4096]).sum()  # the check itself can see resident pages
+    assert _mapped_rss_kb(bin_path) > 4096
+
+
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1000, 4099])
 def test_keyed_permutation_is_a_permutation(n):
     p0 = collator.keyed_permutation(np.arange(n), n, seed=1, epoch=0)

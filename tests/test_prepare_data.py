@@ -394,5 +394,7 @@ def test_bad_prepared_dirs(tmp_path, small_prepared, monkeypatch):
     # a tokenizer that is not the prepared data's: clear error, exit status 2 from the CLI
     with pytest.raises(DataError, match="vocabulary of"):
         _train(monkeypatch, ["--data", str(small_prepared), "--tokenizer", "minilm", "--max-steps", "1"])
+    with pytest.raises(DataError, match="prepared data .* --task mlm without --nsp"):
+        _train(monkeypatch, ["--data", str(small_prepared), "--nsp", "--max-steps", "1"])
     monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
     assert cli.main(TRAIN + ["--data", str(nodir), "--max-steps", "1"]) == 2

@@ -212,7 +212,7 @@ def load_tokenizer(name: Optional[str], texts: Sequence[str] = ()):
         raise DataError(f"cannot load a tokenizer from {name}: {exc}") from exc
 
 
-def _need_special(tokenizer) -> None:
+def require_special_tokens(tokenizer) -> None:
     for attr in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
         if getattr(tokenizer, attr, None) is None:
             raise DataError(
@@ -245,7 +245,7 @@ def mlm_examples(
     sequence continues in the next sequence (BERT's pretraining chunking), so every token reaches a
     sequence. ``truncate`` restores the old behaviour: each line keeps only its first
     ``max_len - 2`` tokens."""
-    _need_special(tokenizer)
+    require_special_tokens(tokenizer)
     if max_len < 3:
         raise DataError(f"max_len must be >= 3, got {max_len}")
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
@@ -301,7 +301,7 @@ def nsp_examples(tokenizer, lines: Sequence[str], max_len: int, seed: int = 0) -
     """Sentence pairs for next-sentence prediction: for each sentence with a successor in its
     document, 50% (A, next) label 0 ("is next") and 50% (A, random sentence of another document)
     label 1. A corpus without blank lines is split into pseudo-documents of 8 lines."""
-    _need_special(tokenizer)
+    require_special_tokens(tokenizer)
     docs = documents(lines)
     if len(docs) == 1:
         d = docs[0]
@@ -340,7 +340,7 @@ def label_map_of(records: Sequence[dict]) -> Dict[object, int]:
 def classification_examples(
     tokenizer, records: Sequence[dict], max_len: int, label_map: Dict[object, int]
 ) -> List[dict]:
-    _need_special(tokenizer)
+    require_special_tokens(tokenizer)
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     a_ids = _ids(tokenizer, [r["text"] for r in records])
     out = []

@@ -322,7 +322,7 @@ def prepare(
     if build and not any(t.strip() for t in texts):
         raise data_mod.DataError(f"the corpus {', '.join(map(str, paths))} holds no text (only blank lines)")
     tok = data_mod.load_tokenizer(tokenizer, texts)
-    data_mod._need_special(tok)
+    data_mod.require_special_tokens(tok)
     tok_dir = out / ts.TOKENIZER_DIR
     tok.save_pretrained(str(tok_dir))
     tok = _worker_tokenizer(str(tok_dir))  # what training loads: hash and ids from the saved copy

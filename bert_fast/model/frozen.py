@@ -161,7 +161,7 @@ def packing_choices() -> Dict[tuple, Tuple[bool, bool]]:
     return dict(_CHOICES)
 
 
-def _linears(layer):
+def layer_linears(layer):
     """The six nn.Linear modules of a transformers BertLayer, in a fixed order."""
     sa, att = layer.attention.self, layer.attention
     return (sa.query, sa.key, sa.value, att.output.dense, layer.intermediate.dense, layer.output.dense)
@@ -215,7 +215,7 @@ class _FrozenLayer:
         return None
 
 
-def _plain(linears) -> bool:
+def plain_linears(linears) -> bool:
     """Only exact nn.Linear modules (a LoRA layer, a quantized or subclassed Linear runs as it is),
     with both biases present or absent alike for Q/K/V, on the CPU."""
     if not all(type(m) is torch.nn.Linear for m in linears):
@@ -243,8 +243,8 @@ def freeze(model) -> int:
         )
     store: Dict[int, _FrozenLayer] = {}
     for i, layer in enumerate(model.encoder.layer):
-        linears = _linears(layer)
-        if _plain(linears):
+        linears = layer_linears(layer)
+        if plain_linears(linears):
             store[i] = _FrozenLayer(linears, dtype)
     _STORE[model] = store
     return sum(e.nbytes for e in store.values())
@@ -263,12 +263,12 @@ def entry_for(store: Dict[int, _FrozenLayer], index: int, layer, dtype: torch.dt
     layer cannot run frozen (not plain Linear modules, a dtype oneDNN does not pack here)."""
     if dtype not in _DTYPES:
         return None
-    linears = _linears(layer)
+    linears = layer_linears(layer)
     entry = store.get(index)
     if entry is not None and entry.fresh(linears, dtype):
         return entry
     store.pop(index, None)
-    if not _plain(linears) or not dtype_supported(dtype):
+    if not plain_linears(linears) or not dtype_supported(dtype):
         return None
     entry = store[index] = _FrozenLayer(linears, dtype)
     return entry

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bert_fast.model import frozen
 from bert_fast.ops import int8_gemm
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
@@ -80,11 +81,6 @@ class _Int8Linear:
         return int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu).view(*x.shape[:-1], self.n)
 
 
-def _linears(layer):
-    sa, att = layer.attention.self, layer.attention
-    return (sa.query, sa.key, sa.value, att.output.dense, layer.intermediate.dense, layer.output.dense)
-
-
 def _stamp(linears) -> Tuple:
     out = []
     for m in linears:
@@ -117,15 +113,6 @@ class _Int8Layer:
         return None  # one fused int8 QKV GEMM
 
 
-def _quantizable(linears) -> bool:
-    if not all(type(m) is torch.nn.Linear for m in linears):
-        return False
-    q, k, v = linears[:3]
-    if (q.bias is None) != (k.bias is None) or (q.bias is None) != (v.bias is None):
-        return False
-    return all(m.weight.device.type == "cpu" for m in linears)
-
-
 def store_of(model) -> Optional[Dict[int, _Int8Layer]]:
     return _STORE.get(model)
 
@@ -146,7 +133,7 @@ def entry_for(store: Dict[int, _Int8Layer], index: int, layer) -> Optional[_Int8
     entry = store.get(index)
     if entry is None:
         return None
-    if entry.fresh(_linears(layer)):
+    if entry.fresh(frozen.layer_linears(layer)):
         return entry
     store.pop(index, None)
     if id(store) not in _STALE_WARNED:
@@ -223,8 +210,8 @@ def quantize(
             reference = reference_pooled(model, calibration)
         store: Dict[int, _Int8Layer] = {}
         for i, layer in enumerate(model.encoder.layer):
-            linears = _linears(layer)
-            if _quantizable(linears):
+            linears = frozen.layer_linears(layer)
+            if frozen.plain_linears(linears):
                 store[i] = _Int8Layer(linears)
         if not store:
             raise ValueError("no layer of this model has plain nn.Linear weights to quantize to int8")

@@ -13,14 +13,15 @@ Two remedies, each measured by benchmarks/soak_memory.py:
 
 - ``malloc_trim()`` every few forwards (``MemoryTrimmer``): glibc gives the free pages inside its
   heaps back to the system (madvise), so RSS tracks the live bytes. It costs one walk of the heaps
-  per call (well under a millisecond at these sizes).
+  per call (10-16 ms with a 0.9-1.4 GB heap on the 2-core soak machine, about 1 ms per forward at
+  ``every=10``) and fresh-page faults on the memory it gave back.
 - the allocator setting ``MALLOC_MMAP_THRESHOLD_=1048576`` in the server's environment (it also
   switches the dynamic threshold off): tensors of 1 MiB and more are mmapped and returned at free;
   costs fresh-page faults on every large tensor.
 
-``bucket()`` rounds a batch's shape (length up to a multiple, batch up to a power of two) for
-providers whose cost follows the padded shape; bert_fast's unpadded path skips pads, so bucketing
-costs it little, but it does not remove the allocator's growth by itself (the token count still varies).
+``bucket()`` rounds a batch's shape (length up to a multiple, batch up to a power of two): fewer
+distinct padded shapes. bert_fast's unpadded path skips pads, so bucketing costs it little, but its
+GEMMs see the real token count, which still varies: see NOTES for what it did on the soak.
 """
 
 from __future__ import annotations

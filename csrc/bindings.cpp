@@ -10,6 +10,7 @@ namespace py = pybind11;
 namespace bert_fast {
 void bind_keep_mask(py::module_& m);  // keep_mask_cpu.cpp
 void bind_int8(py::module_& m);       // int8_cpu.cpp
+void bind_attention(py::module_& m);  // attention_cpu.cpp
 }  // namespace bert_fast
 
 #ifndef BERT_FAST_CUDA_ARCHS
@@ -32,9 +33,10 @@ static py::dict build_info() {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask; the int8 GEMM's quantize/dequantize passes)";
+  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask; the int8 GEMM's quantize/dequantize passes; bf16 attention on the CPU)";
   m.def("build_info", &build_info, "How this module was compiled");
   bert_fast::bind_embedding(m);
   bert_fast::bind_keep_mask(m);
   bert_fast::bind_int8(m);
+  bert_fast::bind_attention(m);
 }

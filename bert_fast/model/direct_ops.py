@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from bert_fast.ops import _dispatch, torch_impl
+from bert_fast.ops import _dispatch, cpu_attention, torch_impl
 
 _ACT = {None: None, "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 
@@ -52,14 +52,20 @@ def residual_layer_norm(
 
 def attention(qkv: Tensor, attention_mask: Optional[Tensor], dropout_p: float = 0.0) -> Tensor:
     assert dropout_p == 0.0, "direct ops run inference only"
-    return torch_impl.attention_fwd(qkv, attention_mask, 0.0, 1.0 / math.sqrt(qkv.shape[-1]), None)[0]
+    scale = 1.0 / math.sqrt(qkv.shape[-1])
+    if cpu_attention.eligible(qkv, qkv.shape[-2]):
+        return cpu_attention.padded(qkv, attention_mask, scale)
+    return torch_impl.attention_fwd(qkv, attention_mask, 0.0, scale, None)[0]
 
 
 def varlen_attention(
     qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0, validate: bool = False
 ) -> Tensor:
     assert dropout_p == 0.0, "direct ops run inference only"
-    return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, 0.0, 1.0 / math.sqrt(qkv.shape[-1]), None)[0]
+    scale = 1.0 / math.sqrt(qkv.shape[-1])
+    if cpu_attention.eligible(qkv, qkv.shape[-2]):
+        return cpu_attention.varlen(qkv, cu_seqlens, scale)
+    return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, 0.0, scale, None)[0]
 
 
 def dense_self_attention(
@@ -83,6 +89,9 @@ def dense_self_attention(
     kernel reads them as strided [B, heads, S, d] views: no packed qkv, no copy."""
     t, hidden = h.shape
     d = hidden // heads
+    if cpu_attention.eligible(h, heads):
+        q, k, v = (torch.nn.functional.linear(h, w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+        return cpu_attention.separate(q, k, v, batch, seqlen, heads, 1.0 / math.sqrt(d))
 
     def heads_view(x: Tensor) -> Tensor:
         return x.view(batch, seqlen, heads, d).transpose(1, 2)

@@ -1,0 +1,161 @@
+"""bf16 self-attention of CPU inference in one native call (csrc/attention_cpu.cpp).
+
+Inference only (no log-sum-exp, no gradient): bert_fast/model/direct_ops.py calls it in place of
+torch's flash CPU kernel, which runs bf16 attention at a sixth of the bf16 GEMM rate on CPUs
+without AMX (benchmarks/NOTES.md, "CPU attention in bf16"). One call serves a padded batch with a
+key mask, packed varlen sequences (cu_seqlens: no grouping by length, no gather or scatter), and
+q, k, v from three separate GEMMs, because the kernel reads every operand through one row stride.
+
+Where it runs: a CPU with AVX-512 BF16, bf16 tensors, an even head dim. Whether it beats torch's
+kernel is measured once per process and (heads, head dim) (``choice``): on an AMX CPU torch's
+kernel runs its GEMMs on AMX tiles and may win there; the measurement keeps whichever is faster.
+``BERT_FAST_CPU_ATTENTION=0`` turns it off, ``=1`` uses it without measuring.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+try:
+    from bert_fast import _C as _ext
+
+    if not hasattr(_ext, "attention_bf16"):  # an extension built before this kernel existed
+        _ext = None
+except ImportError:  # pragma: no cover - the extension is part of every install
+    _ext = None
+
+_HAS_UNITS: Optional[bool] = None
+# (heads, d) -> whether ours won the first-use timing against torch's flash CPU kernel
+_CHOICES: Dict[Tuple[int, int], bool] = {}
+
+
+def available() -> bool:
+    """This build has the kernel and this CPU can run it."""
+    global _HAS_UNITS
+    if _HAS_UNITS is None:
+        _HAS_UNITS = _ext is not None and bool(_ext.cpu_has_bf16_dot())
+    return _HAS_UNITS
+
+
+def _setting() -> str:
+    return os.environ.get("BERT_FAST_CPU_ATTENTION", "auto").strip().lower()
+
+
+def eligible(t: Tensor, heads: int) -> bool:
+    """Whether attention over ``t`` (bf16 CPU activations, hidden = heads x d) may run here."""
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or _setting() in ("0", "off", "false"):
+        return False
+    d = t.shape[-1] // heads if t.dim() == 2 else t.shape[-1]
+    if d % 2 or not available():
+        return False
+    return _setting() in ("1", "on", "true") or choice(heads, d)
+
+
+def _flash_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def choice(heads: int, d: int) -> bool:
+    """Ours or torch's flash CPU kernel for this (heads, d): timed once per process at b4 x 128
+    tokens (best of 3 each, ~10-30 ms in all), and the result cached."""
+    key = (heads, d)
+    got = _CHOICES.get(key)
+    if got is not None:
+        return got
+    b, s = 4, 128
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn((b, s, 3, heads, d), generator=g).to(torch.bfloat16)
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
+    scale = d**-0.5
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    ours = best(lambda: padded(qkv, None, scale))
+    theirs = best(lambda: _flash_ref(q, k, v, scale))
+    _CHOICES[key] = ours <= theirs
+    return _CHOICES[key]
+
+
+def _run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    row_stride: int,
+    out: Tensor,
+    starts: Tensor,
+    mask: Optional[Tensor],
+    heads: int,
+    d: int,
+    scale: float,
+) -> Tensor:
+    _ext.attention_bf16(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        row_stride,
+        out.data_ptr(),
+        out.stride(-3) if out.dim() >= 3 else out.stride(0),
+        starts.data_ptr(),
+        starts.numel() - 1,
+        0 if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.stride(0),
+        heads,
+        d,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _rows_layout(qkv: Tensor) -> Tensor:
+    """qkv [..., 3, h, d] whose token rows are one stride apart and whose (3, h, d) are dense."""
+    three, h, d = qkv.shape[-3:]
+    tokens = qkv.reshape(-1, three, h, d) if qkv.is_contiguous() else None
+    if tokens is None or tokens.stride() != (3 * h * d, h * d, d, 1):
+        tokens = qkv.reshape(-1, three, h, d).contiguous()
+    return tokens
+
+
+def padded(qkv: Tensor, key_mask: Optional[Tensor], scale: float) -> Tensor:
+    """out [B, S, h, d] of qkv [B, S, 3, h, d] with key_mask [B, S] (nonzero = attend) or None."""
+    b, s, _, h, d = qkv.shape
+    tokens = _rows_layout(qkv)
+    out = torch.empty((b, s, h, d), dtype=qkv.dtype)
+    starts = torch.arange(0, (b + 1) * s, s, dtype=torch.int64) if s else torch.zeros(b + 1, dtype=torch.int64)
+    mask = None
+    if key_mask is not None:
+        mask = (key_mask.view(torch.uint8) if key_mask.dtype == torch.bool else key_mask.to(torch.uint8)).contiguous()
+    q, k, v = tokens[:, 0], tokens[:, 1], tokens[:, 2]
+    return _run(q, k, v, tokens.stride(0), out.view(b * s, h, d), starts, mask, h, d, scale).view(b, s, h, d)
+
+
+def varlen(qkv: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """out [T, h, d] of packed sequences qkv [T, 3, h, d] delimited by cu_seqlens [N + 1]."""
+    t, _, h, d = qkv.shape
+    tokens = _rows_layout(qkv)
+    out = torch.empty((t, h, d), dtype=qkv.dtype)
+    starts = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    return _run(tokens[:, 0], tokens[:, 1], tokens[:, 2], tokens.stride(0), out, starts, None, h, d, scale)
+
+
+def separate(q: Tensor, k: Tensor, v: Tensor, batch: int, seqlen: int, heads: int, scale: float) -> Tensor:
+    """Context [T, H] of ``batch`` sequences of ``seqlen`` tokens from q, k, v [T, H] (contiguous)."""
+    t, hidden = q.shape
+    d = hidden // heads
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out = torch.empty((t, hidden), dtype=q.dtype)
+    starts = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int64)
+    _run(q, k, v, hidden, out.view(t, heads, d), starts, None, heads, d, scale)
+    return out

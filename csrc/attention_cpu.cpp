@@ -1,0 +1,332 @@
+// Self-attention of bf16 inference on the CPU: softmax(scale * Q K^T + mask) V per (sequence, head),
+// for the short sequences of BERT (up to a few thousand tokens), on AVX-512 BF16 dot products.
+//
+// Why our own: torch's flash CPU kernel runs bf16 attention at ~0.07 TFLOP/s on a Zen 4 without
+// AMX (5.4 ms per bert-base layer at b8 s128, 13% of the forward), a sixth of what the same
+// cores do in a bf16 GEMM (benchmarks/NOTES.md, "CPU attention in bf16"). A whole sequence's
+// scores fit in L1/L2 at these lengths, so there is no need for flash's online softmax: per
+// (sequence, head) we pack K and V once into the pair layout vdpbf16ps wants, and per block of
+// 4 query rows compute the fp32 scores, the softmax in fp32, and P V with P rounded to bf16
+// (as torch's flash kernel does), accumulating in fp32.
+//
+// Layouts (elements are bf16, passed as raw pointers from bert_fast/ops/cpu_attention.py):
+//   q, k, v:   token row t of head h at  base + t * row_stride + h * d   (the fused qkv view
+//              [T, 3, heads, d] or three [T, H] GEMM outputs: both are one row stride)
+//   out:       token row t of head h at  out + t * out_row_stride + h * d
+//   starts:    int64 [nseq + 1], sequence s is token rows starts[s] .. starts[s+1] (cu_seqlens;
+//              a padded batch [B, S] is starts = 0, S, 2S, ...)
+//   key_mask:  uint8 [nseq, mask_stride], nonzero = attend, or null (every key of the sequence)
+// A query row whose keys are all masked comes out as zeros (as torch's flash kernel does).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define BF_ATTN_X86 1
+#endif
+
+namespace py = pybind11;
+
+namespace bert_fast {
+namespace {
+
+struct AttnArgs {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t row_stride;
+  uint16_t* out;
+  int64_t out_row_stride;
+  const int64_t* starts;
+  int64_t nseq;
+  const uint8_t* key_mask;
+  int64_t mask_stride;
+  int heads;
+  int d;
+  float scale;
+};
+
+#ifdef BF_ATTN_X86
+#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+constexpr int kRows = 4;  // query rows per block: 4 rows x 4 column blocks = 16 accumulators
+
+BF_TARGET inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+BF_TARGET inline __m512bh bcast_pair(const uint16_t* p) {  // (p[0], p[1]) in every 32-bit lane
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return as_bh(_mm512_set1_epi32(static_cast<int>(w)));
+}
+
+// exp(x) for x <= 0 in fp32: 2^n * poly(r), r in [-ln2/2, ln2/2], degree-6 Taylor (relative error
+// < 3e-7); below -87 (and -inf: masked keys) exactly 0.
+BF_TARGET inline __m512 exp_nonpos(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+// scores[r][j0 .. j0 + 16 NB) = sum_p Q[r][2p, 2p+1] . Kp[p][j][0, 1] for R rows.
+template <int R, int NB>
+BF_TARGET void qk_block(const uint16_t* const* qrow, const uint32_t* kp, int64_t lp, int d2, int64_t j0,
+                        float* scores) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int p = 0; p < d2; ++p) {
+    const uint32_t* kr = kp + p * lp + j0;
+    __m512bh kb[NB];
+    for (int b = 0; b < NB; ++b) kb[b] = as_bh(_mm512_loadu_si512(kr + 16 * b));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qa = bcast_pair(qrow[r] + 2 * p);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qa, kb[b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(scores + r * lp + j0 + 16 * b, acc[r][b]);
+}
+
+// out block [R rows][16 NB dims from c0] = sum_q P[r][2q, 2q+1] . Vp[q][c][0, 1], scaled per row
+template <int R, int NB>
+BF_TARGET void pv_block(const uint16_t* pb, const uint16_t* vp, int64_t lp, int dp, int c0, int d,
+                        const float* inv, uint16_t* const* orow) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < lp / 2; ++q) {
+    const uint16_t* vr = vp + (q * dp + c0) * 2;
+    __m512bh vb[NB];
+    for (int b = 0; b < NB; ++b) vb[b] = as_bh(_mm512_loadu_si512(vr + 32 * b));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pa = bcast_pair(pb + r * lp + 2 * q);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pa, vb[b]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 s = _mm512_set1_ps(inv[r]);
+    for (int b = 0; b < NB; ++b) {
+      const int c = c0 + 16 * b;
+      const int left = d - c;
+      const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][b], s));
+      _mm256_mask_storeu_epi16(orow[r] + c, m, reinterpret_cast<__m256i>(o));
+    }
+  }
+}
+
+template <int R>
+BF_TARGET void qk_rows(const uint16_t* const* qrow, const uint32_t* kp, int64_t lp, int d2, float* scores) {
+  const int64_t nb = lp / 16;
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) qk_block<R, 4>(qrow, kp, lp, d2, 16 * b, scores);
+  switch (nb - b) {
+    case 3: qk_block<R, 3>(qrow, kp, lp, d2, 16 * b, scores); break;
+    case 2: qk_block<R, 2>(qrow, kp, lp, d2, 16 * b, scores); break;
+    case 1: qk_block<R, 1>(qrow, kp, lp, d2, 16 * b, scores); break;
+    default: break;
+  }
+}
+
+template <int R>
+BF_TARGET void pv_rows(const uint16_t* pb, const uint16_t* vp, int64_t lp, int dp, int d, const float* inv,
+                       uint16_t* const* orow) {
+  const int nb = dp / 16;
+  int b = 0;
+  for (; b + 4 <= nb; b += 4) pv_block<R, 4>(pb, vp, lp, dp, 16 * b, d, inv, orow);
+  switch (nb - b) {
+    case 3: pv_block<R, 3>(pb, vp, lp, dp, 16 * b, d, inv, orow); break;
+    case 2: pv_block<R, 2>(pb, vp, lp, dp, 16 * b, d, inv, orow); break;
+    case 1: pv_block<R, 1>(pb, vp, lp, dp, 16 * b, d, inv, orow); break;
+    default: break;
+  }
+}
+
+// Softmax of one score row in place: p = exp(scale * s + bias - max) as bf16 into prow; returns
+// 1 / sum (0 when every key is masked, which zeroes the output row).
+BF_TARGET float softmax_row(const float* s, const float* bias, int64_t lp, float scale, uint16_t* prow) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < lp; j += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_fmadd_ps(_mm512_loadu_ps(s + j), vs, _mm512_loadu_ps(bias + j)));
+  const float m = _mm512_reduce_max_ps(vmax);
+  if (m == -std::numeric_limits<float>::infinity()) {
+    std::memset(prow, 0, lp * sizeof(uint16_t));
+    return 0.0f;
+  }
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < lp; j += 32) {  // lp is a multiple of 16: the second half may be absent
+    const __m512 e0 =
+        exp_nonpos(_mm512_sub_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vs, _mm512_loadu_ps(bias + j)), vm));
+    __m512 e1 = _mm512_setzero_ps();
+    if (j + 16 < lp)
+      e1 = exp_nonpos(
+          _mm512_sub_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), vs, _mm512_loadu_ps(bias + j + 16)), vm));
+    vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+    const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));  // e0 low, e1 high
+    if (j + 16 < lp)
+      _mm512_storeu_si512(prow + j, packed);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm512_castsi512_si256(packed));
+  }
+  return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+struct Scratch {
+  std::vector<uint32_t> kp;  // [d/2][lp] pairs of K along d
+  std::vector<uint16_t> vp;  // [lp/2][dp][2] pairs of V along the keys
+  std::vector<float> bias;   // [lp] 0 or -inf
+  std::vector<float> scores; // [kRows][lp]
+  std::vector<uint16_t> pb;  // [kRows][lp] bf16 probabilities
+};
+
+// One (sequence, head): pack K and V, then every block of query rows.
+BF_TARGET void attend_one(const AttnArgs& a, int64_t s, int h, Scratch& w) {
+  const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0;
+  if (len <= 0) return;
+  const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
+  const int64_t lp = (len + 15) / 16 * 16;
+  const int64_t rs = a.row_stride, hoff = static_cast<int64_t>(h) * d;
+  w.kp.assign(static_cast<size_t>(d2) * lp, 0u);
+  w.vp.assign(static_cast<size_t>(lp) * dp, 0u);
+  w.bias.resize(lp);
+  w.scores.resize(kRows * lp);
+  w.pb.resize(kRows * lp);
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* kr = a.k + (t0 + j) * rs + hoff;
+    for (int p = 0; p < d2; ++p) std::memcpy(&w.kp[p * lp + j], kr + 2 * p, 4);
+    const uint16_t* vr = a.v + (t0 + j) * rs + hoff;
+    uint16_t* dst = &w.vp[((j / 2) * dp) * 2 + (j & 1)];
+    for (int c = 0; c < d; ++c) dst[2 * c] = vr[c];
+  }
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const uint8_t* km = a.key_mask ? a.key_mask + s * a.mask_stride : nullptr;
+  for (int64_t j = 0; j < lp; ++j) w.bias[j] = (j < len && (!km || km[j])) ? 0.0f : ninf;
+
+  const uint16_t* qrow[kRows];
+  uint16_t* orow[kRows];
+  float inv[kRows];
+  for (int64_t r0 = 0; r0 < len; r0 += kRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRows, len - r0));
+    for (int r = 0; r < nr; ++r) {
+      qrow[r] = a.q + (t0 + r0 + r) * rs + hoff;
+      orow[r] = a.out + (t0 + r0 + r) * a.out_row_stride + hoff;
+    }
+    switch (nr) {
+      case 4: qk_rows<4>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
+      case 3: qk_rows<3>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
+      case 2: qk_rows<2>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
+      default: qk_rows<1>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
+    }
+    for (int r = 0; r < nr; ++r)
+      inv[r] = softmax_row(w.scores.data() + r * lp, w.bias.data(), lp, a.scale, w.pb.data() + r * lp);
+    switch (nr) {
+      case 4: pv_rows<4>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
+      case 3: pv_rows<3>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
+      case 2: pv_rows<2>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
+      default: pv_rows<1>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
+    }
+  }
+}
+#endif  // BF_ATTN_X86
+
+bool cpu_has_bf16_dot() {
+#ifdef BF_ATTN_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Below this many multiply-adds per extra thread the work stays on the calling thread:
+// starting a std::thread costs ~20-50 us.
+constexpr double kMinMacsPerThread = 4e6;
+
+void attention_bf16(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, uintptr_t out, int64_t out_row_stride,
+                    uintptr_t starts, int64_t nseq, uintptr_t key_mask, int64_t mask_stride, int heads, int d,
+                    double scale, int threads) {
+  if (!cpu_has_bf16_dot()) throw std::runtime_error("attention_bf16 needs AVX-512 BF16 (avx512_bf16)");
+  if (d <= 0 || d % 2 != 0) throw std::invalid_argument("attention_bf16 needs an even head dim");
+#ifdef BF_ATTN_X86
+  AttnArgs a{reinterpret_cast<const uint16_t*>(q),
+             reinterpret_cast<const uint16_t*>(k),
+             reinterpret_cast<const uint16_t*>(v),
+             row_stride,
+             reinterpret_cast<uint16_t*>(out),
+             out_row_stride,
+             reinterpret_cast<const int64_t*>(starts),
+             nseq,
+             reinterpret_cast<const uint8_t*>(key_mask),
+             mask_stride,
+             heads,
+             d,
+             static_cast<float>(scale)};
+  const int64_t items = nseq * heads;
+  double macs = 0.0;
+  for (int64_t s = 0; s < nseq; ++s) {
+    const double len = static_cast<double>(a.starts[s + 1] - a.starts[s]);
+    macs += 2.0 * len * len * d * heads;
+  }
+  const int64_t by_size = static_cast<int64_t>(macs / kMinMacsPerThread);
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(threads), by_size, items})));
+  py::gil_scoped_release nogil;
+#ifdef _OPENMP
+  // torch's own OpenMP pool (this module's libgomp.so.1 resolves to the copy torch loaded): the
+  // GEMM before and after this call use the same threads, so nothing is started and nothing
+  // spins against us (std::threads measured 1.5-2x slower right after a oneDNN GEMM).
+#pragma omp parallel num_threads(n)
+  {
+    Scratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) attend_one(a, i / heads, static_cast<int>(i % heads), w);
+  }
+#else
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    Scratch w;
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) attend_one(a, i / heads, static_cast<int>(i % heads), w);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < n; ++t) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+#endif
+#endif
+}
+
+}  // namespace
+
+void bind_attention(py::module_& m) {
+  m.def("cpu_has_bf16_dot", &cpu_has_bf16_dot, "Whether this CPU runs attention_bf16 (AVX-512 BF16)");
+  m.def("attention_bf16", &attention_bf16, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("row_stride"),
+        py::arg("out"), py::arg("out_row_stride"), py::arg("starts"), py::arg("nseq"), py::arg("key_mask"),
+        py::arg("mask_stride"), py::arg("heads"), py::arg("d"), py::arg("scale"), py::arg("threads"),
+        "softmax(scale Q K^T + key mask) V of bf16 sequences on the CPU (csrc/attention_cpu.cpp)");
+}
+
+}  // namespace bert_fast

@@ -31,6 +31,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+#include "simd_math.h"
 #define BF_ATTN_X86 1
 #endif
 
@@ -66,26 +68,6 @@ BF_TARGET inline __m512bh bcast_pair(const uint16_t* p) {  // (p[0], p[1]) in ev
   uint32_t w;
   std::memcpy(&w, p, 4);
   return as_bh(_mm512_set1_epi32(static_cast<int>(w)));
-}
-
-// exp(x) for x <= 0 in fp32: 2^n * poly(r), r in [-ln2/2, ln2/2], degree-6 Taylor (relative error
-// < 3e-7); below -87 (and -inf: masked keys) exactly 0.
-BF_TARGET inline __m512 exp_nonpos(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 
 // scores[r][j0 .. j0 + 16 NB) = sum_p Q[r][2p, 2p+1] . Kp[p][j][0, 1] for R rows.
@@ -179,10 +161,10 @@ BF_TARGET float softmax_row(const float* s, const float* bias, int64_t lp, float
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t j = 0; j < lp; j += 32) {  // lp is a multiple of 16: the second half may be absent
     const __m512 e0 =
-        exp_nonpos(_mm512_sub_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vs, _mm512_loadu_ps(bias + j)), vm));
+        simd::exp_nonpos(_mm512_sub_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vs, _mm512_loadu_ps(bias + j)), vm));
     __m512 e1 = _mm512_setzero_ps();
     if (j + 16 < lp)
-      e1 = exp_nonpos(
+      e1 = simd::exp_nonpos(
           _mm512_sub_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), vs, _mm512_loadu_ps(bias + j + 16)), vm));
     vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
     const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));  // e0 low, e1 high

@@ -1,6 +1,7 @@
 // The two memory passes around an int8 GEMM on the CPU (bert_fast/model/int8.py):
 //   quantize_rows:  x [M, K] fp32|bf16 -> x_q int8 [M, K], s_x fp32 [M]   (symmetric per row)
-//   dequantize:     acc int32 [M, N] -> y = acc * s_x[m] * s_w[n] + b[n], fp32|bf16 [M, N]
+//   dequantize:     acc int32 [M, N] -> y = act(acc * s_x[m] * s_w[n] + b[n]), fp32|bf16 [M, N]
+//                   (act: none, GELU (erf) or GELU (tanh), in fp32 before the cast)
 // torch._int_mm does the GEMM between them. Why our own code: written with torch ops, the
 // quantization is 5 passes over x (abs, amax, div, round, cast) and the dequantization 3-4 over
 // the int32 output (cast, two scales, bias), which on all-MiniLM-L6-v2 shapes cost more than int8
@@ -10,6 +11,8 @@
 // Rounding: to nearest, ties to even (the vector conversion's default mode, and torch.round's),
 // so results equal the torch-op version in bert_fast/model/int8.py bit for bit (tested).
 #include <pybind11/pybind11.h>
+
+#include "simd_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -71,13 +74,22 @@ void quant_rows_scalar(const void* x, int dt, int64_t r0, int64_t r1, int64_t k,
   }
 }
 
+enum Act : int { kNone = 0, kGeluErf = 1, kGeluTanh = 2 };
+
+inline float act_scalar(float v, int act) {
+  if (act == kGeluErf) return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+  if (act == kGeluTanh) return 0.5f * v * (1.0f + std::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+  return v;
+}
+
 void dequant_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw,
-                         const float* b, void* y, int dt) {
+                         const float* b, void* y, int dt, int act) {
   for (int64_t r = r0; r < r1; ++r) {
     const int32_t* a = acc + r * n;
     for (int64_t j = 0; j < n; ++j) {
       float v = static_cast<float>(a[j]) * sx[r] * sw[j];
       if (b) v += b[j];
+      v = act_scalar(v, act);
       if (dt == kF32)
         static_cast<float*>(y)[r * n + j] = v;
       else
@@ -125,7 +137,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_rows_avx512(cons
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(const int32_t* acc, int64_t r0,
                                                                                int64_t r1, int64_t n, const float* sx,
                                                                                const float* sw, const float* b,
-                                                                               void* y, int dt) {
+                                                                               void* y, int dt, int act) {
   const __m512i round_bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   for (int64_t r = r0; r < r1; ++r) {
     const __m512 vsx = _mm512_set1_ps(sx[r]);
@@ -136,12 +148,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(co
       __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j)), vsx),
                                _mm512_maskz_loadu_ps(m, sw + j));
       if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + j));
+      if (act == kGeluErf) v = simd::gelu_erf(v);
+      else if (act == kGeluTanh) v = simd::gelu_tanh(v);
       if (dt == kF32) {
         _mm512_mask_storeu_ps(static_cast<float*>(y) + r * n + j, m, v);
-      } else {  // round to nearest even (finite values: the int8 GEMM cannot make NaN or inf)
+      } else {  // round to nearest even (finite values: the int8 GEMM and GELU cannot make NaN or inf)
         __m512i u = _mm512_castps_si512(v);
         u = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
       }
     }
   }
@@ -161,9 +176,13 @@ bool use_avx512(const std::string& isa) {
 #endif
 }
 
-// Below this many elements per thread one thread does it: starting a thread costs ~20-50 us.
+// Below this many elements per thread one thread does it: waking a thread costs ~5-50 us.
 constexpr int64_t kMinElementsPerThread = 1 << 17;
 
+// Rows split in equal parts over up to ``threads`` threads: torch's OpenMP pool where the build has
+// OpenMP (this module's libgomp.so.1 resolves to the copy torch loaded, so the GEMMs around these
+// passes and the passes share one set of threads: std::threads started next to oneDNN's measured
+// 1.5-2x slower), else std::threads.
 template <class F>
 void split_rows(int64_t rows, int64_t cols, int threads, F f) {
   const int64_t by_size = std::max<int64_t>(1, rows * cols / kMinElementsPerThread);
@@ -172,14 +191,22 @@ void split_rows(int64_t rows, int64_t cols, int threads, F f) {
     f(0, rows);
     return;
   }
-  std::vector<std::thread> pool;
   const int64_t per = (rows + n - 1) / n;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(static_cast<int>(n)) schedule(static, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
+    if (r0 < r1) f(r0, r1);
+  }
+#else
+  std::vector<std::thread> pool;
   for (int64_t i = 1; i < n; ++i) {
     const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
     if (r0 < r1) pool.emplace_back(f, r0, r1);
   }
   f(0, std::min(rows, per));
   for (auto& t : pool) t.join();
+#endif
 }
 
 void quantize_rows(uintptr_t x, int dt, int64_t rows, int64_t k, uintptr_t q, uintptr_t s, int threads,
@@ -200,8 +227,10 @@ void quantize_rows(uintptr_t x, int dt, int64_t rows, int64_t k, uintptr_t q, ui
 }
 
 void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t sw, uintptr_t bias, uintptr_t y,
-                int dt, int threads, const std::string& isa) {
+                int dt, int threads, const std::string& isa, int act) {
   if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_dequantize: dtype code must be 0 or 1");
+  if (act != kNone && act != kGeluErf && act != kGeluTanh)
+    throw std::invalid_argument("int8_dequantize: act must be 0 (none), 1 (GELU erf) or 2 (GELU tanh)");
   if (rows <= 0 || n <= 0) return;
   const bool v = use_avx512(isa);
   const int32_t* ap = reinterpret_cast<const int32_t*>(acc);
@@ -212,9 +241,9 @@ void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t 
   py::gil_scoped_release nogil;
   split_rows(rows, n, threads, [=](int64_t r0, int64_t r1) {
 #ifdef BF_INT8_X86
-    if (v) return dequant_rows_avx512(ap, r0, r1, n, sxp, swp, bp, yp, dt);
+    if (v) return dequant_rows_avx512(ap, r0, r1, n, sxp, swp, bp, yp, dt, act);
 #endif
-    dequant_rows_scalar(ap, r0, r1, n, sxp, swp, bp, yp, dt);
+    dequant_rows_scalar(ap, r0, r1, n, sxp, swp, bp, yp, dt, act);
   });
 }
 
@@ -227,9 +256,9 @@ void bind_int8(py::module_& m) {
         "symmetric per row, round to nearest even; isa: \"\" (widest) | avx512 | scalar");
   m.def("int8_dequantize", &dequantize, py::arg("acc"), py::arg("rows"), py::arg("cols"), py::arg("row_scale"),
         py::arg("col_scale"), py::arg("bias"), py::arg("out"), py::arg("dtype"), py::arg("threads"),
-        py::arg("isa") = "",
-        "out [rows, cols] (dtype 0: fp32, 1: bf16) = acc int32 * row_scale[r] * col_scale[c] + bias[c] "
-        "(bias 0: none); one pass");
+        py::arg("isa") = "", py::arg("act") = 0,
+        "out [rows, cols] (dtype 0: fp32, 1: bf16) = act(acc int32 * row_scale[r] * col_scale[c] + bias[c]) "
+        "(bias 0: none; act 0: none, 1: GELU erf, 2: GELU tanh); one pass");
 }
 
 }  // namespace bert_fast

@@ -66,6 +66,46 @@ def test_quantize_and_dequantize_equal_the_torch_oracle(dtype, m, k):
     assert torch.equal(q1, q0) and torch.equal(s1, s0)
 
 
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gelu", ["none", "tanh"])
+def test_dequantize_with_gelu_matches_torch_gelu(dtype, gelu):
+    """The GELU inside the dequantize pass (AVX-512 and portable) equals torch's GELU of the
+    dequantized fp32 values to 2e-7 relative (fp32 output) or within one bf16 step (bf16 output)."""
+    m, n = 37, 1000 + 3
+    g = torch.Generator().manual_seed(1)
+    acc = torch.randint(-(10**6), 10**6, (m, n), dtype=torch.int32, generator=g)
+    acc[0, :40] = torch.arange(-20, 20, dtype=torch.int32)  # values near 0, both signs
+    sx, sw, bias = torch.rand(m, generator=g) * 1e-5, torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g)
+    pre = int8_gemm.dequantize_torch(acc, sx, sw, bias, torch.float32)
+    want = torch.nn.functional.gelu(pre.double(), approximate=gelu)
+    for isa in _isas():
+        y = torch.empty(m, n, dtype=dtype)
+        int8_gemm._ext.int8_dequantize(
+            acc.data_ptr(),
+            m,
+            n,
+            sx.data_ptr(),
+            sw.data_ptr(),
+            bias.data_ptr(),
+            y.data_ptr(),
+            int8_gemm._CODES[dtype],
+            2,
+            isa,
+            int8_gemm._ACT_CODES[gelu],
+        )
+        err = (y.double() - want).abs()
+        if dtype == torch.float32:
+            assert (err <= 2e-7 * (1 + want.abs()) + 1e-7).all(), (isa, err.max().item())
+        else:  # one bf16 step of the result (2^-8 relative), the cast's own rounding
+            assert (err <= want.abs() * 2.0**-8 + 1e-6).all(), (isa, err.max().item())
+    assert torch.equal(
+        int8_gemm.dequantize(acc, sx, sw, bias, dtype, gelu), y
+    )  # the public entry point: the widest ISA, last in _isas()
+    with pytest.raises(ValueError, match="act"):
+        int8_gemm._ext.int8_dequantize(0, 1, 1, 0, 0, 0, 0, 0, 1, "", 7)
+
+
 @pytest.mark.parametrize("gelu", [None, "none", "tanh"])
 def test_int8_linear_is_within_int8_error(gelu):
     g = torch.Generator().manual_seed(0)

@@ -7,6 +7,9 @@ gradient is taken, nothing is compiled and the op would run its torch implementa
 (CPU tensors without the interpreter, or BERT_FAST_BACKEND=torch), the model calls the very same
 implementation functions (bert_fast.ops.torch_impl) directly: same code, same numbers (a test
 checks the two paths agree bit for bit), minus the overhead. Dropout is never on here (eval only).
+One exception: bf16 attention on a CPU with AVX-512 BF16 runs bert_fast.ops.cpu_attention (our
+kernel, where it measured faster than torch's flash CPU kernel; held to the 2x rule against the
+float64 oracle in tests/test_cpu_attention.py), since inference needs no log-sum-exp for a backward.
 
 The object mirrors the subset of ``bert_fast.ops`` the model uses, so a layer runs unchanged on
 either (``layer.layer_forward`` with ``batch.ops`` = bert_fast.ops or direct_ops).

@@ -3,7 +3,8 @@ channel (bert_fast/model/int8.py builds the weights and guards the accuracy):
 
     x_q, s_x = quantize_rows(x)               one pass over x (bert_fast._C), or 5 torch ops
     acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8)
-    y        = dequantize(acc, s_x, s_w, b)   one pass over acc (bert_fast._C), or 3-4 torch ops
+    y        = act(dequantize(acc, s_x, s_w, b))  one pass over acc with the GELU in it (bert_fast._C),
+                                              or 3-4 torch ops and the GELU
 
 The torch-op versions are the oracle of the C++ ones (equal bit for bit: tests/test_int8_gemm.py)
 and the fallback where the extension was built without them.
@@ -25,6 +26,8 @@ except ImportError:  # pragma: no cover - the extension is part of every install
     _ext = None
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
+# GELU ``approximate`` -> the pass's activation code (0: none)
+_ACT_CODES = {None: 0, "none": 1, "tanh": 2}
 
 
 def native() -> bool:
@@ -59,11 +62,17 @@ def quantize_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
     return q, s
 
 
-def dequantize(acc: Tensor, sx: Tensor, sw: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tensor:
-    """acc * s_x[:, None] * s_w + b in ``dtype`` (fp32 or bf16), one pass where the extension has it."""
+def dequantize(
+    acc: Tensor, sx: Tensor, sw: Tensor, bias: Optional[Tensor], dtype: torch.dtype, gelu: Optional[str] = None
+) -> Tensor:
+    """act(acc * s_x[:, None] * s_w + b) in ``dtype`` (fp32 or bf16), act = GELU(approximate=``gelu``)
+    or none, computed in fp32 before the cast: one pass where the extension has it."""
     code = _CODES.get(dtype)
     if _ext is None or code is None or acc.device.type != "cpu":
-        return dequantize_torch(acc, sx, sw, bias, dtype)
+        y = dequantize_torch(acc, sx, sw, bias, torch.float32 if gelu is not None else dtype)
+        if gelu is None:
+            return y
+        return torch._C._nn.gelu_(y, approximate=gelu).to(dtype)
     m, n = acc.shape
     y = torch.empty((m, n), dtype=dtype)
     _ext.int8_dequantize(
@@ -76,6 +85,8 @@ def dequantize(acc: Tensor, sx: Tensor, sw: Tensor, bias: Optional[Tensor], dtyp
         y.data_ptr(),
         code,
         torch.get_num_threads(),
+        "",
+        _ACT_CODES[gelu],
     )
     return y
 
@@ -85,8 +96,4 @@ def int8_linear(x2: Tensor, wq_t: Tensor, sw: Tensor, bias: Optional[Tensor], ge
     None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns x2's dtype."""
     xq, sx = quantize_rows(x2)
     acc = torch._int_mm(xq, wq_t)
-    if gelu is None:
-        return dequantize(acc, sx, sw, bias, x2.dtype)
-    y = dequantize(acc, sx, sw, bias, torch.float32)  # GELU on fp32 values, then the model's dtype
-    torch._C._nn.gelu_(y, approximate=gelu)
-    return y.to(x2.dtype)
+    return dequantize(acc, sx, sw, bias, x2.dtype, gelu)

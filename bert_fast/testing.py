@@ -216,3 +216,30 @@ def uint32_to_uniform_float(r) -> np.ndarray:
     x = (np.asarray(r, dtype=np.uint64) & _M32).astype(np.uint32).view(np.int32).astype(np.int64)
     x = np.where(x < 0, -x - 1, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+# The options of a tiny, quick ``bert-fast train`` run (the "tiny" model: H=64, 2 layers), shared by the
+# training tests. Each test passes what it needs beyond these (or instead of them) to tiny_train_args.
+TINY_TRAIN = {
+    "max_len": 32,
+    "micro_batch_size": 4,
+    "log_every": 1,
+    "no_progress": True,
+    "model_size": "tiny",
+    "lr": "2e-3",
+    "warmup_steps": 2,
+    "seed": 3,
+}
+
+
+def tiny_train_args(**options) -> list[str]:
+    """The command-line arguments of a tiny ``bert-fast train`` run: TINY_TRAIN updated with ``options``
+    (``max_steps=5`` -> ``--max-steps 5``; True: a bare flag; None or False: the option left out), each
+    option once, so a test's own value replaces the default rather than following it."""
+    argv: list[str] = []
+    for name, value in {**TINY_TRAIN, **options}.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv

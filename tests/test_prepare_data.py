@@ -16,29 +16,12 @@ import numpy as np
 import pytest
 
 from bert_fast import cli as main_cli
+from bert_fast.testing import tiny_train_args
 from bert_fast.training import cli, collator, data, loop, prepare, token_shards
 from bert_fast.training.data import DataError
 
 WORDS = [f"w{i}" for i in range(120)] + ["alpha", "beta", "gamma", "delta"]
-TRAIN = [
-    "--max-len",
-    "16",
-    "--micro-batch-size",
-    "4",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--model-size",
-    "tiny",
-    "--lr",
-    "2e-3",
-    "--warmup-steps",
-    "2",
-    "--seed",
-    "5",
-    "--peak-tflops",
-    "1",
-]
+TRAIN = tiny_train_args(max_len=16, seed=5, peak_tflops=1)
 
 
 def _doc(rng, n_words):

@@ -23,28 +23,11 @@ import torch
 import transformers
 
 import bert_fast
+from bert_fast.testing import tiny_train_args
 from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import cli, collator, data, loop
 
-BASE = [
-    "--tokenizer",
-    "build",
-    "--max-len",
-    "32",
-    "--micro-batch-size",
-    "4",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--model-size",
-    "tiny",
-    "--lr",
-    "2e-3",
-    "--warmup-steps",
-    "2",
-    "--seed",
-    "3",
-]
+BASE = tiny_train_args(tokenizer="build")
 CUDA = torch.cuda.is_available()
 
 

@@ -21,30 +21,11 @@ import pytest
 import torch
 import transformers
 
+from bert_fast.testing import tiny_train_args
 from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import cli, data, evaluate, loop, table_data
 
-BASE = [
-    "--max-len",
-    "32",
-    "--micro-batch-size",
-    "4",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--model-size",
-    "tiny",
-    "--lr",
-    "2e-3",
-    "--warmup-steps",
-    "2",
-    "--seed",
-    "3",
-    "--peak-tflops",
-    "1",
-    "--device",
-    "cpu",
-]
+BASE = tiny_train_args(peak_tflops=1, device="cpu")
 LINES = [t for t in data.read_lines(data.DEMO_CORPUS) if t]
 
 

@@ -24,33 +24,10 @@ import pytest
 import torch
 
 from bert_fast.model import compat
+from bert_fast.testing import tiny_train_args
 from bert_fast.training import cli, loop
 
-BASE = [
-    "--tokenizer",
-    "build",
-    "--max-len",
-    "32",
-    "--micro-batch-size",
-    "4",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--model-size",
-    "tiny",
-    "--lr",
-    "2e-3",
-    "--warmup-steps",
-    "2",
-    "--seed",
-    "3",
-    "--max-steps",
-    "5",
-    "--dropout",
-    "0",
-    "--device",
-    "cpu",
-]
+BASE = tiny_train_args(tokenizer="build", max_steps=5, dropout=0, device="cpu")
 FP32_TOL = 2e-5
 
 needs_fsdp2 = pytest.mark.skipif(compat._fsdp_module_class() is None, reason="this torch has no FSDP2")
@@ -287,31 +264,8 @@ def test_two_nodes_on_localhost_match_one_process(strategy, tmp_path, fp32_losse
 
 
 # ----------------------------------------------------------------------------- bf16-pure
-PURE = [
-    "--tokenizer",
-    "build",
-    "--max-len",
-    "32",
-    "--micro-batch-size",
-    "8",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--model-size",
-    "tiny",
-    "--lr",
-    "3e-4",
-    "--warmup-steps",
-    "2",
-    "--seed",
-    "3",
-    "--device",
-    "cpu",
-    "--max-steps",
-    "60",
-    "--dropout",
-    "0",
-]
+PURE_OPTIONS = dict(tokenizer="build", micro_batch_size=8, lr="3e-4", device="cpu", max_steps=60, dropout=0)
+PURE = tiny_train_args(**PURE_OPTIONS)
 # mean |loss - bf16 autocast loss| over the last 10 of 60 steps. Measured on the CPU: fp32 master
 # weights 5e-4 (fp32 itself: 3e-4 from bf16 autocast); plain AdamW on the bf16 weights 1.5e-2
 # (updates below 1/256 of a weight round away: the LayerNorm gammas at 1.0 never move).
@@ -429,8 +383,7 @@ def test_bf16_pure_resume_is_exact(monkeypatch, tmp_path):
     checkpoint keeps the fp32 master weights and moments (torch's Optimizer.load_state_dict would
     round them to the bf16 parameters' dtype)."""
     monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
-    argv = PURE[: PURE.index("--max-steps")] + ["--max-steps", "8", "--dropout", "0", "--precision", "bf16-pure"]
-    argv[argv.index("--lr") + 1] = "1e-3"
+    argv = tiny_train_args(**{**PURE_OPTIONS, "max_steps": 8, "lr": "1e-3", "precision": "bf16-pure"})
     full = loop.train(cli.parse_args(argv + ["--output-dir", str(tmp_path / "full")]))
     part = tmp_path / "part"
     first = loop.train(cli.parse_args(argv + ["--output-dir", str(part), "--stop-at-step", "4"]))

@@ -124,15 +124,22 @@ def test_cpu_without_bf16_units_says_why_it_skips_bf16(monkeypatch):
     assert args.dtypes == ["bf16"] and args.bf16_skipped is None
 
 
-def test_cpu_caps_parses_cpuinfo_and_decides_bf16():
+def test_cpu_caps_parses_cpuinfo_and_decides_bf16(monkeypatch):
     from bert_fast.bench import cpu_caps
+    from bert_fast.model import precision
 
     text = (
         "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_int8\n"
     )
     assert cpu_caps.cpu_model(text) == "Intel(R) Xeon(R) Platinum 8480+"
-    assert {"avx2", "amx_bf16", "amx_int8"} <= cpu_caps.cpu_flags(text)
-    assert cpu_caps.cpu_flags("") is None
+    # the flags are the ones the model's precision checks read (bert_fast.model.precision.cpu_flags)
+    with monkeypatch.context() as mp:
+        mp.setattr(precision, "cpu_flags", lambda: frozenset({"fpu", "avx2", "avx512f", "amx_bf16", "amx_int8"}))
+        found = cpu_caps.capabilities()["flags"]
+        assert found["amx_bf16"] is True and found["amx_int8"] is True and found["avx2"] is True
+        assert found["avx512_bf16"] is False and found["avx512_vnni"] is False
+        mp.setattr(precision, "cpu_flags", lambda: None)  # unreadable (not Linux): unknown, not "no"
+        assert set(cpu_caps.capabilities()["flags"].values()) == {None}
     on = {f: f in ("amx_bf16", "avx2") for f in cpu_caps.FLAGS}
     off = {f: f == "avx2" for f in cpu_caps.FLAGS}
     assert cpu_caps._bf16_verdict(on, True) == (True, "bf16 units: amx_bf16")

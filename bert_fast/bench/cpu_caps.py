@@ -1,6 +1,7 @@
 """What this CPU offers for low precision (issue 25): its model name, the instruction-set flags that
-matter for bf16 and int8 (AMX, AVX-512 BF16 / VNNI, AVX2, from /proc/cpuinfo) and whether oneDNN, in
-this torch, runs bf16 on it (torch.ops.mkldnn._is_mkldnn_bf16_supported()).
+matter for bf16 and int8 (AMX, AVX-512 BF16 / VNNI, AVX2: bert_fast.model.precision.cpu_flags, the
+flags the model's own precision checks read) and whether oneDNN, in this torch, runs bf16 on it
+(torch.ops.mkldnn._is_mkldnn_bf16_supported()).
 
 ``bert-fast bench`` uses it to decide whether the CPU default includes bf16 cases, and prints
 ``describe()`` with the results; ``bert-fast doctor`` (a layer above) imports it for its
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Tuple
+
+from bert_fast.model import precision
 
 # The flags reported, strongest first. amx_bf16 / avx512_bf16: bf16 dot products in hardware;
 # amx_int8 / avx512_vnni: int8 dot products (VNNI also comes as avx_vnni on AVX2-only parts).
@@ -34,15 +37,9 @@ def cpu_model(text: Optional[str] = None) -> str:
     return platform.processor() or "unknown CPU"
 
 
-def cpu_flags(text: Optional[str] = None) -> Optional[set]:
-    """The flags of the first processor in /proc/cpuinfo, or None where it cannot be read (not Linux)."""
-    text = _cpuinfo_text() if text is None else text
-    if not text:
-        return None
-    for line in text.splitlines():
-        if line.lower().startswith(("flags", "features")) and ":" in line:
-            return set(line.split(":", 1)[1].split())
-    return None
+def cpu_flags() -> Optional[FrozenSet[str]]:
+    """The CPU's flags as bert_fast.model.precision reads them, or None where they cannot be read (not Linux)."""
+    return precision.cpu_flags()
 
 
 def mkldnn_bf16() -> Optional[bool]:
@@ -57,13 +54,12 @@ def mkldnn_bf16() -> Optional[bool]:
 
 def capabilities() -> Dict[str, Any]:
     """{"model", "flags": {flag: bool or None}, "mkldnn_bf16", "bf16", "bf16_reason", "int8_units"}."""
-    text = _cpuinfo_text()
-    flags = cpu_flags(text)
+    flags = cpu_flags()
     found = {f: (None if flags is None else f in flags) for f in FLAGS}
     onednn = mkldnn_bf16()
     ok, why = _bf16_verdict(found, onednn)
     return {
-        "model": cpu_model(text),
+        "model": cpu_model(),
         "machine": platform.machine(),
         "flags": found,
         "mkldnn_bf16": onednn,

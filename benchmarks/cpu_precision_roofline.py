@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,17 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def cpu_line() -> str:
-    from bert_fast.model import precision
+    from bert_fast.bench import cpu_caps
 
-    name = platform.processor() or "?"
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = precision.cpu_flags() or frozenset()
+    name = cpu_caps.cpu_model()
+    flags = cpu_caps.cpu_flags() or frozenset()
     caps = [f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if f in flags]
     return f"{name}; {', '.join(caps) or 'flags unknown'}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
@@ -58,32 +50,39 @@ def median_interleaved(fns: dict, reps: int = 7) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def gemm_rates(shapes) -> list:
+# bert_fast.bench.ceilings' GEMM kinds under the names this script has always printed and written
+GEMM_NAMES = {
+    "fp32": "fp32",
+    "fp32_packed": "fp32 packed",
+    "bf16": "bf16",
+    "bf16_packed": "bf16 packed",
+    "int8": "int8 _int_mm",
+}
+
+
+def _int8_linears(m: int, n: int, k: int) -> dict:
+    """bert_fast's whole int8 linear (quantize + GEMM + dequantize), fp32 and bf16 in/out."""
     from bert_fast.ops import int8_gemm
 
-    rows = []
-    for m, n, k in shapes:
-        x, w, b = torch.randn(m, k), torch.randn(n, k) * 0.05, torch.randn(n)
-        xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
-        packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
-        packed32 = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        sw = w.abs().amax(1) / 127
-        wq = torch.round(w / sw[:, None]).to(torch.int8).t().contiguous()
-        xq = torch.randint(-127, 127, (m, k), dtype=torch.int8)
-        t = median_interleaved(
-            {
-                "fp32": lambda: torch.nn.functional.linear(x, w, b),
-                "fp32 packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed32, b, "none", [], ""),
-                "bf16": lambda: torch.nn.functional.linear(xb, wb, bb),
-                "bf16 packed": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, bb, "none", [], ""),
-                "int8 _int_mm": lambda: torch._int_mm(xq, wq),
-                "int8 linear (fp32 in/out)": lambda: int8_gemm.int8_linear(x, wq, sw, b, None),
-                "int8 linear (bf16 in/out)": lambda: int8_gemm.int8_linear(xb, wq, sw, b, None),
-            }
-        )
-        flops = 2.0 * m * n * k
-        rows.append({"m": m, "n": n, "k": k, **{name: flops / s / 1e12 for name, s in t.items()}})
-    return rows
+    x, w, b = torch.randn(m, k), torch.randn(n, k) * 0.05, torch.randn(n)
+    xb = x.bfloat16()
+    sw = w.abs().amax(1) / 127
+    wq = torch.round(w / sw[:, None]).to(torch.int8).t().contiguous()
+    return {
+        "int8 linear (fp32 in/out)": lambda: int8_gemm.int8_linear(x, wq, sw, b, None),
+        "int8 linear (bf16 in/out)": lambda: int8_gemm.int8_linear(xb, wq, sw, b, None),
+    }
+
+
+def gemm_rates(shapes) -> list:
+    """TFLOP/s (TOPS for int8) per shape and kind: bert_fast.bench.ceilings.gemm_rates (the linears with
+    a bias), 2 warm-up rounds then 7 interleaved rounds."""
+    from bert_fast.bench import ceilings
+
+    rows = ceilings.gemm_rates(
+        shapes, tuple(GEMM_NAMES), bias=True, extra=_int8_linears, warmup=2, min_rounds=7, max_rounds=7
+    )
+    return [{GEMM_NAMES.get(key, key): value for key, value in row.items()} for row in rows]
 
 
 def bandwidth_and_op_floor() -> dict:
@@ -184,7 +183,7 @@ def main() -> None:
     for r in doc["gemm_tflops"]:
         print(
             f"  M={r['m']:5d} N={r['n']:5d} K={r['k']:5d}  "
-            + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k not in ("m", "n", "k"))
+            + "  ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in r.items() if k not in ("m", "n", "k"))
         )
     doc["memory"] = bandwidth_and_op_floor()
     print(f"  copy {doc['memory']['copy_GBps']:.1f} GB/s; one small op {doc['memory']['small_op_us']:.1f} us")

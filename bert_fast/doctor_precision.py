@@ -15,21 +15,23 @@ through F.linear and through oneDNN's prepacked linear, int8 through torch._int_
   recommended precision's: ``bert_fast.optimize(model, int8=True)``, which checks the accuracy against
   fp32 on calibration sentences and refuses a model it would degrade.
 
-The measurement takes about a second or two at 2 threads (each GEMM timed for at most
-BUDGET_S seconds); ``recommend()`` is pure, so the rule is testable with faked capabilities/rates.
+The measurement takes about a second or two at 2 threads (the GEMMs of a shape timed side by side
+for at most len(KINDS) x BUDGET_S seconds); ``recommend()`` is pure, so the rule is testable with
+faked capabilities/rates.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, Optional
 
-from bert_fast.bench import cpu_caps
+from bert_fast.bench import ceilings, cpu_caps
 
 SHAPES = ((1024, 768, 768), (1024, 3072, 768))  # (M, N, K): attention-out / QKV-like, FFN-up of BERT-base
 THREADS = 2
-BUDGET_S = 0.15  # per GEMM kind and shape, after one warm-up call
+BUDGET_S = 0.15  # per GEMM kind and shape: a shape's KINDS share len(KINDS) x this, warm-up round included
 MAX_REPS = 7
+KINDS = ("fp32", "bf16", "bf16_packed", "int8")  # ceilings.gemm_kernels' kinds measured here
 BF16_OVER_FP32 = 1.05  # bf16 must beat fp32 by this much to be recommended (a tie keeps fp32)
 INT8_OVER_BEST = 1.3  # int8 is mentioned only when it measures this much faster than the recommendation
 
@@ -48,49 +50,6 @@ UNIT_NAMES = {
 }
 
 
-def _time_s(fn: Callable[[], Any], budget_s: float = BUDGET_S, max_reps: int = MAX_REPS) -> float:
-    """Median seconds of fn() after one warm-up call, over at most max_reps calls or budget_s seconds."""
-    fn()
-    times: List[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < max_reps and (not times or time.perf_counter() < t_end):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _kernels(m: int, n: int, k: int) -> Dict[str, Optional[Callable[[], Any]]]:
-    import torch
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g) / k**0.5
-    xb, wb = x.bfloat16(), w.bfloat16()
-    out: Dict[str, Optional[Callable[[], Any]]] = {
-        "fp32": lambda: F.linear(x, w),
-        "bf16": lambda: F.linear(xb, wb),
-        "bf16_packed": None,
-        "int8": None,
-    }
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
-        torch.ops.mkldnn._linear_pointwise(xb[:8], packed, None, "none", [], "")
-        out["bf16_packed"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")
-    except Exception:  # noqa: BLE001 - no oneDNN packed linear in this torch (or not for bf16 here)
-        pass
-    try:
-        xi = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
-        wi = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=g)
-        torch._int_mm(xi[:32], wi)
-        out["int8"] = lambda: torch._int_mm(xi, wi)
-    except Exception:  # noqa: BLE001 - no int8 GEMM in this torch
-        pass
-    return out
-
-
 def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
@@ -98,35 +57,29 @@ def _sig(x: float) -> float:
 def measure_rates(threads: int = THREADS, shapes=SHAPES, budget_s: float = BUDGET_S) -> Dict[str, Any]:
     """GEMM rates at ``shapes`` with ``threads`` threads: {"fp32", "bf16", "bf16_linear", "bf16_packed",
     "int8": TFLOP/s (TOPS for int8) over all shapes together, or None where the kernel is missing;
-    "per_shape": [...], "threads", "seconds"}. bf16 is the faster of F.linear and the packed linear."""
+    "per_shape": [...], "threads", "seconds"}. bf16 is the faster of F.linear and the packed linear.
+    The GEMMs are bert_fast.bench.ceilings.gemm_rates' (the four kinds of one shape side by side, after
+    one warm-up round, for at most MAX_REPS rounds or ``budget_s`` seconds per kind)."""
     import torch
 
     t0 = time.perf_counter()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    kinds = ("fp32", "bf16", "bf16_packed", "int8")
-    total_s: Dict[str, Optional[float]] = {k: 0.0 for k in kinds}
-    flops = 0.0
-    per_shape = []
     try:
         with torch.no_grad():
-            for m, n, k in shapes:
-                fns = _kernels(m, n, k)
-                f = 2.0 * m * n * k
-                flops += f
-                row: Dict[str, Any] = {"m": m, "n": n, "k": k}
-                for kind in kinds:
-                    fn = fns[kind]
-                    if fn is None or total_s[kind] is None:
-                        total_s[kind] = None
-                        row[kind] = None
-                        continue
-                    s = _time_s(fn, budget_s)
-                    total_s[kind] += s
-                    row[kind] = _sig(f / s / 1e12)
-                per_shape.append(row)
+            rows = ceilings.gemm_rates(shapes, KINDS, max_rounds=MAX_REPS, budget_s=budget_s * len(KINDS))
     finally:
         torch.set_num_threads(before)
+    total_s: Dict[str, Optional[float]] = {k: 0.0 for k in KINDS}
+    flops = 0.0
+    per_shape = []
+    for row in rows:
+        f = 2.0 * row["m"] * row["n"] * row["k"]
+        flops += f
+        for kind in KINDS:
+            r = row[kind]
+            total_s[kind] = None if r is None or total_s[kind] is None else total_s[kind] + f / (r * 1e12)
+        per_shape.append({**row, **{kind: None if row[kind] is None else _sig(row[kind]) for kind in KINDS}})
     rate = {k: (None if s is None or s <= 0 else _sig(flops / s / 1e12)) for k, s in total_s.items()}
     bf16 = max((r for r in (rate["bf16"], rate["bf16_packed"]) if r is not None), default=None)
     return {

@@ -124,6 +124,23 @@ def test_cpu_without_bf16_units_says_why_it_skips_bf16(monkeypatch):
     assert args.dtypes == ["bf16"] and args.bf16_skipped is None
 
 
+def test_gemm_rates_per_precision_name_each_kind():
+    """ceilings.gemm_rates (the doctor's precision advice and benchmarks/cpu_precision_roofline.py): a
+    rate per kind and shape, None for a kind that cannot run, a clear error for an unknown kind."""
+    from bert_fast.bench import ceilings
+
+    def broken():
+        raise RuntimeError("no such kernel here")
+
+    extra = {"broken": broken, "copy": lambda: torch.empty(8).copy_(torch.ones(8))}
+    rows = ceilings.gemm_rates([(32, 48, 40)], ("fp32", "bf16"), extra=lambda m, n, k: extra, budget_s=0.01)
+    assert [(r["m"], r["n"], r["k"]) for r in rows] == [(32, 48, 40)]
+    assert rows[0]["fp32"] > 0 and rows[0]["bf16"] > 0 and rows[0]["copy"] > 0 and rows[0]["broken"] is None
+    assert set(rows[0]) == {"m", "n", "k", "fp32", "bf16", "broken", "copy"}
+    with pytest.raises(ValueError, match="unknown GEMM kind.*fp64"):
+        ceilings.gemm_kernels(8, 8, 8, ("fp32", "fp64"))
+
+
 def test_cpu_caps_parses_cpuinfo_and_decides_bf16(monkeypatch):
     from bert_fast.bench import cpu_caps
     from bert_fast.model import precision

@@ -14,11 +14,15 @@ one whose interval is wider than +-10% is flagged unstable, and so is every figu
 100% of it (a rate above its ceiling means the ceiling was not one: measured while the machine
 was busier, or the op's data stayed in a cache the large copy cannot use). Measured once per
 process and device (cached).
+
+Beside them, ``gemm_rates``: the CPU's GEMM rates per precision (fp32 / bf16 through F.linear and
+oneDNN's prepacked linear, int8 through torch._int_mm) at given (M, N, K) shapes, timed side by side
+the same way; ``bert-fast doctor``'s precision advice and benchmarks/cpu_precision_roofline.py use it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -166,3 +170,89 @@ def describe(ceilings: dict, dtype_label: str) -> str:
     )
     gemm = one(ceilings["matmul_tflops"], ceilings["matmul_tflops_ci"], "TFLOP/s", ".3g", ceilings["matmul_unstable"])
     return f"copy {copy}, {dtype_label} GEMM {gemm}; {ceilings['threads']} threads"
+
+
+# ----------------------------------------------------------------------------- GEMM rates per precision
+GEMM_KINDS = ("fp32", "fp32_packed", "bf16", "bf16_packed", "int8")
+
+
+def gemm_kernels(
+    m: int, n: int, k: int, kinds: Sequence[str] = GEMM_KINDS, *, bias: bool = False
+) -> Dict[str, Optional[Callable[[], Any]]]:
+    """Zero-argument callables, one per kind, each running one [m, k] x [k, n] CPU GEMM: "fp32" and "bf16"
+    through F.linear, "fp32_packed" and "bf16_packed" through oneDNN's prepacked linear
+    (torch.ops.mkldnn._linear_pointwise), "int8" through torch._int_mm (int8 in, int32 out, no bias);
+    ``bias``: the linears add a bias. None for a kind this torch cannot run (probed once here)."""
+    import torch.nn.functional as F
+
+    unknown = [kind for kind in kinds if kind not in GEMM_KINDS]
+    if unknown:
+        raise ValueError(f"unknown GEMM kind(s) {unknown}; valid: {', '.join(GEMM_KINDS)}")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), (None if b is None else b.bfloat16())
+
+    def packed(x_, w_, b_):
+        pw = torch.ops.mkldnn._reorder_linear_weight(w_, None)
+        torch.ops.mkldnn._linear_pointwise(x_[:8], pw, b_, "none", [], "")
+        return lambda: torch.ops.mkldnn._linear_pointwise(x_, pw, b_, "none", [], "")
+
+    def int_mm():
+        xi = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        wi = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=g)
+        torch._int_mm(xi[:32], wi)
+        return lambda: torch._int_mm(xi, wi)
+
+    makers = {
+        "fp32": lambda: lambda: F.linear(x, w, b),
+        "fp32_packed": lambda: packed(x, w, b),
+        "bf16": lambda: lambda: F.linear(xb, wb, bb),
+        "bf16_packed": lambda: packed(xb, wb, bb),
+        "int8": int_mm,
+    }
+    out: Dict[str, Optional[Callable[[], Any]]] = {}
+    for kind in kinds:
+        try:
+            out[kind] = makers[kind]()
+        except Exception:  # noqa: BLE001 - no oneDNN packed linear / int8 GEMM in this torch (or not here)
+            out[kind] = None
+    return out
+
+
+def gemm_rates(
+    shapes: Iterable[Tuple[int, int, int]],
+    kinds: Sequence[str] = GEMM_KINDS,
+    *,
+    bias: bool = False,
+    extra: Optional[Callable[[int, int, int], Dict[str, Callable[[], Any]]]] = None,
+    warmup: int = 1,
+    min_rounds: int = 1,
+    max_rounds: int = 7,
+    budget_s: Optional[float] = None,
+) -> List[Dict[str, Any]]:
+    """Per (M, N, K) of ``shapes``: {"m", "n", "k", kind: TFLOP/s (TOPS for int8) or None}, the rate
+    2*M*N*K / median time of gemm_kernels(M, N, K, kinds, bias=bias) plus ``extra(M, N, K)`` (more
+    callables doing that GEMM's work, rated the same way). The kernels of one shape are timed side by
+    side in interleaved rounds (bert_fast.bench.timing.measure: ``warmup`` rounds, then ``min_rounds`` to
+    ``max_rounds`` rounds, stopping after ``budget_s`` seconds per shape); a kind this torch lacks, or
+    one that raises, is None. Runs at the current torch thread count."""
+    rows: List[Dict[str, Any]] = []
+    for m, n, k in shapes:
+        fns = gemm_kernels(m, n, k, kinds, bias=bias)
+        fns.update(extra(m, n, k) if extra is not None else {})
+        live = {name: fn for name, fn in fns.items() if fn is not None}
+        found = {}
+        if live:
+            res = timing.measure(
+                live, "cpu", warmup=warmup, min_rounds=min_rounds, max_rounds=max_rounds, budget_s=budget_s
+            )
+            found = res.timings
+        flops = 2.0 * m * n * k
+        row: Dict[str, Any] = {"m": m, "n": n, "k": k}
+        for name in fns:
+            t = found.get(name)
+            row[name] = None if t is None or t.median_ms <= 0 else flops / (t.median_ms * 1e-3) / 1e12
+        rows.append(row)
+    return rows

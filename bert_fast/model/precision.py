@@ -21,11 +21,12 @@ INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 
 @functools.lru_cache(maxsize=None)
 def cpu_flags() -> Optional[FrozenSet[str]]:
-    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
+    """The CPU's feature flags (/proc/cpuinfo: x86 ``flags``, Arm ``Features``), or None where they
+    cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass

@@ -4,10 +4,12 @@
 // Why our own: torch's flash CPU kernel runs bf16 attention at ~0.07 TFLOP/s on a Zen 4 without
 // AMX (5.4 ms per bert-base layer at b8 s128, 13% of the forward), a sixth of what the same
 // cores do in a bf16 GEMM (benchmarks/NOTES.md, "CPU attention in bf16"). A whole sequence's
-// scores fit in L1/L2 at these lengths, so there is no need for flash's online softmax: per
-// (sequence, head) we pack K and V once into the pair layout vdpbf16ps wants, and per block of
-// 4 query rows compute the fp32 scores, the softmax in fp32, and P V with P rounded to bf16
-// (as torch's flash kernel does), accumulating in fp32.
+// scores fit in L1/L2 at these lengths, so there is no need for flash's online softmax. Per chunk
+// of sequences, K and V of every head are packed once into the pair layout vdpbf16ps wants, read
+// from whole token rows (all heads of a token are contiguous; reading one head's 128-byte slice
+// per token row was 2x slower once a GEMM had pushed qkv out of L2); then per block of 8 query
+// rows, every head: the fp32 scores, the softmax in fp32, and P V with P rounded to bf16 (as
+// torch's flash kernel does), accumulating in fp32.
 //
 // Layouts (elements are bf16, passed as raw pointers from bert_fast/ops/cpu_attention.py):
 //   q, k, v:   token row t of head h at  base + t * row_stride + h * d   (the fused qkv view
@@ -20,13 +22,11 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -176,60 +176,146 @@ BF_TARGET float softmax_row(const float* s, const float* bias, int64_t lp, float
   return 1.0f / _mm512_reduce_add_ps(vsum);
 }
 
-struct Scratch {
-  std::vector<uint32_t> kp;  // [d/2][lp] pairs of K along d
-  std::vector<uint16_t> vp;  // [lp/2][dp][2] pairs of V along the keys
+// Scratch of a chunk of sequences, shared by the threads: K and V of every head packed once.
+//   kp: per sequence [heads][d/2][lp] pairs of K along d;  vp: [heads][lp/2][dp][2] pairs of V
+// Filled from whole token rows (every head of a token at once: contiguous reads), then read by
+// every query block of the sequence.
+struct ChunkPack {
+  std::vector<uint32_t> kp;
+  std::vector<uint16_t> vp;
+  std::vector<int64_t> kp_off, vp_off;  // per sequence of the chunk
+};
+
+struct RowScratch {          // per thread
   std::vector<float> bias;   // [lp] 0 or -inf
   std::vector<float> scores; // [kRows][lp]
   std::vector<uint16_t> pb;  // [kRows][lp] bf16 probabilities
 };
 
-// One (sequence, head): pack K and V, then every block of query rows.
-BF_TARGET void attend_one(const AttnArgs& a, int64_t s, int h, Scratch& w) {
-  const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0;
-  if (len <= 0) return;
+inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+
+// Token j (< lp) of sequence s into the packs of every head (zeros past the sequence's end).
+BF_TARGET void pack_token(const AttnArgs& a, int64_t s, int64_t j, uint32_t* kp, uint16_t* vp) {
+  const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0, lp = round16(len);
   const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
-  const int64_t lp = (len + 15) / 16 * 16;
-  const int64_t rs = a.row_stride, hoff = static_cast<int64_t>(h) * d;
-  w.kp.assign(static_cast<size_t>(d2) * lp, 0u);
-  w.vp.assign(static_cast<size_t>(lp) * dp, 0u);
+  const bool real = j < len;
+  const uint16_t* kr = real ? a.k + (t0 + j) * a.row_stride : nullptr;
+  const uint16_t* vr = real ? a.v + (t0 + j) * a.row_stride : nullptr;
+  for (int h = 0; h < a.heads; ++h) {
+    uint32_t* kh = kp + static_cast<int64_t>(h) * d2 * lp + j;
+    uint16_t* vh = vp + ((static_cast<int64_t>(h) * (lp / 2) + j / 2) * dp) * 2 + (j & 1);
+    if (real) {
+      const uint16_t* kk = kr + static_cast<int64_t>(h) * d;
+      const uint16_t* vv = vr + static_cast<int64_t>(h) * d;
+      for (int p = 0; p < d2; ++p) std::memcpy(kh + p * lp, kk + 2 * p, 4);
+      for (int c = 0; c < d; ++c) vh[2 * c] = vv[c];
+    } else {
+      for (int p = 0; p < d2; ++p) kh[p * lp] = 0u;
+      for (int c = 0; c < d; ++c) vh[2 * c] = 0;
+    }
+    for (int c = d; c < dp; ++c) vh[2 * c] = 0;  // head dims padded to 16: zero pairs
+  }
+}
+
+constexpr int kBlockRows = 8;  // query rows per work item (every head): 2 register blocks of 4
+
+// Query rows [r0, r1) of sequence s, every head: scores, softmax, P V from the chunk's packs.
+BF_TARGET void attend_rows(const AttnArgs& a, int64_t s, int64_t r0, int64_t r1, const uint32_t* kp,
+                           const uint16_t* vp, RowScratch& w) {
+  const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0, lp = round16(len);
+  const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
   w.bias.resize(lp);
   w.scores.resize(kRows * lp);
   w.pb.resize(kRows * lp);
-  for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* kr = a.k + (t0 + j) * rs + hoff;
-    for (int p = 0; p < d2; ++p) std::memcpy(&w.kp[p * lp + j], kr + 2 * p, 4);
-    const uint16_t* vr = a.v + (t0 + j) * rs + hoff;
-    uint16_t* dst = &w.vp[((j / 2) * dp) * 2 + (j & 1)];
-    for (int c = 0; c < d; ++c) dst[2 * c] = vr[c];
-  }
   const float ninf = -std::numeric_limits<float>::infinity();
   const uint8_t* km = a.key_mask ? a.key_mask + s * a.mask_stride : nullptr;
   for (int64_t j = 0; j < lp; ++j) w.bias[j] = (j < len && (!km || km[j])) ? 0.0f : ninf;
-
   const uint16_t* qrow[kRows];
   uint16_t* orow[kRows];
   float inv[kRows];
-  for (int64_t r0 = 0; r0 < len; r0 += kRows) {
-    const int nr = static_cast<int>(std::min<int64_t>(kRows, len - r0));
-    for (int r = 0; r < nr; ++r) {
-      qrow[r] = a.q + (t0 + r0 + r) * rs + hoff;
-      orow[r] = a.out + (t0 + r0 + r) * a.out_row_stride + hoff;
+  for (int h = 0; h < a.heads; ++h) {
+    const int64_t hoff = static_cast<int64_t>(h) * d;
+    const uint32_t* kh = kp + static_cast<int64_t>(h) * d2 * lp;
+    const uint16_t* vh = vp + static_cast<int64_t>(h) * lp * dp;
+    for (int64_t b0 = r0; b0 < r1; b0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, r1 - b0));
+      for (int r = 0; r < nr; ++r) {
+        qrow[r] = a.q + (t0 + b0 + r) * a.row_stride + hoff;
+        orow[r] = a.out + (t0 + b0 + r) * a.out_row_stride + hoff;
+      }
+      switch (nr) {
+        case 4: qk_rows<4>(qrow, kh, lp, d2, w.scores.data()); break;
+        case 3: qk_rows<3>(qrow, kh, lp, d2, w.scores.data()); break;
+        case 2: qk_rows<2>(qrow, kh, lp, d2, w.scores.data()); break;
+        default: qk_rows<1>(qrow, kh, lp, d2, w.scores.data()); break;
+      }
+      for (int r = 0; r < nr; ++r)
+        inv[r] = softmax_row(w.scores.data() + r * lp, w.bias.data(), lp, a.scale, w.pb.data() + r * lp);
+      switch (nr) {
+        case 4: pv_rows<4>(w.pb.data(), vh, lp, dp, d, inv, orow); break;
+        case 3: pv_rows<3>(w.pb.data(), vh, lp, dp, d, inv, orow); break;
+        case 2: pv_rows<2>(w.pb.data(), vh, lp, dp, d, inv, orow); break;
+        default: pv_rows<1>(w.pb.data(), vh, lp, dp, d, inv, orow); break;
+      }
     }
-    switch (nr) {
-      case 4: qk_rows<4>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
-      case 3: qk_rows<3>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
-      case 2: qk_rows<2>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
-      default: qk_rows<1>(qrow, w.kp.data(), lp, d2, w.scores.data()); break;
+  }
+}
+
+// Chunks of sequences whose packs together stay under this many bytes (L2-sized: each pack is
+// read by every query block of its sequence). A longer sequence makes a chunk of its own.
+constexpr int64_t kChunkBytes = 2 << 20;
+
+// The whole call on ``n`` threads: per chunk, pack every token of its sequences (threads split
+// the tokens), then the query blocks (threads take them one by one). Without OpenMP the pragmas
+// are ignored and the calling thread does it all.
+BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
+  const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
+  int64_t s0 = 0;
+  while (s0 < a.nseq) {
+    // the chunk [s0, s1) and its pack offsets
+    pk.kp_off.clear();
+    pk.vp_off.clear();
+    int64_t kp_n = 0, vp_n = 0, s1 = s0;
+    while (s1 < a.nseq) {
+      const int64_t lp = round16(a.starts[s1 + 1] - a.starts[s1]);
+      const int64_t kb = static_cast<int64_t>(a.heads) * d2 * lp, vb = static_cast<int64_t>(a.heads) * lp * dp;
+      if (s1 > s0 && (kp_n + kb) * 4 + (vp_n + vb) * 2 > kChunkBytes) break;
+      pk.kp_off.push_back(kp_n);
+      pk.vp_off.push_back(vp_n);
+      kp_n += kb;
+      vp_n += vb;
+      ++s1;
     }
-    for (int r = 0; r < nr; ++r)
-      inv[r] = softmax_row(w.scores.data() + r * lp, w.bias.data(), lp, a.scale, w.pb.data() + r * lp);
-    switch (nr) {
-      case 4: pv_rows<4>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
-      case 3: pv_rows<3>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
-      case 2: pv_rows<2>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
-      default: pv_rows<1>(w.pb.data(), w.vp.data(), lp, dp, d, inv, orow); break;
+    if (static_cast<int64_t>(pk.kp.size()) < kp_n) pk.kp.resize(kp_n);
+    if (static_cast<int64_t>(pk.vp.size()) < vp_n) pk.vp.resize(vp_n);
+    // work lists: (sequence, token) to pack and (sequence, first row) to attend
+    std::vector<std::pair<int64_t, int64_t>> tokens, blocks;
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t len = a.starts[s + 1] - a.starts[s];
+      for (int64_t j = 0; j < round16(len); ++j) tokens.emplace_back(s, j);
+      for (int64_t r = 0; r < len; r += kBlockRows) blocks.emplace_back(s, r);
     }
+    const int64_t nt = static_cast<int64_t>(tokens.size()), nb = static_cast<int64_t>(blocks.size());
+    uint32_t* kp = pk.kp.data();
+    uint16_t* vp = pk.vp.data();
+    const int64_t* koff = pk.kp_off.data();
+    const int64_t* voff = pk.vp_off.data();
+#pragma omp parallel num_threads(n)
+    {
+      RowScratch w;
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t s = tokens[i].first;
+        pack_token(a, s, tokens[i].second, kp + koff[s - s0], vp + voff[s - s0]);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t s = blocks[i].first, r = blocks[i].second;
+        const int64_t len = a.starts[s + 1] - a.starts[s];
+        attend_rows(a, s, r, std::min(len, r + kBlockRows), kp + koff[s - s0], vp + voff[s - s0], w);
+      }
+    }
+    s0 = s1;
   }
 }
 #endif  // BF_ATTN_X86
@@ -245,8 +331,7 @@ bool cpu_has_bf16_dot() {
 #endif
 }
 
-// Below this many multiply-adds per extra thread the work stays on the calling thread:
-// starting a std::thread costs ~20-50 us.
+// Below this many multiply-adds per extra thread the work stays on the calling thread.
 constexpr double kMinMacsPerThread = 4e6;
 
 void attention_bf16(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, uintptr_t out, int64_t out_row_stride,
@@ -268,36 +353,21 @@ void attention_bf16(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, u
              heads,
              d,
              static_cast<float>(scale)};
-  const int64_t items = nseq * heads;
   double macs = 0.0;
   for (int64_t s = 0; s < nseq; ++s) {
     const double len = static_cast<double>(a.starts[s + 1] - a.starts[s]);
     macs += 2.0 * len * len * d * heads;
   }
   const int64_t by_size = static_cast<int64_t>(macs / kMinMacsPerThread);
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(threads), by_size, items})));
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, by_size)));
+  // The packs stay allocated with the calling thread between calls (no page faults per call);
+  // bounded by kChunkBytes or by one sequence's K and V.
+  thread_local ChunkPack pack;
   py::gil_scoped_release nogil;
-#ifdef _OPENMP
-  // torch's own OpenMP pool (this module's libgomp.so.1 resolves to the copy torch loaded): the
-  // GEMM before and after this call use the same threads, so nothing is started and nothing
-  // spins against us (std::threads measured 1.5-2x slower right after a oneDNN GEMM).
-#pragma omp parallel num_threads(n)
-  {
-    Scratch w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) attend_one(a, i / heads, static_cast<int>(i % heads), w);
-  }
-#else
-  std::atomic<int64_t> next{0};
-  auto work = [&]() {
-    Scratch w;
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) attend_one(a, i / heads, static_cast<int>(i % heads), w);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < n; ++t) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
-#endif
+  // On torch's own OpenMP pool: this module's libgomp.so.1 resolves to the copy torch loaded, so
+  // the GEMMs before and after this call and this call share one set of threads (std::threads
+  // started per call measured 1.5-2x slower next to oneDNN's: benchmarks/NOTES.md).
+  run_chunks(a, n, pack);
 #endif
 }
 

@@ -180,10 +180,14 @@ BF_TARGET float softmax_row(const float* s, const float* bias, int64_t lp, float
 //   kp: per sequence [heads][d/2][lp] pairs of K along d;  vp: [heads][lp/2][dp][2] pairs of V
 // Filled from whole token rows (every head of a token at once: contiguous reads), then read by
 // every query block of the sequence.
+// A sequence's packs start at heads * d/2 * lp_off (kp) and heads * dp * lp_off (vp), lp_off = the
+// padded lengths of the chunk's sequences before it.
 struct ChunkPack {
   std::vector<uint32_t> kp;
   std::vector<uint16_t> vp;
-  std::vector<int64_t> kp_off, vp_off;  // per sequence of the chunk
+  std::vector<int64_t> lp_off;                        // per sequence of the chunk
+  std::vector<std::pair<int64_t, int64_t>> tokens;    // (sequence, token) to pack
+  std::vector<std::pair<int64_t, int64_t>> blocks;    // (sequence, first query row) to attend
 };
 
 struct RowScratch {          // per thread
@@ -270,49 +274,47 @@ constexpr int64_t kChunkBytes = 2 << 20;
 // are ignored and the calling thread does it all.
 BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
   const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
+  const int64_t k_per_row = static_cast<int64_t>(a.heads) * d2, v_per_row = static_cast<int64_t>(a.heads) * dp;
   int64_t s0 = 0;
   while (s0 < a.nseq) {
-    // the chunk [s0, s1) and its pack offsets
-    pk.kp_off.clear();
-    pk.vp_off.clear();
-    int64_t kp_n = 0, vp_n = 0, s1 = s0;
+    // the chunk [s0, s1): packs of at most kChunkBytes (or one sequence)
+    pk.lp_off.clear();
+    int64_t rows = 0, s1 = s0;
     while (s1 < a.nseq) {
       const int64_t lp = round16(a.starts[s1 + 1] - a.starts[s1]);
-      const int64_t kb = static_cast<int64_t>(a.heads) * d2 * lp, vb = static_cast<int64_t>(a.heads) * lp * dp;
-      if (s1 > s0 && (kp_n + kb) * 4 + (vp_n + vb) * 2 > kChunkBytes) break;
-      pk.kp_off.push_back(kp_n);
-      pk.vp_off.push_back(vp_n);
-      kp_n += kb;
-      vp_n += vb;
+      if (s1 > s0 && (rows + lp) * (k_per_row * 4 + v_per_row * 2) > kChunkBytes) break;
+      pk.lp_off.push_back(rows);
+      rows += lp;
       ++s1;
     }
-    if (static_cast<int64_t>(pk.kp.size()) < kp_n) pk.kp.resize(kp_n);
-    if (static_cast<int64_t>(pk.vp.size()) < vp_n) pk.vp.resize(vp_n);
-    // work lists: (sequence, token) to pack and (sequence, first row) to attend
-    std::vector<std::pair<int64_t, int64_t>> tokens, blocks;
+    if (static_cast<int64_t>(pk.kp.size()) < rows * k_per_row) pk.kp.resize(rows * k_per_row);
+    if (static_cast<int64_t>(pk.vp.size()) < rows * v_per_row) pk.vp.resize(rows * v_per_row);
+    pk.tokens.clear();
+    pk.blocks.clear();
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t len = a.starts[s + 1] - a.starts[s];
-      for (int64_t j = 0; j < round16(len); ++j) tokens.emplace_back(s, j);
-      for (int64_t r = 0; r < len; r += kBlockRows) blocks.emplace_back(s, r);
+      for (int64_t j = 0; j < round16(len); ++j) pk.tokens.emplace_back(s, j);
+      for (int64_t r = 0; r < len; r += kBlockRows) pk.blocks.emplace_back(s, r);
     }
-    const int64_t nt = static_cast<int64_t>(tokens.size()), nb = static_cast<int64_t>(blocks.size());
+    const int64_t nt = static_cast<int64_t>(pk.tokens.size()), nb = static_cast<int64_t>(pk.blocks.size());
+    const std::pair<int64_t, int64_t>* tokens = pk.tokens.data();
+    const std::pair<int64_t, int64_t>* blocks = pk.blocks.data();
     uint32_t* kp = pk.kp.data();
     uint16_t* vp = pk.vp.data();
-    const int64_t* koff = pk.kp_off.data();
-    const int64_t* voff = pk.vp_off.data();
+    const int64_t* off = pk.lp_off.data();
 #pragma omp parallel num_threads(n)
     {
       RowScratch w;
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < nt; ++i) {
-        const int64_t s = tokens[i].first;
-        pack_token(a, s, tokens[i].second, kp + koff[s - s0], vp + voff[s - s0]);
+        const int64_t s = tokens[i].first, o = off[s - s0];
+        pack_token(a, s, tokens[i].second, kp + o * k_per_row, vp + o * v_per_row);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < nb; ++i) {
-        const int64_t s = blocks[i].first, r = blocks[i].second;
+        const int64_t s = blocks[i].first, r = blocks[i].second, o = off[s - s0];
         const int64_t len = a.starts[s + 1] - a.starts[s];
-        attend_rows(a, s, r, std::min(len, r + kBlockRows), kp + koff[s - s0], vp + voff[s - s0], w);
+        attend_rows(a, s, r, std::min(len, r + kBlockRows), kp + o * k_per_row, vp + o * v_per_row, w);
       }
     }
     s0 = s1;

@@ -48,16 +48,13 @@ def _setting() -> str:
 
 def eligible(t: Tensor, heads: int) -> bool:
     """Whether attention over ``t`` (bf16 CPU activations, hidden = heads x d) may run here."""
-    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or _setting() in ("0", "off", "false"):
+    setting = _setting()
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or setting in ("0", "off", "false"):
         return False
     d = t.shape[-1] // heads if t.dim() == 2 else t.shape[-1]
     if d % 2 or not available():
         return False
-    return _setting() in ("1", "on", "true") or choice(heads, d)
-
-
-def _flash_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    return setting in ("1", "on", "true") or choice(heads, d)
 
 
 def choice(heads: int, d: int) -> bool:
@@ -83,7 +80,7 @@ def choice(heads: int, d: int) -> bool:
         return min(times)
 
     ours = best(lambda: padded(qkv, None, scale))
-    theirs = best(lambda: _flash_ref(q, k, v, scale))
+    theirs = best(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
     _CHOICES[key] = ours <= theirs
     return _CHOICES[key]
 
@@ -93,7 +90,7 @@ def _run(
     k: Tensor,
     v: Tensor,
     row_stride: int,
-    out: Tensor,
+    out: Tensor,  # [T, h, d]
     starts: Tensor,
     mask: Optional[Tensor],
     heads: int,
@@ -106,7 +103,7 @@ def _run(
         v.data_ptr(),
         row_stride,
         out.data_ptr(),
-        out.stride(-3) if out.dim() >= 3 else out.stride(0),
+        out.stride(0),
         starts.data_ptr(),
         starts.numel() - 1,
         0 if mask is None else mask.data_ptr(),
@@ -120,12 +117,13 @@ def _run(
 
 
 def _rows_layout(qkv: Tensor) -> Tensor:
-    """qkv [..., 3, h, d] whose token rows are one stride apart and whose (3, h, d) are dense."""
-    three, h, d = qkv.shape[-3:]
-    tokens = qkv.reshape(-1, three, h, d) if qkv.is_contiguous() else None
-    if tokens is None or tokens.stride() != (3 * h * d, h * d, d, 1):
-        tokens = qkv.reshape(-1, three, h, d).contiguous()
-    return tokens
+    """qkv [..., 3, h, d] as dense token rows [T, 3, h, d] (a view when qkv is contiguous)."""
+    return qkv.reshape(-1, *qkv.shape[-3:]).contiguous()
+
+
+def _starts(n: int, length: int) -> Tensor:
+    """cu_seqlens of ``n`` sequences of ``length`` tokens each: 0, length, 2 length, ..."""
+    return torch.arange(n + 1, dtype=torch.int64) * length
 
 
 def padded(qkv: Tensor, key_mask: Optional[Tensor], scale: float) -> Tensor:
@@ -133,12 +131,10 @@ def padded(qkv: Tensor, key_mask: Optional[Tensor], scale: float) -> Tensor:
     b, s, _, h, d = qkv.shape
     tokens = _rows_layout(qkv)
     out = torch.empty((b, s, h, d), dtype=qkv.dtype)
-    starts = torch.arange(0, (b + 1) * s, s, dtype=torch.int64) if s else torch.zeros(b + 1, dtype=torch.int64)
-    mask = None
-    if key_mask is not None:
-        mask = (key_mask.view(torch.uint8) if key_mask.dtype == torch.bool else key_mask.to(torch.uint8)).contiguous()
+    # nonzero = attend, as 0/1 bytes (a bool tensor's bytes are exactly that)
+    mask = None if key_mask is None else key_mask.to(torch.bool).contiguous().view(torch.uint8)
     q, k, v = tokens[:, 0], tokens[:, 1], tokens[:, 2]
-    return _run(q, k, v, tokens.stride(0), out.view(b * s, h, d), starts, mask, h, d, scale).view(b, s, h, d)
+    return _run(q, k, v, tokens.stride(0), out.view(b * s, h, d), _starts(b, s), mask, h, d, scale).view(b, s, h, d)
 
 
 def varlen(qkv: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
@@ -156,6 +152,5 @@ def separate(q: Tensor, k: Tensor, v: Tensor, batch: int, seqlen: int, heads: in
     d = hidden // heads
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty((t, hidden), dtype=q.dtype)
-    starts = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int64)
-    _run(q, k, v, hidden, out.view(t, heads, d), starts, None, heads, d, scale)
+    _run(q, k, v, hidden, out.view(t, heads, d), _starts(batch, seqlen), None, heads, d, scale)
     return out

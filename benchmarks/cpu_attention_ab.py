@@ -17,12 +17,8 @@ import torch
 
 import bert_fast
 from bert_fast import BertModel
-from bert_fast.bench import cpu_caps
+from bert_fast.bench import cpu_caps, timing
 from bert_fast.ops import cpu_attention
-
-
-def _median_ms(times):
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def kernels() -> None:
@@ -42,17 +38,32 @@ def kernels() -> None:
                 torch.nn.functional.linear(x, w)  # as in the model: right after a GEMM
                 t0 = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append((time.perf_counter() - t0) * 1e3)
         flop = 4 * b * s * s * h * d
+        stats = {n: timing.summarize(t) for n, t in times.items()}
         print(
             f"B={b} S={s} heads={h} d={d}: "
             + ", ".join(
-                f"{n} {_median_ms(t):.3f} ms ({flop / _median_ms(t) / 1e9:.3f} TFLOP/s)" for n, t in times.items()
+                f"{n} {st['median_ms']:.3f} ms ({st['ci_low_ms']:.3f}-{st['ci_high_ms']:.3f}; "
+                f"{flop / st['median_ms'] / 1e9:.3f} TFLOP/s)"
+                for n, st in stats.items()
             )
         )
 
 
+def _with_attention(setting: str, model, ids, mask):
+    """A forward with BERT_FAST_CPU_ATTENTION=setting (read at every layer's call)."""
+
+    def run():
+        os.environ["BERT_FAST_CPU_ATTENTION"] = setting
+        model(input_ids=ids, attention_mask=mask)
+
+    return run
+
+
 def forwards() -> None:
+    """Whole forwards, ours vs torch's kernel, interleaved by bert_fast.bench.timing.measure (the
+    bench's own rounds, medians and paired-bootstrap 95% intervals)."""
     from transformers import BertConfig
 
     shapes = {
@@ -69,20 +80,20 @@ def forwards() -> None:
             ids = torch.randint(1000, 2000, (b, s), generator=g)
             lens = ((torch.rand(b, generator=g) * 0.8 + 0.2) * s).long().clamp(min=1) if ragged else torch.full((b,), s)
             mask = (torch.arange(s)[None, :] < lens[:, None]).long()
-            times = {"1": [], "0": []}
             with torch.inference_mode():
-                for rnd in range(2 + (5 if b > 1 else 15)):
-                    for setting in times:
-                        os.environ["BERT_FAST_CPU_ATTENTION"] = setting
-                        t0 = time.perf_counter()
-                        model(input_ids=ids, attention_mask=mask)
-                        if rnd >= 2:
-                            times[setting].append(time.perf_counter() - t0)
-            ours, theirs = _median_ms(times["1"]), _median_ms(times["0"])
+                res = timing.measure(
+                    {"ours": _with_attention("1", model, ids, mask), "torch": _with_attention("0", model, ids, mask)},
+                    warmup=2,
+                    min_rounds=6,
+                    budget_s=30.0,
+                )
+            ours, theirs = res.timings["ours"], res.timings["torch"]
             case = f"B={b} S={s} {'ragged U[0.2,1]' if ragged else 'full'}"
             print(
-                f"{name} bf16 frozen {case}: forward with our attention {ours:.1f} ms, "
-                f"with torch flash {theirs:.1f} ms ({theirs / ours:.2f}x)"
+                f"{name} bf16 frozen {case}: forward with our attention {ours.median_ms:.1f} ms "
+                f"({ours.ci_low_ms:.1f}-{ours.ci_high_ms:.1f}), with torch flash {theirs.median_ms:.1f} ms "
+                f"({theirs.ci_low_ms:.1f}-{theirs.ci_high_ms:.1f}): {res.speedup('ours', 'torch').format()}, "
+                f"{len(res.rounds)} rounds"
             )
     os.environ.pop("BERT_FAST_CPU_ATTENTION", None)
 

@@ -581,7 +581,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: speedup by batch and sequence length")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write the PNGs here: a bar chart per case (time per provider with its 95%% interval, "
+        "accuracy marked) and PATH-speedups.png (speedup and throughput per case); default: beside "
+        "the --json file, same name",
+    )
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (not even beside --json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -780,9 +788,13 @@ def run(args) -> int:
     from bert_fast.bench import ceilings as ceil_mod
     from bert_fast.bench import cpu_caps, plots
     from bert_fast.bench.budget import Progress, estimate_case, fmt_duration
-    from bert_fast.bench.results import close_document, publish, run_document, write_json
+    from bert_fast.bench.results import close_document, default_plot_path, publish, run_document, write_json
 
+    main_job = (args.model, args.batch, args.seq, args.lengths, args.encode) == (None, None, None, None, False)
     device, notes = apply_defaults(args)
+    if main_job and args.json is None and not args.no_plot:  # the main job keeps its figures and plot
+        args.json = time.strftime("bert-fast-bench-%Y%m%d-%H%M%S.json")
+        print(f"figures go to {args.json} and the plot beside it (--json PATH, --no-plot)", file=sys.stderr)
     dtype = ceil_mod.parse_dtype(args.dtype)
     cases = build_cases(args)
     for n in notes:
@@ -911,7 +923,8 @@ def run(args) -> int:
         print("interrupted: writing what was measured", file=sys.stderr)
     close_document(doc, interrupted, t0)
     out = public()
-    publish(out, format_table(out), notes, args.json, args.plot, plots.plot_model)
+    plot_path = None if args.no_plot else (args.plot or (default_plot_path(args.json) if args.json else None))
+    publish(out, format_table(out), notes, args.json, plot_path, plots.plot_bench, summary=True)
     failed = [(c["model"], r["provider"]) for c in cases for r in c["results"] if r["status"] == "error"]
     if interrupted:
         return 130

@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""Write the README's CPU results (between ``<!-- cpu-perf:start -->`` and ``<!-- cpu-perf:end -->``)
-from the files under benchmarks/results/cpu/, so that no figure in the README is typed by hand.
+"""Every table of the CPU results (section()), for the docs' CPU page, and the README's short CPU table
+(between ``<!-- cpu-perf:start -->`` and ``<!-- cpu-perf:end -->``), from the files under
+benchmarks/results/cpu/, so that no figure is typed by hand (benchmarks/make_docs_results.py writes
+both, and the GPU's).
 
     python benchmarks/make_readme_cpu_performance.py [--results-dir benchmarks/results/cpu] [--stdout]
 
@@ -208,24 +210,41 @@ def section(d: Path) -> str:
 
 
 def main(argv=None) -> int:
+    """--stdout: print every table (section()). Otherwise write the README's short CPU table and the
+    docs' CPU results page (docs/results/cpu.md beside the README) through make_docs_results.py."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results" / "cpu"))
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
     ap.add_argument("--stdout", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="do not redraw the docs' PNGs")
     args = ap.parse_args(argv)
-    text = section(Path(args.results_dir))
+    d = Path(args.results_dir)
     if args.stdout:
-        sys.stdout.write(text)
+        sys.stdout.write(section(d))
         return 0
+    docs = _docs_module()
     readme = Path(args.readme)
-    body = readme.read_text(encoding="utf-8")
-    block = f"{START}\n{text}{END}"
-    if START in body and END in body:
-        body = body[: body.index(START)] + block + body[body.index(END) + len(END) :]
-    else:
-        body = body.replace("## Performance\n", f"## Performance\n\n{block}\n", 1)
-    readme.write_text(body, encoding="utf-8")
-    return 0
+    body = readme.read_text(encoding="utf-8") if readme.exists() else ""
+    files = {
+        readme: docs.splice(body, START, END, docs.cpu_readme_block(d)),
+        readme.parent / docs.DOCS_CPU: docs.cpu_page(d),
+    }
+    rc = docs.write_or_check(files, check=False)
+    if not args.no_plots:
+        docs.cpu_plots(d, readme.parent)
+    return rc
+
+
+def _docs_module():
+    import importlib.util
+
+    name = "make_docs_results"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 if __name__ == "__main__":

@@ -1,18 +1,20 @@
 #!/usr/bin/env python
-"""Regenerate the README's Performance section from the newest GPU-check results file.
+"""Regenerate the README's GPU table and the docs' GPU page from the newest GPU-check results file.
 
     python benchmarks/make_readme_performance.py [--results-dir benchmarks/results] [--readme README.md]
                                                  [--check] [--stdout]
 
-The section lies between ``<!-- perf:start -->`` and ``<!-- perf:end -->`` (appended, under a
-"## Performance" heading, when the README has no markers yet). Everything in it comes from the
+The README's short table (one line per case: bert_fast's fastest against the fastest other provider
+at equal or better accuracy) lies between ``<!-- perf:start -->`` and ``<!-- perf:end -->``
+(appended, under a "## Performance" heading, when the README has no markers yet); every table goes to
+docs/results/gpu.md beside the README (benchmarks/make_docs_results.py renders both). Everything in it comes from the
 results file written by benchmarks/gpu_check.sh (schema bert_fast.gpu_check/1): device, driver,
 commit, test counts, ceilings, the model and op tables and the summary plot. Nothing is typed by
 hand. Without a results file it writes one line saying that no GPU results exist yet.
 
 Results from a machine without a CUDA GPU are ignored (--allow-cpu to use them).
---check: exit 1 when the README is not what this script would write (for CI); --stdout: print the
-section instead of writing the README. Needs only the standard library.
+--check: exit 1 when the README or the docs page is not what this script would write (for CI);
+--stdout: print the full section (render()) instead of writing. Needs only the standard library.
 """
 
 from __future__ import annotations
@@ -229,31 +231,42 @@ def splice(text: str, section: str) -> str:
     return f"{text}{sep}\n## Performance\n\n{block}\n"
 
 
+def _docs_module():
+    import importlib.util
+
+    name = "make_docs_results"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--readme", default=str(ROOT / "README.md"))
-    p.add_argument("--check", action="store_true", help="exit 1 if the README is out of date")
-    p.add_argument("--stdout", action="store_true", help="print the section, do not write the README")
+    p.add_argument("--check", action="store_true", help="exit 1 if the README or the docs page is out of date")
+    p.add_argument("--stdout", action="store_true", help="print the full section, do not write the README")
     p.add_argument("--allow-cpu", action="store_true", help="also consider results from machines without a GPU")
     args = p.parse_args(argv)
     readme = Path(args.readme)
     found = newest_results(Path(args.results_dir), allow_cpu=args.allow_cpu)
-    section = render(*(found or (None, None)), readme=readme)
     if args.stdout:
-        print(section)
+        print(render(*(found or (None, None)), readme=readme))
         return 0
+    docs = _docs_module()
     old = readme.read_text(encoding="utf-8") if readme.exists() else ""
-    new = splice(old, section)
-    if args.check:
-        if new != old:
-            print(f"{readme}: Performance section is out of date; run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    if new != old:
-        readme.write_text(new, encoding="utf-8")
-    print(f"{readme}: Performance section from {found[0] if found else 'no results (none yet)'}")
-    return 0
+    block = docs.gpu_readme_block(*(found or (None, None)), readme=readme)
+    files = {
+        readme: splice(old, block),
+        readme.parent / docs.DOCS_GPU: docs.gpu_page(Path(args.results_dir), allow_cpu=args.allow_cpu),
+    }
+    rc = docs.write_or_check(files, check=args.check)
+    if not args.check:
+        print(f"{readme}: GPU results from {found[0] if found else 'no results (none yet)'}")
+    return rc
 
 
 if __name__ == "__main__":

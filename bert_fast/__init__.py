@@ -26,6 +26,8 @@ _LAZY = {
     "ElectraModel": "bert_fast.model.modeling",
     "DistilBertModel": "bert_fast.model.modeling",
     "optimize": "bert_fast.model.optimize",
+    "Int8AccuracyError": "bert_fast.model.int8",
+    "Int8SpeedError": "bert_fast.model.int8_speed",
     "CudaGraphRunner": "bert_fast.model.cuda_graphs",
     **{
         name: "bert_fast.model.heads"

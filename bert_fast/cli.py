@@ -58,6 +58,7 @@ def gather_info(device_name: Optional[str] = None) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "model_available": _model_available(),
+        "native_cpu_passes": _native_cpu_passes(),
     }
     if device.type != "cuda":
         info["note"] = (
@@ -65,6 +66,15 @@ def gather_info(device_name: Optional[str] = None) -> dict:
             "machine every op runs its CPU path shown above."
         )
     return info
+
+
+def _native_cpu_passes() -> dict:
+    from bert_fast.ops import cpu_isa
+
+    try:
+        return cpu_isa.native_passes()
+    except ValueError as exc:  # a bad BERT_FAST_CPU_ISA
+        raise CLIError(str(exc)) from None
 
 
 def _model_available() -> bool:
@@ -116,6 +126,15 @@ def format_info(info: dict) -> str:
         for name, per in info["linear_dispatch"].items():
             if per:
                 lines.append(f"    {name:<6} " + ", ".join(f"{g}={b}" for g, b in per.items()))
+    passes = info.get("native_cpu_passes") or {}
+    if passes:
+        lines.append("")
+        lines.append(
+            f"native CPU passes (instruction set each runs; CPU {passes['cpu']}, BERT_FAST_CPU_ISA {passes['cap']}):"
+        )
+        for name, isa in passes.items():
+            if name not in ("cpu", "cap"):
+                lines.append(f"  {name:<21} {isa}")
     if info.get("note"):
         lines += ["", "note: " + info["note"]]
     return "\n".join(lines)

@@ -11,7 +11,9 @@ through F.linear and through oneDNN's prepacked linear, int8 through torch._int_
   to fp32);
 - bf16 units but bf16 not faster than fp32 here: fp32, ``bert_fast.optimize(model, freeze=True)``;
 - no bf16 units: fp32 with ``freeze=True``; bf16 would be emulated and slow;
-- int8 is mentioned (never the default) when its measured rate is at least INT8_OVER_BEST times the
+- int8 is said to be refused where optimize(int8=True)'s own speed check (bert_fast.model.int8_speed)
+  measures it slower than fp32 (CPUs without AVX-512 VNNI / AMX-INT8), with both rates;
+- otherwise int8 is mentioned (never the default) when its measured rate is at least INT8_OVER_BEST times the
   recommended precision's: ``bert_fast.optimize(model, int8=True)``, which checks the accuracy against
   fp32 on calibration sentences and refuses a model it would degrade.
 
@@ -83,6 +85,7 @@ def measure_rates(threads: int = THREADS, shapes=SHAPES, budget_s: float = BUDGE
     rate = {k: (None if s is None or s <= 0 else _sig(flops / s / 1e12)) for k, s in total_s.items()}
     bf16 = max((r for r in (rate["bf16"], rate["bf16_packed"]) if r is not None), default=None)
     return {
+        "int8_check": _int8_check(threads),
         "fp32": rate["fp32"],
         "bf16": bf16,
         "bf16_linear": rate["bf16"],
@@ -92,6 +95,23 @@ def measure_rates(threads: int = THREADS, shapes=SHAPES, budget_s: float = BUDGE
         "threads": threads,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _int8_check(threads: int) -> Optional[Dict[str, Any]]:
+    """optimize(int8=True)'s own speed check (bert_fast.model.int8_speed) at ``threads`` threads, or
+    None where this torch has no CPU int8 GEMM."""
+    import torch
+
+    from bert_fast.model import int8_speed
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return int8_speed.check().as_dict()
+    except RuntimeError:
+        return None
+    finally:
+        torch.set_num_threads(before)
 
 
 def _units(caps: Dict[str, Any]) -> str:
@@ -126,7 +146,14 @@ def recommend(caps: Dict[str, Any], rates: Dict[str, Any]) -> Dict[str, Any]:
         why.append(f"no bf16 units: bf16 here would be emulated and slow{emulated}; use fp32")
     why.append("freeze=True packs the weights for oneDNN where that measured faster (never slower than plain)")
     int8_note = None
-    if int8 is not None and best and int8 >= INT8_OVER_BEST * best:
+    check = rates.get("int8_check")  # bert_fast.model.int8_speed: what optimize(int8=True) decides from
+    if check is not None and not check["faster"]:
+        int8_note = (
+            f"{CALL_INT8} refuses on this CPU (Int8SpeedError): int8 GEMM {check['int8_tops']:.3g} TOPS vs fp32 "
+            f"{check['fp32_tflops']:.3g} TFLOP/s measured at M x K x N = {' x '.join(map(str, check['shape']))}; "
+            "torch's fast int8 GEMM needs AVX-512 VNNI or AMX-INT8"
+        )
+    elif int8 is not None and best and int8 >= INT8_OVER_BEST * best:
         int8_note = (
             f"int8 GEMMs measured {int8 / best:.1f}x {precision} ({int8:.3g} TOPS): {CALL_INT8} may be faster; "
             "it checks pooled-embedding cosine to fp32 on calibration sentences and refuses a model it would "

@@ -29,6 +29,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_isa.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
@@ -322,12 +324,10 @@ BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
 }
 #endif  // BF_ATTN_X86
 
+// AVX-512 F/BW/VL/DQ + BF16 on this CPU, not ruled out by BERT_FAST_CPU_ISA (cpu_isa.h).
 bool cpu_has_bf16_dot() {
 #ifdef BF_ATTN_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+  return isa_usable(Isa::kAvx512Bf16);
 #else
   return false;
 #endif
@@ -339,7 +339,7 @@ constexpr double kMinMacsPerThread = 4e6;
 void attention_bf16(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, uintptr_t out, int64_t out_row_stride,
                     uintptr_t starts, int64_t nseq, uintptr_t key_mask, int64_t mask_stride, int heads, int d,
                     double scale, int threads) {
-  if (!cpu_has_bf16_dot()) throw std::runtime_error("attention_bf16 needs AVX-512 BF16 (avx512_bf16)");
+  if (!cpu_has_bf16_dot()) throw std::runtime_error("attention_bf16: " + isa_refusal("avx512_bf16"));
   if (d <= 0 || d % 2 != 0) throw std::invalid_argument("attention_bf16 needs an even head dim");
 #ifdef BF_ATTN_X86
   AttnArgs a{reinterpret_cast<const uint16_t*>(q),

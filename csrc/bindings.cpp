@@ -3,6 +3,7 @@
 // links no libtorch and one build serves any torch version.
 #include <pybind11/pybind11.h>
 
+#include "cpu_isa.h"
 #include "embedding.h"
 
 namespace py = pybind11;
@@ -35,6 +36,15 @@ static py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask; the int8 GEMM's quantize/dequantize passes; bf16 attention on the CPU)";
   m.def("build_info", &build_info, "How this module was compiled");
+  m.def(
+      "cpu_isa",
+      []() {
+        py::dict d;
+        d["cpu"] = std::string(bert_fast::isa_name(bert_fast::cpu_isa()));
+        d["usable"] = std::string(bert_fast::isa_name(bert_fast::usable_isa()));
+        return d;
+      },
+      "The widest vector ISA of this CPU, and the one the CPU passes may use (capped by BERT_FAST_CPU_ISA)");
   bert_fast::bind_embedding(m);
   bert_fast::bind_keep_mask(m);
   bert_fast::bind_int8(m);

@@ -12,6 +12,7 @@
 // so results equal the torch-op version in bert_fast/model/int8.py bit for bit (tested).
 #include <pybind11/pybind11.h>
 
+#include "cpu_isa.h"
 #include "simd_math.h"
 
 #include <algorithm>
@@ -163,15 +164,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(co
 }
 #endif
 
+// Whether a pass runs its AVX-512 version: the widest this CPU runs (capped by BERT_FAST_CPU_ISA:
+// cpu_isa.h) for isa "", or the one named (avx512 | scalar; an error where it cannot run here).
+// Checked before any size test, so a call of zero rows tells whether that version is available.
 bool use_avx512(const std::string& isa) {
+  if (!isa.empty() && isa != "avx512" && isa != "scalar")
+    throw std::invalid_argument("int8 passes: isa must be \"\", avx512 or scalar, got " + isa);
 #ifdef BF_INT8_X86
-  __builtin_cpu_init();
-  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl");
-  if (isa == "avx512" && !has) throw std::invalid_argument("this CPU cannot run isa=avx512");
+  const bool has = isa_usable(Isa::kAvx512);
+  if (isa == "avx512" && !has) throw std::invalid_argument("int8 passes: " + isa_refusal(isa));
   return has && isa != "scalar";
 #else
-  if (isa == "avx512") throw std::invalid_argument("this build has no AVX-512 code");
+  if (isa == "avx512") throw std::invalid_argument("int8 passes: this build has no AVX-512 code");
   return false;
 #endif
 }
@@ -212,8 +216,8 @@ void split_rows(int64_t rows, int64_t cols, int threads, F f) {
 void quantize_rows(uintptr_t x, int dt, int64_t rows, int64_t k, uintptr_t q, uintptr_t s, int threads,
                    const std::string& isa) {
   if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_quantize_rows: dtype code must be 0 or 1");
-  if (rows <= 0 || k <= 0) return;
   const bool v = use_avx512(isa);
+  if (rows <= 0 || k <= 0) return;
   const void* xp = reinterpret_cast<const void*>(x);
   int8_t* qp = reinterpret_cast<int8_t*>(q);
   float* sp = reinterpret_cast<float*>(s);
@@ -231,8 +235,8 @@ void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t 
   if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_dequantize: dtype code must be 0 or 1");
   if (act != kNone && act != kGeluErf && act != kGeluTanh)
     throw std::invalid_argument("int8_dequantize: act must be 0 (none), 1 (GELU erf) or 2 (GELU tanh)");
-  if (rows <= 0 || n <= 0) return;
   const bool v = use_avx512(isa);
+  if (rows <= 0 || n <= 0) return;
   const int32_t* ap = reinterpret_cast<const int32_t*>(acc);
   const float* sxp = reinterpret_cast<const float*>(sx);
   const float* swp = reinterpret_cast<const float*>(sw);
@@ -259,6 +263,8 @@ void bind_int8(py::module_& m) {
         py::arg("isa") = "", py::arg("act") = 0,
         "out [rows, cols] (dtype 0: fp32, 1: bf16) = act(acc int32 * row_scale[r] * col_scale[c] + bias[c]) "
         "(bias 0: none; act 0: none, 1: GELU erf, 2: GELU tanh); one pass");
+  m.def("int8_isa", []() { return std::string(use_avx512("") ? "avx512" : "scalar"); },
+        "The version the int8 passes run on this CPU (capped by BERT_FAST_CPU_ISA)");
 }
 
 }  // namespace bert_fast

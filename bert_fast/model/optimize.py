@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from bert_fast.model import int8 as int8_mod
+from bert_fast.model import int8_speed
 from bert_fast.model import precision
 from bert_fast.model.modeling import FAMILIES, SUPPORTED, FastModel, check_config, family_of, to_fast
 
@@ -61,7 +62,9 @@ def optimize(
     of ``calibration`` (a tokenizer's batch, or a list of sentences tokenized with ``tokenizer`` /
     the model's own tokenizer; default: the shipped encode sentences) must keep min cosine >=
     ``min_cosine`` (0.99) to the fp32 model, else ``int8.Int8AccuracyError`` names the cosine and
-    nothing is quantized.
+    nothing is quantized. Before that, int8 GEMMs are timed against fp32 ones on this CPU (once per
+    process, bert_fast/model/int8_speed.py): where int8 is not faster (CPUs without AVX-512 VNNI or
+    AMX-INT8), ``int8_speed.Int8SpeedError`` names both measured rates and nothing is changed.
     """
     dtype = precision.parse_dtype(dtype)
     targets = [m for m in model.modules() if type(m) in FAMILIES or isinstance(m, FastModel)]
@@ -82,6 +85,7 @@ def optimize(
     if int8:
         if dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(f"int8=True runs beside float32 or bfloat16 activations, not {dtype}")
+        int8_speed.require_faster()  # measured before calibrating: never a silent slow path
         batch = _calibration_batch(model, calibration, tokenizer)
         # the fp32 answers, before any dtype change: the bound is to the model as the user had it in fp32
         references = {id(m): int8_mod.reference_pooled(m, batch) for m in targets}

@@ -29,17 +29,14 @@ try:
 except ImportError:  # pragma: no cover - the extension is part of every install
     _ext = None
 
-_HAS_UNITS: Optional[bool] = None
 # (heads, d) -> whether ours won the first-use timing against torch's flash CPU kernel
 _CHOICES: Dict[Tuple[int, int], bool] = {}
 
 
 def available() -> bool:
-    """This build has the kernel and this CPU can run it."""
-    global _HAS_UNITS
-    if _HAS_UNITS is None:
-        _HAS_UNITS = _ext is not None and bool(_ext.cpu_has_bf16_dot())
-    return _HAS_UNITS
+    """This build has the kernel and this CPU can run it (AVX-512 BF16, not ruled out by
+    BERT_FAST_CPU_ISA: asked at every call, a check of a few hundred nanoseconds)."""
+    return _ext is not None and bool(_ext.cpu_has_bf16_dot())
 
 
 def _setting() -> str:

@@ -1,0 +1,146 @@
+"""Is int8 faster than fp32 on this CPU? Measured once per process and thread count, before anything
+is calibrated, by every caller that offers int8: ``optimize(model, int8=True)``, ``int8.quantize``,
+the bench's ``bert_fast-int8`` provider and ``bert-fast doctor``.
+
+Why measure. Where the CPU has VNNI (AVX-512 VNNI, AMX-INT8), torch._int_mm runs oneDNN's int8
+GEMM at 1.5-3x the fp32 rate. Elsewhere (AVX2-only CPUs: AMD Zen 2/3, Intel before Ice Lake, and
+Intel client parts with only AVX-VNNI) torch takes a plain C++ loop instead, 35-55x slower than fp32
+(bert-base b8 s128: 60.7 s against 1.10 s per forward on a Zen 3). The CPU's flags alone do not
+say which path a given torch build takes, so the int8 linear bert_fast would run (quantize the
+rows, torch._int_mm, dequantize: bert_fast.ops.int8_gemm.int8_linear) is timed against fp32
+F.linear on one BERT-base GEMM, M=128 rows (a batch-1 forward), K=768, N=3072: int8 is offered
+only where it is faster, and refused with both measured rates where it is not.
+
+Cost: at most ~MAX_SECONDS; on a slow int8 path one warm-up call already decides it (a call over
+CLEARLY_SLOWER times the fp32 one ends the measurement).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from bert_fast.ops import int8_gemm
+
+SHAPE = (128, 768, 3072)  # (M, K, N): BERT-base's FFN-up GEMM at batch 1 x 128 tokens
+MAX_SECONDS = 2.0  # the whole measurement, warm-up included, on a fast int8 path
+MAX_ROUNDS = 15
+CLEARLY_SLOWER = 4.0  # one int8 call this many times an fp32 call: int8 is slower, no need to repeat
+MIN_SPEEDUP = 1.0  # int8 must beat fp32 by this factor to be offered
+
+_CACHE: Dict[int, "Int8Speed"] = {}
+
+
+class Int8SpeedError(ValueError):
+    """int8 GEMMs measured slower than fp32 on this CPU: int8 was not applied."""
+
+
+@dataclass(frozen=True)
+class Int8Speed:
+    """The measured rates of one shape: int8 linear (TOPS) and fp32 F.linear (TFLOP/s)."""
+
+    int8_tops: float
+    fp32_tflops: float
+    shape: Tuple[int, int, int]
+    threads: int
+    rounds: int
+
+    @property
+    def speedup(self) -> float:
+        return self.int8_tops / self.fp32_tflops if self.fp32_tflops > 0 else 0.0
+
+    @property
+    def faster(self) -> bool:
+        return self.speedup >= MIN_SPEEDUP
+
+    def describe(self) -> str:
+        m, k, n = self.shape
+        return (
+            f"int8 GEMM {self.int8_tops:.3g} TOPS vs fp32 {self.fp32_tflops:.3g} TFLOP/s ({self.speedup:.2f}x) "
+            f"measured on this CPU at M={m} K={k} N={n}, {self.threads} thread(s)"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "int8_tops": self.int8_tops,
+            "fp32_tflops": self.fp32_tflops,
+            "speedup": self.speedup,
+            "faster": self.faster,
+            "shape": list(self.shape),
+            "threads": self.threads,
+            "rounds": self.rounds,
+        }
+
+
+def _measure(shape: Tuple[int, int, int]) -> Int8Speed:
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g)
+    sw = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    wq_t = torch.round(w / sw[:, None]).to(torch.int8).t().contiguous()
+    runs = {
+        "fp32": lambda: F.linear(x, w, b),
+        "int8": lambda: int8_gemm.int8_linear(x, wq_t, sw, b, None),
+    }
+    times: Dict[str, list] = {"fp32": [], "int8": []}
+    start = time.perf_counter()
+    with torch.no_grad():
+        for name in ("fp32", "int8"):  # warm-up: oneDNN's first call builds its kernel
+            runs[name]()
+        for _ in range(MAX_ROUNDS):
+            for name in ("fp32", "int8"):  # interleaved: the machine's load falls on both alike
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+            if times["int8"][-1] > CLEARLY_SLOWER * times["fp32"][-1]:
+                break  # a slow int8 path: one call says so
+            if time.perf_counter() - start > MAX_SECONDS and len(times["int8"]) >= 3:
+                break
+    work = 2.0 * m * k * n / 1e12
+    return Int8Speed(
+        int8_tops=work / statistics.median(times["int8"]),
+        fp32_tflops=work / statistics.median(times["fp32"]),
+        shape=shape,
+        threads=torch.get_num_threads(),
+        rounds=len(times["int8"]),
+    )
+
+
+def check() -> Int8Speed:
+    """The measured int8 and fp32 rates at SHAPE with torch's current thread count (cached per
+    process and thread count). RuntimeError where this torch has no CPU int8 GEMM at all."""
+    threads = torch.get_num_threads()
+    got = _CACHE.get(threads)
+    if got is None:
+        if not int8_available():
+            raise RuntimeError("int8 needs torch._int_mm on the CPU, which this torch build lacks")
+        got = _CACHE[threads] = _measure(SHAPE)
+    return got
+
+
+def require_faster() -> Int8Speed:
+    """check(), raising Int8SpeedError (with both measured rates) where int8 is not faster than fp32."""
+    speed = check()
+    if not speed.faster:
+        raise Int8SpeedError(
+            f"int8 would be slower than float32 on this CPU: {speed.describe()}. int8 was not applied. "
+            "torch runs its fast int8 GEMM (oneDNN) only on CPUs with AVX-512 VNNI or AMX-INT8; use "
+            "float32 with freeze=True here (bert_fast.optimize(model, freeze=True)), or bf16 on a CPU with bf16 units."
+        )
+    return speed
+
+
+def int8_available() -> bool:
+    """torch._int_mm runs on the CPU in this torch build (it gives 32 for a 17x32 by 32x8 product of ones)."""
+    try:
+        a = torch.ones(17, 32, dtype=torch.int8)
+        return bool(torch._int_mm(a, torch.ones(32, 8, dtype=torch.int8))[0, 0] == 32)
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False

@@ -1,0 +1,124 @@
+"""int8 is never a silent slow path (issue #32 item 4): optimize(int8=True), int8.quantize, the bench's
+int8 provider and the doctor all decide from one measured check of the int8 GEMM against the fp32 one
+on this CPU (bert_fast/model/int8_speed.py), made before anything is calibrated and cached per process.
+Where int8 measures slower (CPUs without AVX-512 VNNI / AMX-INT8, faked here by a slow GEMM) it is
+refused with both rates; a torch without the int8 op gets a clear error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import transformers
+
+import bert_fast
+from bert_fast.model import int8, int8_speed
+from bert_fast.ops import int8_gemm
+
+pytestmark = pytest.mark.no_kernels("the CPU int8 path, not the Triton kernels")
+
+needs_int8 = pytest.mark.skipif(not int8.available(), reason="torch._int_mm does not run on this CPU build")
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(int8_speed, "_CACHE", {})
+
+
+def slow(speedup: float = 0.03) -> int8_speed.Int8Speed:
+    return int8_speed.Int8Speed(
+        int8_tops=0.003, fp32_tflops=0.003 / speedup, shape=int8_speed.SHAPE, threads=2, rounds=1
+    )
+
+
+def tiny_model():
+    cfg = transformers.BertConfig(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg).eval()
+
+
+@needs_int8
+def test_the_check_measures_both_rates_once_per_process_and_thread_count():
+    speed = int8_speed.check()
+    assert speed.int8_tops > 0 and speed.fp32_tflops > 0 and speed.rounds >= 1
+    assert speed.threads == torch.get_num_threads() and speed.shape == int8_speed.SHAPE
+    assert speed.faster == (speed.speedup >= int8_speed.MIN_SPEEDUP)
+    assert int8_speed.check() is speed  # cached
+    d = speed.as_dict()
+    assert d["faster"] == speed.faster and d["shape"] == list(int8_speed.SHAPE)
+    assert "TOPS" in speed.describe() and "TFLOP/s" in speed.describe()
+
+
+@needs_int8
+def test_a_slow_int8_gemm_is_found_in_one_round(monkeypatch):
+    """A CPU where torch's int8 GEMM is a plain loop (35-55x fp32): one call decides, in well under a second."""
+    real = int8_gemm.int8_linear
+
+    def crawling(*args):
+        time.sleep(0.15)
+        return real(*args)
+
+    monkeypatch.setattr(int8_gemm, "int8_linear", crawling)
+    t0 = time.perf_counter()
+    speed = int8_speed.check()
+    assert not speed.faster and speed.rounds == 1
+    assert time.perf_counter() - t0 < 2.0
+    with pytest.raises(int8_speed.Int8SpeedError, match=r"slower than float32 .*TOPS vs fp32 .*TFLOP/s"):
+        int8_speed.require_faster()
+
+
+def test_optimize_refuses_before_calibrating_and_leaves_the_model_as_it_was(monkeypatch):
+    monkeypatch.setattr(int8_speed, "_CACHE", {torch.get_num_threads(): slow()})
+    calibrated = []
+    monkeypatch.setattr(int8, "reference_pooled", lambda *a, **k: calibrated.append(1))
+    model = tiny_model()
+    batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    with pytest.raises(bert_fast.Int8SpeedError, match=r"0\.003 TOPS vs fp32 0\.1 TFLOP/s \(0\.03x\)"):
+        bert_fast.optimize(model, int8=True, calibration=batch)
+    assert not calibrated  # refused before any calibration forward
+    assert type(model) is transformers.BertModel  # nothing converted
+    with pytest.raises(int8_speed.Int8SpeedError):
+        int8.quantize(bert_fast.optimize(tiny_model()), batch)  # the lower-level entry point checks too
+
+
+def test_a_torch_without_the_int8_op_gets_a_clear_error(monkeypatch):
+    def missing(*a, **k):
+        raise RuntimeError("_int_mm: not implemented for 'CPU'")
+
+    monkeypatch.setattr(torch, "_int_mm", missing)
+    assert not int8.available()
+    batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    with pytest.raises(RuntimeError, match="int8 needs torch._int_mm on the CPU, which this torch build lacks"):
+        bert_fast.optimize(tiny_model(), int8=True, calibration=batch)
+
+
+def test_the_bench_provider_is_skipped_with_both_rates(monkeypatch):
+    from bert_fast.bench import model_providers
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    monkeypatch.setattr(int8_speed, "_CACHE", {torch.get_num_threads(): slow()})
+    monkeypatch.setattr(int8, "available", lambda: True)
+    model = bert_fast.optimize(tiny_model())
+    with pytest.raises(ProviderUnavailable, match=r"speed check: .*0\.003 TOPS vs fp32"):
+        model_providers.quantize_int8(model, model.config, "cpu", "infer")
+
+
+def test_the_doctor_says_int8_is_refused_with_both_rates():
+    from bert_fast import doctor_precision as dp
+
+    caps = {"model": "AVX2 box", "flags": {"avx2": True}, "bf16": False, "bf16_reason": "no bf16 units"}
+    rates = {"fp32": 0.1, "bf16": None, "int8": 0.004, "int8_check": slow().as_dict()}
+    rec = dp.recommend(caps, rates)
+    assert rec["precision"] == "fp32"
+    assert "refuses on this CPU" in rec["int8"] and "0.003 TOPS vs fp32 0.1 TFLOP/s" in rec["int8"]
+    fast = dict(slow(3.0).as_dict(), int8_tops=0.3)
+    rec = dp.recommend(caps, dict(rates, int8=0.3, int8_check=fast))
+    assert "refuses" in rec["int8"] and "Int8SpeedError" not in rec["int8"]  # the accuracy guard's word

@@ -208,7 +208,13 @@ setup(
             # tests/test_architecture.py: the import layering contracts and the style checks
             "import-linter>=2.1",
             "ruff>=0.6",
+            # tests/test_docs.py: `mkdocs build --strict` of the docs site (the "docs" extra's tools)
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
+            "mkdocstrings[python]>=0.26",
         ],
+        # the docs site (mkdocs.yml, docs/): `pip install -e ".[docs]" && mkdocs serve`
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         "bench": ["pytest-benchmark>=4"],
         # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
         "ort": ["onnxruntime>=1.16", "onnx>=1.14"],

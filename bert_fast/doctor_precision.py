@@ -151,7 +151,7 @@ def recommend(caps: Dict[str, Any], rates: Dict[str, Any]) -> Dict[str, Any]:
         int8_note = (
             f"{CALL_INT8} refuses on this CPU (Int8SpeedError): int8 GEMM {check['int8_tops']:.3g} TOPS vs fp32 "
             f"{check['fp32_tflops']:.3g} TFLOP/s measured at M x K x N = {' x '.join(map(str, check['shape']))}; "
-            "torch's fast int8 GEMM needs AVX-512 VNNI or AMX-INT8"
+            f"(fastest int8 GEMM here: {check.get('backend', 'int_mm')})"
         )
     elif int8 is not None and best and int8 >= INT8_OVER_BEST * best:
         int8_note = (

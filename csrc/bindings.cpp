@@ -11,6 +11,7 @@ namespace py = pybind11;
 namespace bert_fast {
 void bind_keep_mask(py::module_& m);  // keep_mask_cpu.cpp
 void bind_int8(py::module_& m);       // int8_cpu.cpp
+void bind_int8_gemm_avx2(py::module_& m);  // int8_gemm_avx2.cpp
 void bind_attention(py::module_& m);  // attention_cpu.cpp
 }  // namespace bert_fast
 
@@ -48,5 +49,6 @@ PYBIND11_MODULE(_C, m) {
   bert_fast::bind_embedding(m);
   bert_fast::bind_keep_mask(m);
   bert_fast::bind_int8(m);
+  bert_fast::bind_int8_gemm_avx2(m);
   bert_fast::bind_attention(m);
 }

@@ -140,3 +140,81 @@ def test_bad_dtype_code_is_refused():
         pytest.skip("bert_fast._C was built without the int8 passes")
     with pytest.raises(ValueError, match="dtype code"):
         int8_gemm._ext.int8_quantize_rows(0, 5, 1, 1, 0, 0, 1)
+
+
+# ----------------------------------------------------------------------------- the AVX2 GEMM (CPUs without VNNI)
+needs_avx2 = pytest.mark.skipif(
+    not int8_gemm.avx2_available(), reason="needs AVX2 + FMA (this CPU lacks it, or BERT_FAST_CPU_ISA=scalar)"
+)
+
+
+def _quantized(m, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(m, k, generator=g) * 2, torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+    sw = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    wq_t = torch.round(w / sw[:, None]).clamp(-127, 127).to(torch.int8).t().contiguous()
+    wq_t[0, : min(n, 3)] = torch.tensor([127, -127, 127], dtype=torch.int8)[: min(n, 3)]  # full-range codes
+    return x, wq_t, sw, b
+
+
+def test_avx2_weight_panels_hold_the_pairs_of_16_columns():
+    wq_t = torch.arange(5 * 19, dtype=torch.int16).view(5, 19).to(torch.int8)
+    p = int8_gemm.pack_weight_avx2(wq_t)
+    assert p.shape == (2, 3, 16, 2) and p.dtype == torch.int16
+    for panel, j, lane, t in [(0, 0, 0, 0), (0, 1, 3, 1), (1, 2, 2, 0), (1, 0, 2, 1)]:
+        k, col = 2 * j + t, 16 * panel + lane
+        assert p[panel, j, lane, t] == (wq_t[k, col] if k < 5 and col < 19 else 0)
+    assert p[1, 2, :, 1].eq(0).all() and p[1, :, 3:, :].eq(0).all()  # the padding is zero
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 7, 17), (4, 16, 16), (9, 384, 40), (37, 768, 129), (130, 3000, 64)])
+def test_avx2_gemm_equals_the_int_mm_path_bit_for_bit(dtype, m, k, n):
+    """The same exact int32 sums as torch._int_mm and the dequantization in the same order: equal bits,
+    row and column tails, odd K, bias and none."""
+    x, wq_t, sw, b = _quantized(m, k, n, m + k + n)
+    x = x.to(dtype)
+    packed = int8_gemm.pack_weight_avx2(wq_t)
+    for bias in (b, None):
+        want = int8_gemm.dequantize_torch(
+            torch.mm(int8_gemm.quantize_rows(x)[0].long(), wq_t.long()).to(torch.int32),
+            int8_gemm.quantize_rows(x)[1],
+            sw,
+            bias,
+            dtype,
+        )
+        got = int8_gemm.int8_linear_avx2(x, packed, n, sw, bias, None)
+        assert torch.equal(got, want), (m, k, n, (got.float() - want.float()).abs().max())
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gelu", ["none", "tanh"])
+def test_avx2_gemm_gelu_epilogue_matches_torch_gelu(dtype, gelu):
+    """The GELU in the AVX2 epilogue equals torch's GELU of the exact dequantized values to 2e-7
+    relative (fp32 output) or within one bf16 step (bf16 output)."""
+    m, k, n = 21, 96, 203
+    x, wq_t, sw, b = _quantized(m, k, n, 5)
+    x = x.to(dtype)
+    got = int8_gemm.int8_linear_avx2(x, int8_gemm.pack_weight_avx2(wq_t), n, sw, b, gelu)
+    xq, sx = int8_gemm.quantize_rows(x)
+    exact = int8_gemm.dequantize_torch(torch.mm(xq.long(), wq_t.long()).to(torch.int32), sx, sw, b, torch.float32)
+    want = torch.nn.functional.gelu(exact.double(), approximate=gelu)
+    err = (got.double() - want).abs()
+    if dtype == torch.float32:
+        assert (err <= 2e-7 * (1 + want.abs()) + 1e-7).all(), err.max().item()
+    else:
+        assert (err <= want.abs() * 2.0**-8 + 1e-6).all(), err.max().item()
+
+
+@needs_avx2
+def test_avx2_gemm_refuses_what_it_cannot_run(monkeypatch):
+    with pytest.raises(ValueError, match="act must be"):
+        int8_gemm._ext.int8_linear_avx2(0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 9, 1)
+    with pytest.raises(ValueError, match="dtype code"):
+        int8_gemm._ext.int8_linear_avx2(0, 1, 1, 0, 1, 0, 0, 0, 0, 3, 0, 1)
+    monkeypatch.setenv("BERT_FAST_CPU_ISA", "scalar")
+    assert not int8_gemm.avx2_available()
+    with pytest.raises(ValueError, match="cannot run isa=avx2"):
+        int8_gemm._ext.int8_linear_avx2(0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1)

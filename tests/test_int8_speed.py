@@ -57,22 +57,38 @@ def test_the_check_measures_both_rates_once_per_process_and_thread_count():
     assert "TOPS" in speed.describe() and "TFLOP/s" in speed.describe()
 
 
-@needs_int8
-def test_a_slow_int8_gemm_is_found_in_one_round(monkeypatch):
-    """A CPU where torch's int8 GEMM is a plain loop (35-55x fp32): one call decides, in well under a second."""
-    real = int8_gemm.int8_linear
-
-    def crawling(*args):
-        time.sleep(0.15)
+def crawling(real):
+    def slow_call(*args):
+        time.sleep(0.5)  # > CLEARLY_SLOWER x an fp32 call even on a loaded 2-core machine
         return real(*args)
 
-    monkeypatch.setattr(int8_gemm, "int8_linear", crawling)
+    return slow_call
+
+
+@needs_int8
+def test_slow_int8_gemms_are_found_in_one_round(monkeypatch):
+    """A CPU where every int8 GEMM is slow (torch's plain loop without VNNI, 35-55x fp32): one call of
+    each decides, in a few seconds at most, and int8 is refused with the rates."""
+    monkeypatch.setattr(int8_gemm, "int8_linear", crawling(int8_gemm.int8_linear))
+    monkeypatch.setattr(int8_gemm, "int8_linear_avx2", crawling(int8_gemm.int8_linear_avx2))
     t0 = time.perf_counter()
     speed = int8_speed.check()
     assert not speed.faster and speed.rounds == 1
-    assert time.perf_counter() - t0 < 2.0
-    with pytest.raises(int8_speed.Int8SpeedError, match=r"slower than float32 .*TOPS vs fp32 .*TFLOP/s"):
+    assert time.perf_counter() - t0 < 4.0  # warm-up and one round of each: not MAX_ROUNDS of slow calls
+    with pytest.raises(int8_speed.Int8SpeedError, match=r"slower than float32 .*TOPS .*vs fp32 .*TFLOP/s"):
         int8_speed.require_faster()
+
+
+@needs_int8
+@pytest.mark.skipif(not int8_gemm.avx2_available(), reason="needs AVX2 for bert_fast's own int8 GEMM")
+def test_where_torchs_int8_gemm_is_slow_ours_is_chosen(monkeypatch):
+    """An AVX2 CPU without VNNI, as torch sees it (torch._int_mm a slow loop): the check picks the AVX2
+    GEMM, and a quantized model runs it."""
+    monkeypatch.setattr(int8_gemm, "int8_linear", crawling(int8_gemm.int8_linear))
+    speed = int8_speed.check()
+    assert speed.backend == "avx2" and set(speed.rates) == {"int_mm", "avx2"}
+    assert speed.rates["avx2"] > 10 * speed.rates["int_mm"]
+    assert "bert_fast's AVX2 int8 GEMM" in speed.describe()
 
 
 def test_optimize_refuses_before_calibrating_and_leaves_the_model_as_it_was(monkeypatch):
@@ -81,7 +97,7 @@ def test_optimize_refuses_before_calibrating_and_leaves_the_model_as_it_was(monk
     monkeypatch.setattr(int8, "reference_pooled", lambda *a, **k: calibrated.append(1))
     model = tiny_model()
     batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
-    with pytest.raises(bert_fast.Int8SpeedError, match=r"0\.003 TOPS vs fp32 0\.1 TFLOP/s \(0\.03x\)"):
+    with pytest.raises(bert_fast.Int8SpeedError, match=r"0\.003 TOPS .*vs fp32 0\.1 TFLOP/s \(0\.03x\)"):
         bert_fast.optimize(model, int8=True, calibration=batch)
     assert not calibrated  # refused before any calibration forward
     assert type(model) is transformers.BertModel  # nothing converted
@@ -107,7 +123,7 @@ def test_the_bench_provider_is_skipped_with_both_rates(monkeypatch):
     monkeypatch.setattr(int8_speed, "_CACHE", {torch.get_num_threads(): slow()})
     monkeypatch.setattr(int8, "available", lambda: True)
     model = bert_fast.optimize(tiny_model())
-    with pytest.raises(ProviderUnavailable, match=r"speed check: .*0\.003 TOPS vs fp32"):
+    with pytest.raises(ProviderUnavailable, match=r"speed check: .*0\.003 TOPS .*vs fp32"):
         model_providers.quantize_int8(model, model.config, "cpu", "infer")
 
 
@@ -122,3 +138,22 @@ def test_the_doctor_says_int8_is_refused_with_both_rates():
     fast = dict(slow(3.0).as_dict(), int8_tops=0.3)
     rec = dp.recommend(caps, dict(rates, int8=0.3, int8_check=fast))
     assert "refuses" in rec["int8"] and "Int8SpeedError" not in rec["int8"]  # the accuracy guard's word
+
+
+@needs_int8
+@pytest.mark.skipif(not int8_gemm.avx2_available(), reason="needs AVX2 for bert_fast's own int8 GEMM")
+def test_either_int8_backend_gives_the_same_model_outputs(monkeypatch):
+    """quantize(backend="avx2") and (backend="int_mm") run the same int32 sums: the same outputs (up to
+    the GELU's vector forms, ~1e-7), and every int8 GEMM of the model runs the backend asked for."""
+    monkeypatch.setattr(int8_speed.Int8Speed, "faster", property(lambda self: True))
+    batch = {"input_ids": torch.randint(5, 100, (3, 11)), "attention_mask": torch.ones(3, 11, dtype=torch.long)}
+    batch["attention_mask"][1, 6:] = 0
+    outs = {}
+    for backend in ("int_mm", "avx2"):
+        model = bert_fast.optimize(tiny_model())
+        int8.quantize(model, batch, min_cosine=0.9, backend=backend)
+        store = int8.store_of(model)
+        assert {lin.backend for e in store.values() for lin in (e.qkv, e.out, e.up, e.down)} == {backend}
+        with torch.inference_mode():
+            outs[backend] = model(**batch).last_hidden_state
+    torch.testing.assert_close(outs["avx2"], outs["int_mm"], rtol=1e-5, atol=1e-5)

@@ -2,7 +2,9 @@
 
 What runs. Each encoder GEMM y = act(x W^T + b) becomes bert_fast.ops.int8_gemm.int8_linear:
     x_q, s_x = quantize_rows(x)           int8 [M, K], one fp32 scale per row (symmetric, dynamic)
-    acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it)
+    acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it;
+                                           on CPUs without VNNI our AVX2 GEMM, int8_linear_avx2, with
+                                           the next line in its epilogue: whichever measured faster)
     y        = act(acc * s_x * s_w + b)    in the model's dtype (fp32 or bf16)
 with W_q int8 per output channel (symmetric, s_w [N]), quantized once here. Why per-row activations
 and per-channel weights: on all-MiniLM-L6-v2 (64 shipped sentences, min cosine of mean-pooled
@@ -63,22 +65,31 @@ def quantize_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 class _Int8Linear:
-    """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype."""
+    """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype. ``backend``: "int_mm"
+    (torch._int_mm on W_q^T int8 [K, N]) or "avx2" (our AVX2 GEMM on the int16-pair panels it wants)."""
 
-    __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes")
+    __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes", "backend")
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], backend: str = "int_mm"):
+        if backend not in ("int_mm", "avx2"):
+            raise ValueError(f"int8 backend must be 'int_mm' or 'avx2', got {backend!r}")
         self.n, self.k = weight.shape
-        self.wq, self.scale = quantize_weight(weight)
+        self.backend = backend
+        wq, self.scale = quantize_weight(weight)
+        self.wq = int8_gemm.pack_weight_avx2(wq) if backend == "avx2" else wq
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
-        self.nbytes = self.wq.numel() + 4 * self.n + (0 if bias is None else 4 * self.n)
+        self.nbytes = self.wq.numel() * self.wq.element_size() + 4 * self.n + (0 if bias is None else 4 * self.n)
 
     def __call__(self, x: Tensor, activation: Optional[str] = None) -> Tensor:
         x2 = x.reshape(-1, self.k)
         if x2.shape[0] == 0:
             return x.new_empty((*x.shape[:-1], self.n))
         gelu = None if activation is None else GELU_APPROXIMATE[activation]
-        return int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu).view(*x.shape[:-1], self.n)
+        if self.backend == "avx2":
+            y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu)
+        else:
+            y = int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu)
+        return y.view(*x.shape[:-1], self.n)
 
 
 def _stamp(linears) -> Tuple:
@@ -94,13 +105,13 @@ class _Int8Layer:
 
     __slots__ = ("stamp", "qkv", "out", "up", "down")
 
-    def __init__(self, linears):
+    def __init__(self, linears, backend: str = "int_mm"):
         self.stamp = _stamp(linears)
         q, k, v, o, i, d = linears
         with torch.no_grad():
             b = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
-            self.qkv = _Int8Linear(torch.cat([q.weight, k.weight, v.weight]), b)
-            self.out, self.up, self.down = (_Int8Linear(m.weight, m.bias) for m in (o, i, d))
+            self.qkv = _Int8Linear(torch.cat([q.weight, k.weight, v.weight]), b, backend)
+            self.out, self.up, self.down = (_Int8Linear(m.weight, m.bias, backend) for m in (o, i, d))
 
     def fresh(self, linears) -> bool:
         return _stamp(linears) == self.stamp
@@ -189,14 +200,19 @@ def quantize(
     calibration: Dict[str, Tensor],
     min_cosine: float = DEFAULT_MIN_COSINE,
     reference: Optional[Tensor] = None,
+    backend: Optional[str] = None,
 ) -> float:
     """Build int8 GEMMs for every layer of ``model`` (a bert_fast BertModel-like FastModel) and keep
     them only if the calibration batch's mean-pooled outputs keep ``min cosine >= min_cosine`` to
     the fp32 model (``reference``: those pooled outputs, computed here from the model's current
     weights in fp32 when not given). Returns the measured min cosine; raises Int8AccuracyError
     (nothing applied) below the bound, and int8_speed.Int8SpeedError (before any calibration) where
-    int8 GEMMs measure slower than fp32 on this CPU."""
-    int8_speed.require_faster()  # RuntimeError without a CPU int8 GEMM; cached after the first call
+    int8 GEMMs measure slower than fp32 on this CPU. ``backend``: the int8 GEMM ("int_mm": torch._int_mm,
+    "avx2": ours); by default the faster one as measured by that check."""
+    speed = int8_speed.require_faster()  # RuntimeError without a CPU int8 GEMM; cached after the first call
+    backend = backend or speed.backend
+    if backend == "avx2" and not int8_gemm.avx2_available():
+        raise ValueError("int8 backend 'avx2' needs AVX2 (and bert_fast._C built with int8_linear_avx2)")
     weight = model.embeddings.word_embeddings.weight
     if weight.device.type != "cpu":
         raise ValueError(f"int8 quantization is for CPU inference; this model is on {weight.device}")
@@ -212,7 +228,7 @@ def quantize(
         for i, layer in enumerate(model.encoder.layer):
             linears = frozen.layer_linears(layer)
             if frozen.plain_linears(linears):
-                store[i] = _Int8Layer(linears)
+                store[i] = _Int8Layer(linears, backend)
         if not store:
             raise ValueError("no layer of this model has plain nn.Linear weights to quantize to int8")
         _STORE[model] = store

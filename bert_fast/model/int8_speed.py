@@ -5,11 +5,12 @@ the bench's ``bert_fast-int8`` provider and ``bert-fast doctor``.
 Why measure. Where the CPU has VNNI (AVX-512 VNNI, AMX-INT8), torch._int_mm runs oneDNN's int8
 GEMM at 1.5-3x the fp32 rate. Elsewhere (AVX2-only CPUs: AMD Zen 2/3, Intel before Ice Lake, and
 Intel client parts with only AVX-VNNI) torch takes a plain C++ loop instead, 35-55x slower than fp32
-(bert-base b8 s128: 60.7 s against 1.10 s per forward on a Zen 3). The CPU's flags alone do not
-say which path a given torch build takes, so the int8 linear bert_fast would run (quantize the
-rows, torch._int_mm, dequantize: bert_fast.ops.int8_gemm.int8_linear) is timed against fp32
-F.linear on one BERT-base GEMM, M=128 rows (a batch-1 forward), K=768, N=3072: int8 is offered
-only where it is faster, and refused with both measured rates where it is not.
+(bert-base b8 s128: 60.7 s against 1.10 s per forward on a Zen 3); there our own AVX2 int8 GEMM
+(csrc/int8_gemm_avx2.cpp) runs instead. The CPU's flags alone do not say which is faster with a
+given torch build, so each int8 linear bert_fast can run (bert_fast.ops.int8_gemm: int8_linear on
+torch._int_mm, "int_mm"; int8_linear_avx2, "avx2") is timed against fp32 F.linear on one BERT-base
+GEMM, M=128 rows (a batch-1 forward), K=768, N=3072: the faster int8 backend is the one used, and
+int8 is offered only where it beats fp32, refused with the measured rates where it does not.
 
 Cost: at most ~MAX_SECONDS; on a slow int8 path one warm-up call already decides it (a call over
 CLEARLY_SLOWER times the fp32 one ends the measurement).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
 import torch
@@ -42,13 +43,16 @@ class Int8SpeedError(ValueError):
 
 @dataclass(frozen=True)
 class Int8Speed:
-    """The measured rates of one shape: int8 linear (TOPS) and fp32 F.linear (TFLOP/s)."""
+    """The measured rates of one shape: the faster int8 linear (TOPS, ``backend``) and fp32 F.linear
+    (TFLOP/s); ``rates``: every int8 backend's TOPS ("int_mm": torch._int_mm, oneDNN; "avx2": ours)."""
 
     int8_tops: float
     fp32_tflops: float
     shape: Tuple[int, int, int]
     threads: int
     rounds: int
+    backend: str = "int_mm"
+    rates: Dict[str, float] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -60,8 +64,11 @@ class Int8Speed:
 
     def describe(self) -> str:
         m, k, n = self.shape
+        others = ", ".join(f"{b} {r:.3g}" for b, r in self.rates.items() if b != self.backend)
         return (
-            f"int8 GEMM {self.int8_tops:.3g} TOPS vs fp32 {self.fp32_tflops:.3g} TFLOP/s ({self.speedup:.2f}x) "
+            f"int8 GEMM {self.int8_tops:.3g} TOPS ({BACKEND_NAMES.get(self.backend, self.backend)}"
+            + (f"; other int8 backends: {others} TOPS" if others else "")
+            + f") vs fp32 {self.fp32_tflops:.3g} TFLOP/s ({self.speedup:.2f}x) "
             f"measured on this CPU at M={m} K={k} N={n}, {self.threads} thread(s)"
         )
 
@@ -71,10 +78,15 @@ class Int8Speed:
             "fp32_tflops": self.fp32_tflops,
             "speedup": self.speedup,
             "faster": self.faster,
+            "backend": self.backend,
+            "rates": dict(self.rates),
             "shape": list(self.shape),
             "threads": self.threads,
             "rounds": self.rounds,
         }
+
+
+BACKEND_NAMES = {"int_mm": "torch._int_mm", "avx2": "bert_fast's AVX2 int8 GEMM"}
 
 
 def _measure(shape: Tuple[int, int, int]) -> Int8Speed:
@@ -87,29 +99,37 @@ def _measure(shape: Tuple[int, int, int]) -> Int8Speed:
     wq_t = torch.round(w / sw[:, None]).to(torch.int8).t().contiguous()
     runs = {
         "fp32": lambda: F.linear(x, w, b),
-        "int8": lambda: int8_gemm.int8_linear(x, wq_t, sw, b, None),
+        "int_mm": lambda: int8_gemm.int8_linear(x, wq_t, sw, b, None),
     }
-    times: Dict[str, list] = {"fp32": [], "int8": []}
+    if int8_gemm.avx2_available():
+        packed = int8_gemm.pack_weight_avx2(wq_t)
+        runs["avx2"] = lambda: int8_gemm.int8_linear_avx2(x, packed, n, sw, b, None)
+    times: Dict[str, list] = {name: [] for name in runs}
+    active = list(runs)
     start = time.perf_counter()
     with torch.no_grad():
-        for name in ("fp32", "int8"):  # warm-up: oneDNN's first call builds its kernel
+        for name in runs:  # warm-up: oneDNN's first call builds its kernel
             runs[name]()
         for _ in range(MAX_ROUNDS):
-            for name in ("fp32", "int8"):  # interleaved: the machine's load falls on both alike
+            for name in active:  # interleaved: the machine's load falls on all alike
                 t0 = time.perf_counter()
                 runs[name]()
                 times[name].append(time.perf_counter() - t0)
-            if times["int8"][-1] > CLEARLY_SLOWER * times["fp32"][-1]:
-                break  # a slow int8 path: one call says so
-            if time.perf_counter() - start > MAX_SECONDS and len(times["int8"]) >= 3:
+            # a slow int8 path (torch's plain loop without VNNI): one call says so, no need to repeat it
+            active = [a for a in active if a == "fp32" or times[a][-1] <= CLEARLY_SLOWER * times["fp32"][-1]]
+            if len(active) == 1 or (time.perf_counter() - start > MAX_SECONDS and len(times["fp32"]) >= 3):
                 break
     work = 2.0 * m * k * n / 1e12
+    rates = {name: work / statistics.median(t) for name, t in times.items() if name != "fp32"}
+    best = max(rates, key=rates.get)
     return Int8Speed(
-        int8_tops=work / statistics.median(times["int8"]),
+        int8_tops=rates[best],
         fp32_tflops=work / statistics.median(times["fp32"]),
         shape=shape,
         threads=torch.get_num_threads(),
-        rounds=len(times["int8"]),
+        rounds=len(times["fp32"]),
+        backend=best,
+        rates=rates,
     )
 
 
@@ -131,7 +151,7 @@ def require_faster() -> Int8Speed:
     if not speed.faster:
         raise Int8SpeedError(
             f"int8 would be slower than float32 on this CPU: {speed.describe()}. int8 was not applied. "
-            "torch runs its fast int8 GEMM (oneDNN) only on CPUs with AVX-512 VNNI or AMX-INT8; use "
+            "(torch's int8 GEMM is fast only with AVX-512 VNNI or AMX-INT8; bert_fast's own needs AVX2.) Use "
             "float32 with freeze=True here (bert_fast.optimize(model, freeze=True)), or bf16 on a CPU with bf16 units."
         )
     return speed

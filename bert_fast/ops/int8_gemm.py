@@ -2,7 +2,9 @@
 channel (bert_fast/model/int8.py builds the weights and guards the accuracy):
 
     x_q, s_x = quantize_rows(x)               one pass over x (bert_fast._C), or 5 torch ops
-    acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8)
+    acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8), or on CPUs without
+                                              VNNI our AVX2 GEMM with the next step in its epilogue
+                                              (csrc/int8_gemm_avx2.cpp: int8_linear_avx2)
     y        = act(dequantize(acc, s_x, s_w, b))  one pass over acc with the GELU in it (bert_fast._C),
                                               or 3-4 torch ops and the GELU
 
@@ -93,7 +95,54 @@ def dequantize(
 
 def int8_linear(x2: Tensor, wq_t: Tensor, sw: Tensor, bias: Optional[Tensor], gelu: Optional[str]) -> Tensor:
     """act(x2 W^T + b) for x2 [M, K] fp32/bf16, W as (W_q^T int8 [K, N], s_w fp32 [N]), b fp32 [N] or
-    None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns x2's dtype."""
+    None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns x2's dtype.
+    The GEMM is torch._int_mm (oneDNN; fast where the CPU has AVX-512 VNNI or AMX-INT8)."""
     xq, sx = quantize_rows(x2)
     acc = torch._int_mm(xq, wq_t)
     return dequantize(acc, sx, sw, bias, x2.dtype, gelu)
+
+
+# ----------------------------------------------------------------------------- AVX2 (no VNNI)
+def avx2_available() -> bool:
+    """Our AVX2 int8 GEMM (csrc/int8_gemm_avx2.cpp) is built and this CPU (and BERT_FAST_CPU_ISA) runs it."""
+    if _ext is None or not hasattr(_ext, "int8_linear_avx2") or not hasattr(_ext, "cpu_isa"):
+        return False
+    return _ext.cpu_isa()["usable"] in ("avx2", "avx512", "avx512_bf16")
+
+
+def pack_weight_avx2(wq_t: Tensor) -> Tensor:
+    """W_q^T int8 [K, N] -> the AVX2 GEMM's int16 pair panels [ceil(N/16), ceil(K/2), 16, 2]:
+    packed[p, j, lane, t] = W_q^T[2j + t, 16p + lane], zero padded (csrc/int8_gemm_avx2.cpp)."""
+    k, n = wq_t.shape
+    kp, np_ = (k + 1) // 2, (n + 15) // 16
+    w = torch.zeros((2 * kp, 16 * np_), dtype=torch.int16)
+    w[:k, :n] = wq_t
+    return w.view(kp, 2, np_, 16).permute(2, 0, 3, 1).contiguous()
+
+
+def int8_linear_avx2(
+    x2: Tensor, w_packed: Tensor, n: int, sw: Tensor, bias: Optional[Tensor], gelu: Optional[str]
+) -> Tensor:
+    """int8_linear with our AVX2 GEMM, the dequantization and GELU in its epilogue (one pass over the
+    output): the same int32 accumulators as torch._int_mm, so the same result as int8_linear."""
+    code = _CODES.get(x2.dtype)
+    if code is None:
+        raise TypeError(f"int8_linear_avx2 takes fp32 or bf16 activations, got {x2.dtype}")
+    xq, sx = quantize_rows(x2)
+    m, k = xq.shape
+    y = torch.empty((m, n), dtype=x2.dtype)
+    _ext.int8_linear_avx2(
+        xq.data_ptr(),
+        m,
+        k,
+        w_packed.data_ptr(),
+        n,
+        sx.data_ptr(),
+        sw.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        code,
+        _ACT_CODES[gelu],
+        torch.get_num_threads(),
+    )
+    return y

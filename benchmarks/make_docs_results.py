@@ -36,6 +36,7 @@ GPU_START, GPU_END = "<!-- perf:start -->", "<!-- perf:end -->"
 DOCS_CPU = Path("docs/results/cpu.md")
 DOCS_GPU = Path("docs/results/gpu.md")
 DOCS_IMG = Path("docs/results/img")
+GPU_IMG = "gpu-bench.png"
 CPU_RUNS = (  # (file under benchmarks/results/cpu, the picture's name)
     ("bench_cpu.json", "cpu-bench.png"),
     ("encode.json", "cpu-encode.png"),
@@ -284,6 +285,7 @@ def gpu_page(results_dir: Path, allow_cpu: bool = False) -> str:
             f"{tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped"
         )
     out += ["", "## Summary", ""] + summary_table(runs)
+    out += ["", f"![bar chart per case on {env.get('device_name', 'the GPU')}](img/{GPU_IMG})"]
     out += ["", "## Model", ""] + mk.model_table(runs)
     out += ["", "## Ops", ""] + mk.ops_table((doc.get("ops") or {}).get("cases", []))
     return "\n".join(out).rstrip() + "\n"
@@ -316,6 +318,19 @@ def gpu_readme_block(path: Optional[Path], doc: Optional[Dict[str, Any]], readme
         img = os.path.relpath(path.parent / plot, readme.parent)
         out += ["", f"![bert_fast on {env.get('device_name', 'GPU')}]({img})"]
     return "\n".join(out)
+
+
+def gpu_plots(results_dir: Path, docs_root: Path, allow_cpu: bool = False) -> List[Path]:
+    """The bar chart per case of the newest GPU-check results into ``docs_root``/docs/results/img/."""
+    from bert_fast.bench.plots import plot_cases
+
+    found = _sibling("make_readme_performance").newest_results(results_dir, allow_cpu=allow_cpu)
+    if not found:
+        return []
+    _, doc = found
+    target = docs_root / DOCS_IMG / GPU_IMG
+    view = {"environment": doc.get("environment"), "runs": (doc.get("model") or {}).get("runs", [])}
+    return [target] if plot_cases(view, target) else []
 
 
 # ----------------------------------------------------------------------------- writing
@@ -372,7 +387,9 @@ def main(argv=None) -> int:
     if args.check:
         return rc
     if not args.no_plots:
-        for p in cpu_plots(root / "benchmarks" / "results" / "cpu", root):
+        for p in cpu_plots(root / "benchmarks" / "results" / "cpu", root) + gpu_plots(
+            root / "benchmarks" / "results", root
+        ):
             print(f"wrote {p}")
     return 0
 

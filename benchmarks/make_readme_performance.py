@@ -265,6 +265,10 @@ def main(argv=None) -> int:
     }
     rc = docs.write_or_check(files, check=args.check)
     if not args.check:
+        try:  # the docs page's bar chart (needs bert_fast and matplotlib)
+            docs.gpu_plots(Path(args.results_dir), readme.parent, allow_cpu=args.allow_cpu)
+        except ImportError as exc:
+            print(f"docs plot not drawn: {exc}", file=sys.stderr)
         print(f"{readme}: GPU results from {found[0] if found else 'no results (none yet)'}")
     return rc
 

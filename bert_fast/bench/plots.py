@@ -289,7 +289,8 @@ def _draw_ops(ax, cases) -> bool:
 def _title(doc: Dict[str, Any]) -> str:
     env = doc.get("environment") or {}
     commit = str(env.get("git_commit", "unknown"))[:12]
-    title = f"{env.get('device_name', '?')} | driver {env.get('driver_version') or '-'} | commit {commit}"
+    device = (doc.get("cpu") or {}).get("model") or env.get("device_name", "?")  # the CPU's name, not "x86_64"
+    title = f"{device} | driver {env.get('driver_version') or '-'} | commit {commit}"
     threads = doc.get("threads") or env.get("cpu_threads")
     if threads:
         title += f" | {threads} threads"

@@ -222,8 +222,10 @@ def cpu_page(d: Path) -> str:
         out += ["", f"![bar chart per case of {name}](img/{img})", ""]
     mk = _sibling("make_readme_cpu_performance")
     out += ["## Every figure", ""]
-    full = mk.section(d).splitlines()
-    out += [ln.replace("### CPU results (the CPU path, not the GPU kernels)", "") for ln in full[1:]]
+    full = mk.section(d).splitlines()[1:]  # without its heading
+    while full and not full[0].strip():
+        full.pop(0)
+    out += full
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -164,3 +164,27 @@ def test_bench_writes_the_plot_beside_the_json_by_default(tmp_path, capsys, extr
     out = capsys.readouterr().out
     assert (tmp_path / "bench.png").exists() is png
     assert "Summary: " in out and "tiny B=1 S=8 fp32: bert_fast" in out and "vs hf-eager" in out
+
+
+def test_the_main_job_keeps_its_json_and_plot(monkeypatch, tmp_path, capsys):
+    """`bert-fast bench` with no case options (the README's first command) writes its figures to
+    bert-fast-bench-<date>.json, and the plot beside it; any case option or --no-plot leaves it off."""
+    from bert_fast import cli
+    from bert_fast.bench import model_bench
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop(args):
+        seen["json"] = args.json
+        raise Stop
+
+    monkeypatch.setattr(model_bench, "build_cases", stop)
+    monkeypatch.chdir(tmp_path)
+    for argv, named in ((["bench"], True), (["bench", "--no-plot"], False), (["bench", "--batch", "1"], False)):
+        with pytest.raises(Stop):
+            cli.main([*argv, "--device", "cpu"])
+        assert (seen["json"] or "").startswith("bert-fast-bench-") is named, argv
+    assert "figures go to bert-fast-bench-" in capsys.readouterr().err

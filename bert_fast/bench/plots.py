@@ -346,7 +346,7 @@ def plot_cases(doc: Dict[str, Any], path) -> bool:
     or better accuracy (bert_fast.bench.results.summarize_case) outlined in black; the label of
     each bar gives the time, the precision and the accuracy (min cosine to transformers fp32).
     Hatched: an unstable figure. Written by default beside the JSON of ``bert-fast bench``."""
-    from bert_fast.bench.results import is_ours, summarize_case, summary_case_label
+    from bert_fast.bench.summary import is_ours, summarize_case, summary_case_label
 
     cases = []
     for c in doc.get("runs", []):

@@ -413,15 +413,111 @@ def test_output_hidden_states_selects_layers_as_transformers(select):
 
 
 def test_output_attentions_keyword_and_config_give_the_same_error():
-    hf, fast = pair(attn="eager")  # transformers' config refuses output_attentions with sdpa
+    """On an sdpa model: the keyword and (where transformers' config accepts it) the config give one
+    error, naming what to do; on an eager model both answer (tests/test_output_attentions.py)."""
+    hf, fast = pair(attn="sdpa")
     ids, mask = inputs(hf.config)
-    with pytest.raises(ValueError, match="output_attentions") as by_keyword:
+    with pytest.raises(ValueError, match="attn_implementation='eager'") as by_keyword:
         fast(ids, attention_mask=mask, output_attentions=True)
-    fast.config.output_attentions = True
-    with pytest.raises(ValueError, match="output_attentions") as by_config:
-        fast(ids, attention_mask=mask)
-    assert str(by_keyword.value) == str(by_config.value)
-    fast(ids, attention_mask=mask, output_attentions=False)  # the keyword overrides the config
+    try:
+        fast.config.output_attentions = True
+    except ValueError as e:  # transformers 5's config refuses output_attentions with sdpa itself
+        assert "eager" in str(e)
+    else:
+        with pytest.raises(ValueError, match="output_attentions") as by_config:
+            fast(ids, attention_mask=mask)
+        assert str(by_keyword.value) == str(by_config.value)
+        fast(ids, attention_mask=mask, output_attentions=False)  # the keyword overrides the config
+
+
+def test_answers_output_attentions_reads_the_attention_implementation():
+    config = tiny_config()
+    for attn, answers in (("eager", True), ("sdpa", False)):
+        compat.set_attention_implementation(config, attn)
+        assert compat.answers_output_attentions(config) is answers
+
+
+FAMILY_SELF_ATTENTIONS = [
+    (transformers.BertConfig, "bert", "Bert"),
+    (transformers.RobertaConfig, "roberta", "Roberta"),
+    (transformers.XLMRobertaConfig, "xlm_roberta", "XLMRoberta"),
+    (transformers.ElectraConfig, "electra", "Electra"),
+]
+
+
+@pytest.mark.parametrize("suffix", ["SelfAttention", "Attention"])
+@pytest.mark.parametrize("config_cls,family,prefix", FAMILY_SELF_ATTENTIONS)
+def test_eager_attention_modules_return_probabilities_under_probability_keywords(config_cls, family, prefix, suffix):
+    """transformers' (Self)Attention modules, eager, called as exact mode calls them with
+    probability_keywords: the second output is the softmax of the masked scores."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = config_cls(hidden_size=16, num_attention_heads=2, intermediate_size=32, attention_probs_dropout_prob=0.0)
+    compat.set_attention_implementation(config, "eager")
+    cls = getattr(modeling, prefix + suffix)
+    torch.manual_seed(0)
+    module = cls(config).eval()
+    self_attention = module if suffix == "SelfAttention" else module.self
+    h = torch.randn(2, 5, 16)
+    keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    mask = compat.attention_mask_for_modules(keep, h.dtype, config)
+    with torch.no_grad():
+        args = (h, mask) if suffix == "Attention" else (h,)
+        kw = {} if suffix == "Attention" else {"attention_mask": mask}
+        out = module(*args, **kw, **compat.probability_keywords(cls.forward))
+        probs = compat.attention_probabilities(out, cls.__name__)
+        q = self_attention.query(h).view(2, 5, 2, 8).transpose(1, 2)
+        k = self_attention.key(h).view(2, 5, 2, 8).transpose(1, 2)
+        want = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + mask, dim=-1)
+    torch.testing.assert_close(probs, want)
+    assert probs[1, :, :, 2:].abs().max() == 0
+
+
+def test_attention_probabilities_names_a_module_that_returned_none():
+    with pytest.raises(compat.CompatibilityError, match="MySelfAttention returned no attention probabilities"):
+        compat.attention_probabilities(torch.zeros(2, 3, 4), "MySelfAttention")
+    with pytest.raises(compat.CompatibilityError, match="eager"):
+        compat.attention_probabilities((torch.zeros(2, 3, 4), None), "BertSdpaSelfAttention")
+
+
+def test_returns_cross_attentions_is_what_transformers_returns():
+    config = tiny_config()
+    compat.set_attention_implementation(config, "eager")
+    hf = transformers.BertModel(config).to(DEVICE).eval()
+    ids, mask = inputs(config)
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, output_attentions=True)
+    assert ("cross_attentions" in out.keys()) is compat.returns_cross_attentions(transformers.BertModel)
+
+
+@pytest.mark.parametrize(
+    "model_cls,config_cls",
+    [
+        (transformers.BertModel, transformers.BertConfig),
+        (transformers.RobertaModel, transformers.RobertaConfig),
+        (transformers.ElectraModel, transformers.ElectraConfig),
+    ],
+)
+def test_the_position_embedding_type_probe_says_what_transformers_does(model_cls, config_cls):
+    """The probe (parameters of a layer built with relative_key) against behaviour: transformers'
+    model with relative_key gives other outputs than with absolute positions on the same weights
+    exactly where the probe says it honours the field."""
+    kw = dict(vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32)
+    absolute = config_cls(**kw, pad_token_id=1)
+    relative = config_cls(**kw, pad_token_id=1)
+    relative.position_embedding_type = "relative_key"
+    for c in (absolute, relative):
+        compat.set_attention_implementation(c, "eager")
+    torch.manual_seed(0)
+    a = model_cls(absolute).eval()
+    r = model_cls(relative).eval()
+    r.load_state_dict(a.state_dict(), strict=False)  # 4.x: r's distance embeddings stay its own
+    ids = torch.randint(3, 50, (2, 6))
+    with torch.no_grad():
+        same = torch.allclose(a(ids).last_hidden_state, r(ids).last_hidden_state)
+    layer_cls = type(a.encoder.layer[0])
+    assert compat.reads_position_embedding_type(layer_cls, config_cls) is (not same)
 
 
 @pytest.mark.parametrize("head_dim", [8, 160])

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import bert_fast
-from bert_fast.model import modeling
+from bert_fast.model import compat, modeling
 from bert_fast.testing import pick_test_device
 
 DEVICE = pick_test_device()
@@ -63,11 +63,14 @@ def make_config(family, hidden=48, heads=2, layers=2, max_pos=40, act="gelu", **
             pad_token_id=0,
             **kw,
         )
+    if family == "bert":  # BERT itself, for the tests that cover every family bert_fast runs
+        return transformers.BertConfig(type_vocab_size=2, **common, **kw)
     # ELECTRA: embedding_size != hidden_size, so embeddings_project is in the path
     return transformers.ElectraConfig(embedding_size=kw.pop("embedding_size", 24), type_vocab_size=2, **common, **kw)
 
 
 HF_BASE = {
+    "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm_roberta": "XLMRobertaModel",
     "electra": "ElectraModel",
@@ -355,6 +358,8 @@ def test_training_step_gradients_match(family, head):
 def test_unfusable_configs_are_refused_naming_the_field(family, field, value, err):
     if family == "distilbert" and field == "hidden_act":
         field = "activation"  # DistilBERT's name for it
+    if field == "position_embedding_type" and not honours_position_embedding_type(family):
+        pytest.skip("this transformers ignores position_embedding_type: test_ignored_position_embedding_type_...")
     good = getattr(transformers, HF_BASE[family])(make_config(family))
     bad_config = make_config(family)
     setattr(bad_config, field, value)
@@ -367,6 +372,38 @@ def test_unfusable_configs_are_refused_naming_the_field(family, field, value, er
         bert_fast.optimize(both)
     assert type(both["good"]) is getattr(transformers, HF_BASE[family])  # never half converted
     assert not isinstance(layers_of(both["good"])[0], modeling.FastLayer)
+
+
+def honours_position_embedding_type(family):
+    fam = getattr(bert_fast, HF_BASE[family]).bert_fast_family
+    return compat.reads_position_embedding_type(fam.hf_layer, fam.hf_model.config_class)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", ("bert",) + FAMILIES)
+def test_ignored_position_embedding_type_runs_what_transformers_runs(family, padded):
+    """transformers 5 no longer reads position_embedding_type (a relative_key config runs absolute
+    positions, same weights): bert_fast runs the same, converted or built. transformers 4 reads it
+    (BERT-like families): bert_fast refuses it, naming the field and the version."""
+    config = make_config(family)
+    config.position_embedding_type = "relative_key"
+    if honours_position_embedding_type(family):
+        with pytest.raises(NotImplementedError, match=r"position_embedding_type='relative_key'.*transformers 4"):
+            getattr(bert_fast, HF_BASE[family])(config)
+        return
+    hf, fast = pair(family, config=config, padded=padded)
+    converted = bert_fast.optimize(pair(family, config=config)[0])
+    assert isinstance(converted, modeling.FastModel)
+    ids, mask = batch(hf.config)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, output_hidden_states=True)
+        absolute = pair(family)[0](ids, attention_mask=mask)  # the same weights (same seed), absolute config
+        for model in (fast, converted):
+            out = model(ids, attention_mask=mask, output_hidden_states=True)
+            assert max_diff_real(out.last_hidden_state, ref.last_hidden_state, mask) <= ATOL
+            for got, want in zip(out.hidden_states, ref.hidden_states):
+                assert max_diff_real(got, want, mask) <= ATOL
+    assert max_diff_real(absolute.last_hidden_state, ref.last_hidden_state, mask) <= ATOL
 
 
 def test_roberta_without_pad_token_id_is_refused():

@@ -34,6 +34,15 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
     masking_utils); flash_attention_* take the 2-D [B, S] padding mask (5.x). Which one is in use is
     ``config._attn_implementation`` (private: there is no public getter in 4.41-5.24), read by
     ``attention_implementation``.
+  * output_attentions=True runs exact mode with every layer's self-attention through transformers'
+    module, on an eager model only (``answers_output_attentions``): BertSelfAttention and
+    BertAttention return (output, probabilities [B, heads, S, S]) when called with
+    output_attentions=True in 4.x and always in 5.x (``probability_keywords``,
+    ``attention_probabilities``); 5.x's BertModel also returns an empty ``cross_attentions`` then
+    (``returns_cross_attentions``, from the private ``_can_record_outputs``).
+  * ``config.position_embedding_type``: honoured by 4.x (relative_key adds distance embeddings to
+    the self-attention and drops absolute positions), ignored by 5.x (absolute positions, the same
+    weights); which one is probed, not read from the version (``reads_position_embedding_type``).
   * GradientCheckpointingLayer (transformers.modeling_layers, 4.52+): BertLayer.__call__ checkpoints
     itself when gradient_checkpointing_enable() is on; in older versions the encoder loop did it,
     which our encoder replaces (``layer_checkpoints_itself``).
@@ -92,6 +101,69 @@ def attention_implementation(config) -> str:
     "flash_attention_2", ...). Private attribute: transformers (4.41-5.24) has no public getter."""
     impl = getattr(config, "_attn_implementation", None)
     return impl or "eager"
+
+
+def answers_output_attentions(config) -> bool:
+    """Whether transformers' modules of ``config`` return attention probabilities: its eager
+    attention does (4.41-5.24); sdpa and flash_attention_* do not (4.x's sdpa modules fall back to
+    eager with a warning, 5.24's BertModel fails on them with an IndexError)."""
+    return attention_implementation(config) == "eager"
+
+
+def probability_keywords(forward: Callable) -> dict:
+    """The keywords under which transformers' BertSelfAttention / BertAttention ``forward`` (and
+    the Roberta*, XLMRoberta*, Electra* twins) returns its attention probabilities: 4.x returns
+    (output, probabilities) only when called with ``output_attentions=True``; 5.x returns
+    (output, weights) always, weights being the probabilities of the eager attention."""
+    try:
+        names = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"output_attentions": True} if "output_attentions" in names else {}
+
+
+def attention_probabilities(out, module_name: str):
+    """The attention probabilities in the output of transformers' self-attention or attention
+    module (the second element of its tuple, [B, heads, S, S]), or a CompatibilityError naming
+    ``module_name`` where the module returned none (not transformers' eager attention)."""
+    import torch
+
+    probs = out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else None
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 4:
+        raise CompatibilityError(
+            f"output_attentions=True: {module_name} returned no attention probabilities ({describe()}); "
+            "bert_fast reads them from transformers' eager attention modules (attn_implementation='eager')"
+        )
+    return probs
+
+
+@functools.lru_cache(maxsize=None)
+def returns_cross_attentions(model_class: type) -> bool:
+    """Whether transformers' ``model_class`` (BertModel, RobertaModel, ...) returns
+    ``cross_attentions`` beside ``attentions`` when asked for output_attentions: 5.x's output
+    capture does (an empty tuple for an encoder) for every key of the private
+    ``_can_record_outputs``; 4.x leaves it None."""
+    return "cross_attentions" in (getattr(model_class, "_can_record_outputs", None) or {})
+
+
+@functools.lru_cache(maxsize=None)
+def reads_position_embedding_type(layer_class: type, config_class: type) -> bool:
+    """Whether the installed transformers honours ``config.position_embedding_type``: a feature
+    probe, not a version compare. transformers 4.x (4.41.2 tested) builds relative-position
+    distance embeddings into the self-attention of a layer whose config says ``relative_key`` (and
+    its embeddings then add no absolute positions); 5.x (5.0-5.24 tested) no longer reads the
+    field and runs absolute positions with the same weights. Probed by building ``layer_class``
+    (transformers' BertLayer, RobertaLayer, ...) from ``config_class()`` on the meta device with
+    'relative_key' and with 'absolute': honoured when their parameters differ."""
+    import torch
+
+    def parameter_names(kind: str):
+        config = config_class()
+        config.position_embedding_type = kind
+        with torch.device("meta"):
+            return {name for name, _ in layer_class(config).named_parameters()}
+
+    return parameter_names("relative_key") != parameter_names("absolute")
 
 
 def set_attention_implementation(config, name: str) -> None:

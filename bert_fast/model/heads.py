@@ -126,7 +126,7 @@ class BertForMaskedLM(transformers.BertForMaskedLM):
         rows, targets = _masked_rows(out.last_hidden_state, labels)
         logits = self.cls(rows)
         loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), targets)
-        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result if return_dict is not False else result.to_tuple()
 
 
@@ -184,5 +184,6 @@ class BertForPreTraining(transformers.BertForPreTraining):
             prediction_logits=prediction_scores,
             seq_relationship_logits=seq_relationship,
             hidden_states=out.hidden_states,
+            attentions=out.attentions,
         )
         return result if return_dict is not False else result.to_tuple()

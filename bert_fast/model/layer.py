@@ -10,7 +10,9 @@ unpadded layout, fused and exact mode. What varies is a parameter, never a copy:
   * ``batch``  the layout: unpadded (varlen: [T, H] real tokens, cu_seqlens) or padded ([B, S, H]
                with a key-padding mask inside attention);
   * ``batch.unfused``  blocks that run through transformers' own module forward instead (a hook,
-               a module bert_fast cannot reproduce), on transformers' padded layout.
+               a module bert_fast cannot reproduce, or output_attentions=True: every layer's
+               self-attention through transformers' eager module, which returns the attention
+               probabilities into ``batch.attentions``), on transformers' padded layout.
 The reference oracle (bert_fast/reference.py) is the one deliberate second implementation.
 
 Data flow of one layer (DESIGN.md):
@@ -64,6 +66,9 @@ class Batch:
     frozen: Optional[dict] = None
     # The model's int8 GEMMs (int8.py), when quantized and the layers run on direct_ops.
     int8: Optional[dict] = None
+    # output_attentions=True: the attention probabilities [B, heads, S, S] of each layer, in order,
+    # as transformers' eager attention modules return them (every layer's attention runs unfused).
+    attentions: Optional[list] = None
 
 
 # ----------------------------------------------------------------------------- transformers' modules
@@ -85,6 +90,24 @@ def call_hf(module, batch: Batch, *args, **kwargs):
     if takes and batch.hf_kwargs:
         kwargs = {**batch.hf_kwargs, **kwargs}
     return module(*args, **kwargs)
+
+
+_PROBABILITY_KEYWORDS: Dict[type, dict] = {}
+
+
+def call_hf_attention(module, batch: Batch, *args, **kwargs) -> torch.Tensor:
+    """Call transformers' BertAttention or BertSelfAttention (or a family's twin) unfused, as
+    ``call_hf``; when the caller asked for output_attentions (``batch.attentions``), also collect
+    the attention probabilities the module returns (compat.attention_probabilities)."""
+    if batch.attentions is None:
+        return first(call_hf(module, batch, *args, **kwargs))
+    t = type(module)
+    extra = _PROBABILITY_KEYWORDS.get(t)
+    if extra is None:
+        extra = _PROBABILITY_KEYWORDS[t] = compat.probability_keywords(t.forward)
+    out = call_hf(module, batch, *args, **kwargs, **extra)
+    batch.attentions.append(compat.attention_probabilities(out, t.__name__))
+    return first(out)
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -183,10 +206,10 @@ def layer_forward(layer, index: int, h: torch.Tensor, batch: Batch, config, trai
     att = layer.attention
 
     if "attention" in unfused:
-        h1 = cast(first(call_hf(att, batch, h, batch.hf_mask)), dtype)
+        h1 = cast(call_hf_attention(att, batch, h, batch.hf_mask), dtype)
     else:
         if "attention.self" in unfused:
-            ctx = cast(first(call_hf(att.self, batch, h, attention_mask=batch.hf_mask)), dtype)
+            ctx = cast(call_hf_attention(att.self, batch, h, attention_mask=batch.hf_mask), dtype)
         else:
             ctx = attention_block(att.self, gemms, h, batch, heads, training)
         if "attention.output" in unfused:

@@ -26,6 +26,7 @@ names, and what differs (RoBERTa's positions, ELECTRA's embeddings_project, no p
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional
 
@@ -42,6 +43,7 @@ from bert_fast.model.gemms import cast
 from bert_fast.model.layer import ACTIVATIONS, Batch, call_hf, embeddings_forward, first, layer_forward
 from bert_fast.model.masks import key_padding_mask
 from bert_fast.model.padding import pad, unpad
+from bert_fast.versions import describe
 
 logger = logging.getLogger("bert_fast")
 
@@ -59,9 +61,16 @@ def check_config(config, family=None) -> None:
                 f"{name}={getattr(config, name)!r}: bert_fast implements the bidirectional encoder only "
                 "(is_decoder and add_cross_attention must be False)"
             )
+    # Configs mean what the installed transformers makes of them: 4.x honours relative positions
+    # (bert_fast refuses them), 5.x ignores the field and runs absolute positions, as bert_fast then does.
     pos = getattr(config, "position_embedding_type", "absolute")
     if pos not in (None, "absolute"):
-        raise NotImplementedError(f"position_embedding_type={pos!r} is not supported (only 'absolute')")
+        fam = family or BERT
+        if compat.reads_position_embedding_type(fam.hf_layer, fam.hf_model.config_class):
+            raise NotImplementedError(
+                f"position_embedding_type={pos!r} is not supported (only 'absolute'): {describe()} "
+                "honours it and bert_fast implements absolute positions only"
+            )
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(
             f"hidden_size={config.hidden_size} is not a multiple of num_attention_heads={config.num_attention_heads}"
@@ -225,6 +234,15 @@ def _unfused_blocks(found: Dict[str, str], num_layers: int):
             block = rest[0] if rest[0] != "attention" or len(rest) == 1 else f"attention.{rest[1]}"
             layers.setdefault(int(parts[2]), set()).add(block)
     return embeddings, {i: frozenset(b) for i, b in layers.items()}
+
+
+def _with_attention_probabilities(unfused: Dict[int, FrozenSet[str]], num_layers: int):
+    """``unfused`` with every layer's self-attention run through transformers' module, which
+    returns the attention probabilities (or the whole attention block, where it already is)."""
+    return {
+        i: blocks if "attention" in blocks else blocks | {"attention.self"}
+        for i, blocks in ((i, unfused.get(i, frozenset())) for i in range(num_layers))
+    }
 
 
 # transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__ (and RobertaLayer's, ...);
@@ -408,6 +426,36 @@ class FastModel:
             pieces,
         )
 
+    def _check_output_attentions(self) -> None:
+        """output_attentions=True: answered, as transformers answers it, where transformers' attention
+        implementation is eager (its modules materialize the probabilities, which the fused
+        attention never does); refused with what to do on the others. Warns that it is the slow path."""
+        impl = compat.attention_implementation(self.config)
+        if not compat.answers_output_attentions(self.config):
+            raise ValueError(
+                "output_attentions=True (as a keyword or config.output_attentions) needs transformers' "
+                f"eager attention, but this model's attn_implementation is {impl!r}: bert_fast's flash "
+                "attention never materializes the attention probabilities; load the model with "
+                "attn_implementation='eager' (from_pretrained(..., attn_implementation='eager')) to get them"
+            )
+        encoder = getattr(self, self.bert_fast_family.encoder_attr)
+        if not self.bert_fast_family.whole_model_exact and (
+            not isinstance(encoder, FastEncoder) or not all(isinstance(layer, FastLayer) for layer in encoder.layer)
+        ):
+            raise ValueError(
+                "output_attentions=True is not supported by bert_fast on a model whose encoder or "
+                "encoder layers were replaced by other modules (their attention probabilities are not "
+                "returned to it)"
+            )
+        warnings.warn(
+            "bert_fast: output_attentions=True runs the slow path for this call: every layer's "
+            "self-attention runs through transformers' eager attention, which materializes the "
+            "[batch, heads, seq, seq] attention probabilities, on the padded layout; calls without "
+            "output_attentions run fused",
+            RuntimeWarning,
+            stacklevel=5,  # the caller of model(...): here <- forward <- Module._call_impl <- __call__
+        )
+
     def forward(
         self,
         input_ids=None,
@@ -429,36 +477,38 @@ class FastModel:
     ):
         config = self.config
         fam = self.bert_fast_family
-        if self.__dict__.get("bert_fast_fallback") or (fam.whole_model_exact and self.unfused_pieces()):
-            if not self.__dict__.get("bert_fast_fallback"):
-                self._log_unfused(self.unfused_pieces(), whole=True)
-            given = dict(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                token_type_ids=token_type_ids,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                output_hidden_states=output_hidden_states,
-                return_dict=return_dict,
-                output_attentions=output_attentions,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                head_mask=head_mask,
-                cache=cache,
-            )
+        given = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            return_dict=return_dict,
+            output_attentions=output_attentions,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            head_mask=head_mask,
+            cache=cache,
+        )
+        if self.__dict__.get("bert_fast_fallback"):
             return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         # From the keyword or from the config: one path, one answer (as transformers reads them).
         if output_attentions is None:
             output_attentions = getattr(config, "output_attentions", False)
+        output_attentions = bool(output_attentions)
         if output_attentions:
-            raise ValueError(
-                "output_attentions=True (as a keyword or config.output_attentions) is not "
-                "supported: bert_fast's flash attention never materializes the attention "
-                "probabilities; use transformers' BertModel with attn_implementation='eager' "
-                "to inspect them"
-            )
+            self._check_output_attentions()
+        whole = fam.whole_model_exact and self.unfused_pieces()
+        if whole or (fam.whole_model_exact and output_attentions):
+            # DistilBERT's exact mode: transformers' whole forward (its eager attention returns the
+            # probabilities when output_attentions is asked for).
+            if whole:
+                self._log_unfused(whole, whole=True)
+            given["output_attentions"] = output_attentions or None
+            return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         if encoder_hidden_states is not None or encoder_attention_mask is not None:
             raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
         if past_key_values is not None or cache is not None:
@@ -502,7 +552,10 @@ class FastModel:
         if found:
             self._log_unfused(found)
         embeddings_unfused, unfused = _unfused_blocks(found, len(encoder.layer))
-        padded = bool(found) or (self.padded if padded is None else bool(padded))
+        if output_attentions:  # transformers' eager attention materializes them, for this call
+            unfused = _with_attention_probabilities(unfused, len(encoder.layer))
+        exact = bool(found) or output_attentions
+        padded = exact or (self.padded if padded is None else bool(padded))
 
         batch = Batch(
             padded=padded,
@@ -512,6 +565,7 @@ class FastModel:
             seqlen=s,
             unfused=unfused,
             hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs,
+            attentions=[] if output_attentions else None,
         )
         if embeddings_unfused:
             h = emb(
@@ -539,14 +593,14 @@ class FastModel:
         # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
         # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
         h = cast(h, emb.word_embeddings.weight.dtype)
-        if found:
+        if exact:
             batch.hf_mask = compat.attention_mask_for_modules(attention_mask, h.dtype, config)
-        if not found and direct_ops.usable(h, self.training):
+        if not exact and direct_ops.usable(h, self.training):
             batch.ops = direct_ops
             batch.frozen = frozen.store_of(self)
         quantized = int8.store_of(self)
         if quantized:
-            if not found and int8.usable(h, self.training):
+            if not exact and int8.usable(h, self.training):
                 batch.int8 = quantized
             else:
                 int8.warn_not_inference(self)
@@ -583,12 +637,22 @@ class FastModel:
             # No CLS position: pool the all-zero state, as for a fully padded row.
             pooled = pooler(last.new_zeros((b, 1, config.hidden_size)))
         hidden_states = tuple(all_hidden) if selected is not None else None
+        # One entry per layer (a checkpointed layer's recomputation appends to the list later).
+        attentions = tuple(batch.attentions[: len(encoder.layer)]) if output_attentions else None
+        # transformers 5 returns an encoder's (empty) cross-attentions beside them.
+        crossed = () if output_attentions and compat.returns_cross_attentions(fam.hf_model) else None
         if not return_dict:
-            return tuple(v for v in (last, pooled, hidden_states) if v is not None)
+            return tuple(v for v in (last, pooled, hidden_states, attentions, crossed) if v is not None)
         if not fam.pooler_output:
-            return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=last, hidden_states=hidden_states)
+            return BaseModelOutputWithPastAndCrossAttentions(
+                last_hidden_state=last, hidden_states=hidden_states, attentions=attentions, cross_attentions=crossed
+            )
         return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=last, pooler_output=pooled, hidden_states=hidden_states
+            last_hidden_state=last,
+            pooler_output=pooled,
+            hidden_states=hidden_states,
+            attentions=attentions,
+            cross_attentions=crossed,
         )
 
 

@@ -37,15 +37,14 @@ def gemm_uses_tma(device, dtype) -> bool:
 
 
 def linear_dispatch(device, dtype) -> Optional[Dict[str, str]]:
-    """The backend bert_fast.ops.linear picks (auto) for bert-base's GEMMs at M=8192 tokens, when
-    that module exposes choose_backend(x, n, k, activation, direction)."""
+    """The backend bert_fast.ops.linear picks (auto) for bert-base's GEMMs at M=8192 tokens
+    (its choose_backend(x, n, k, activation, direction))."""
     import torch
 
-    try:
-        mod = importlib.import_module("bert_fast.ops.linear")
-        choose = mod.choose_backend
-    except Exception:  # noqa: BLE001
-        return None
+    # a from-import reaches the module through the import system, not through the package attribute
+    # ``bert_fast.ops.linear``, which is the op function of the same name
+    from bert_fast.ops.linear import choose_backend as choose
+
     h, m = 768, 8192
     out = {}
     for name, n, k, act in (

@@ -8,8 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from bert_fast.model import int8 as int8_mod
-from bert_fast.model import int8_speed
-from bert_fast.model import precision
+from bert_fast.model import int8_speed, precision
 from bert_fast.model.modeling import FAMILIES, SUPPORTED, FastModel, check_config, family_of, to_fast
 
 

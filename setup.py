@@ -187,9 +187,9 @@ setup(
         "triton>=3.6",
         "transformers>=4.41.2",  # bert_fast/versions.py TRANSFORMERS_FLOOR
         "safetensors>=0.4.1",
-        "numpy>=1.26",
+        "numpy>=2.0",
         "tqdm>=4.66",
-        "matplotlib>=3.7",  # `bert-fast bench --plot` and the GPU check's plots
+        "matplotlib>=3.9",  # `bert-fast bench --plot` and the GPU check's plots (3.9: built for numpy 2)
     ],
     extras_require={
         # onnxruntime + onnx: the tests of bench's onnxruntime provider run, not skip

@@ -1,7 +1,20 @@
 """Print the versions a CI job ran with, in the form the README's "tested with" line quotes."""
+
 from importlib import metadata
 
-PACKAGES = ("torch", "transformers", "peft", "sentence-transformers", "accelerate", "onnxruntime", "triton")
+PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "peft",
+    "sentence-transformers",
+    "accelerate",
+    "safetensors",
+    "numpy",
+    "tqdm",
+    "matplotlib",
+    "onnxruntime",
+)
 found = []
 for name in PACKAGES:
     try:

@@ -462,12 +462,13 @@ def test_shipped_sentences_are_mixed_length():
 
 
 def test_estimate_charges_an_export_once_per_model():
-    """The ONNX export / quantization and the OpenVINO conversion happen once per model and
-    process: a later case of the same model is not charged for them again."""
+    """The ONNX export / quantization, the OpenVINO conversion and bert_fast's int8 calibration happen
+    once per model and process: a later case of the same model is not charged for them again."""
     from bert_fast.bench import budget
 
     kw = dict(warmup=1, min_rounds=6, max_rounds=100, max_seconds=45)
     first = budget.estimate_case(ALL_CPU, 1e11, 0.3, "cpu", **kw)
-    later = budget.estimate_case(ALL_CPU, 1e11, 0.3, "cpu", paid=model_bench.OWN_PRECISION, **kw)
-    assert first.fixed_s == sum(budget.FIXED_SECONDS[p]["cpu"] for p in model_bench.OWN_PRECISION) > 0
+    later = budget.estimate_case(ALL_CPU, 1e11, 0.3, "cpu", paid=model_bench.ONCE_PER_MODEL, **kw)
+    assert "bert_fast-int8" in model_bench.ONCE_PER_MODEL
+    assert first.fixed_s == sum(budget.FIXED_SECONDS[p]["cpu"] for p in model_bench.ONCE_PER_MODEL) > 0
     assert later.fixed_s == 0 and later.expected_s < first.expected_s

@@ -13,9 +13,10 @@ most CPU int8 recipes do) gave 0.902, per-channel weights 0.967, per-row activat
 per-channel weights 0.9965 (benchmarks/NOTES.md, "int8 on the CPU"). Attention, LayerNorm and the
 residual stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
 
-Why a speed check. torch runs a fast int8 GEMM only on CPUs with AVX-512 VNNI or AMX-INT8; elsewhere
-int8 would be 35-55x slower than fp32. bert_fast.model.int8_speed measures it once per process
-before anything is calibrated and refuses (Int8SpeedError, with both rates) where int8 is slower.
+Why a speed check. torch runs a fast int8 GEMM only on CPUs with AVX-512 VNNI or AMX-INT8 (elsewhere
+torch._int_mm is 35-55x slower than fp32, and our AVX2 GEMM runs instead). bert_fast.model.int8_speed
+times each int8 GEMM against fp32 once per process before anything is calibrated, picks the faster
+one, and refuses (Int8SpeedError, with the measured rates) where even that is slower than fp32.
 
 Why a guard. int8 keeps bert-base near fp32 and degrades some small models badly: it is never
 applied without measuring. ``quantize(model, calibration)`` runs the calibration batch with and

@@ -30,6 +30,14 @@
 #                  pytest passed/failed/skipped, stages, every figure; plots and logs beside it in
 #                  benchmarks/results/<date>-<gpu>-<commit>/; then the README Performance section.
 #
+# Plans (BERT_FAST_CHECK_PLAN): "full" runs the stages above; "lease" fits a lease of ~15 minutes of
+# device time in all (start included), i.e. ONE command of under 10 minutes: the extension built for
+# this GPU's architecture alone, the doctor and the test suite at once (correctness only: they share
+# the GPU, 8 xdist workers on the 16 cores compile the kernels), then short bert-base benchmarks
+# (bert_fast vs hf-sdpa: dense, batch 1 with CUDA graphs, a training step) on the quiet GPU; no
+# dispatch tuning, op benchmarks or pytest-benchmark. Default: lease when the budget is under 900 s.
+#   BERT_FAST_CHECK_BUDGET_S=560 bash benchmarks/gpu_check.sh          (run with timeout_s 600)
+#
 # The whole run stays within BERT_FAST_CHECK_BUDGET_S seconds (default 1500 = 25 min): each stage
 # runs under `timeout` with min(its own cap, what is left); stages with no time left are recorded
 # as skipped. With $OUT set, the results file, its folder and README.md are copied there too.
@@ -117,6 +125,16 @@ cd "$ROOT" || exit 1
 PY="${PYTHON:-python3}"
 BUDGET="${BERT_FAST_CHECK_BUDGET_S:-1500}"
 RESERVE=60                       # kept for the merge, the plots and the copies
+PLAN="${BERT_FAST_CHECK_PLAN:-}"
+if [ -z "$PLAN" ]; then if (( BUDGET < 900 )); then PLAN=lease; else PLAN=full; fi; fi
+if [ "$PLAN" = lease ]; then
+    RESERVE=40
+    # one architecture instead of three: the build's nvcc passes are serial, ~3x shorter
+    if [ -z "${BERT_FAST_CUDA_ARCHS:-}" ]; then
+        CC=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}-real')" 2>/dev/null)
+        [ -n "$CC" ] && export BERT_FAST_CUDA_ARCHS="$CC"
+    fi
+fi
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -140,7 +158,7 @@ STAGES="$RUN_DIR/stages.tsv"
 : > "$STAGES"
 FAILED=0
 
-echo "GPU check $NAME  (device: $GPU, commit: $COMMIT, budget ${BUDGET}s)"
+echo "GPU check $NAME  (device: $GPU, commit: $COMMIT, budget ${BUDGET}s, plan $PLAN)"
 echo "results: $RESULTS/$NAME.json and $RUN_DIR/"
 
 
@@ -187,6 +205,31 @@ run_stage info 90 "$RUN_DIR/info.log" "${BF[@]}" info --json "$RUN_DIR/info.json
 run_stage cuda-build 30 "$RUN_DIR/cuda-build.log" "$PY" -c "import sys, bert_fast; b = bert_fast.build_info(); \
 print(b); sys.exit(0 if b.get('cuda_compiled') else 'the CUDA kernel was not compiled (nvcc not found?)')"
 
+if [ "$PLAN" = lease ]; then
+    # correctness at once: the doctor and the suite share the GPU (nothing is timed yet)
+    XDIST=()
+    if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8 --dist loadfile); fi
+    LEFT=$(( BUDGET - ($(date +%s) - START) - RESERVE ))
+    CORRECT=$(( LEFT * 45 / 100 ))        # the rest for the benchmarks
+    run_stage doctor "$CORRECT" "$RUN_DIR/doctor.log" env BERT_FAST_AUTOTUNE=0 "${BF[@]}" doctor --timeout 60 \
+        --json "$RUN_DIR/doctor.json" > /dev/null &
+    run_stage tests "$CORRECT" "$RUN_DIR/pytest.log" env BERT_FAST_AUTOTUNE=0 "$PY" -m pytest tests -q -rfEs -o timeout=120 \
+        ${XDIST[@]+"${XDIST[@]}"} --junitxml="$RUN_DIR/pytest.xml"
+    wait
+    tail -5 "$RUN_DIR/doctor.log"
+    export TRITON_PRINT_AUTOTUNING=1
+    SHORT=(--dtype bf16 --warmup 3 --iters 20 --max-seconds 8 --no-progress --providers bert_fast,hf-sdpa)
+    LEFT=$(( BUDGET - ($(date +%s) - START) - RESERVE ))
+    EACH=$(( LEFT / 3 ))
+    run_stage bench-dense "$EACH" "$RUN_DIR/bench-dense.log" "${BF[@]}" bench --model bert-base --batch 32 --seq 128 \
+        --lengths full --mode infer "${SHORT[@]}" --json "$RUN_DIR/model-dense.json" --plot "$RUN_DIR/model-dense.png"
+    run_stage bench-graphs "$EACH" "$RUN_DIR/bench-graphs.log" "${BF[@]}" bench --model bert-base --batch 1 --seq 128 \
+        --lengths full --mode infer --cuda-graphs "${SHORT[@]}" --json "$RUN_DIR/model-graphs.json" --plot "$RUN_DIR/model-graphs.png"
+    run_stage bench-train-128 "$EACH" "$RUN_DIR/bench-train-128.log" "${BF[@]}" bench --model bert-base --batch 32 --seq 128 \
+        --lengths full --mode train "${SHORT[@]}" --json "$RUN_DIR/model-train-128.json" --plot "$RUN_DIR/model-train-128.png"
+    # background stages set FAILED in their own subshell: read it back from the stage table
+    grep -q -v -P '\t(ok|skipped: .*)$' "$STAGES" && FAILED=1
+else
 # 2c. the doctor first: the kernels against the oracle on this GPU, a faulting one named instead of
 #     ending the run (the first-use check is off inside it). BERT_FAST_AUTOTUNE=0: each of its ~360
 #     checks would otherwise pay an autotune sweep per new key; the benchmarks below autotune, and
@@ -245,6 +288,8 @@ run_stage bench-ops 360 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progr
 # 7. pytest-benchmark suites (op suites of the other files + bench_model.py)
 run_stage pytest-bench 180 "$RUN_DIR/pytest-bench.log" "$PY" -m pytest benchmarks -q -o python_files='bench_*.py' \
     --benchmark-json="$RUN_DIR/pytest-benchmark.json" --benchmark-max-time=0.5 --benchmark-min-rounds=5
+
+fi
 
 # 8. merge into one results file (run as a script path: works even when bert_fast does not import)
 MODEL_JSONS=()

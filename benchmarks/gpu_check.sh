@@ -131,8 +131,8 @@ if [ "$PLAN" = lease ]; then
     RESERVE=40
     # one architecture instead of three: the build's nvcc passes are serial, ~3x shorter
     if [ -z "${BERT_FAST_CUDA_ARCHS:-}" ]; then
-        CC=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}-real')" 2>/dev/null)
-        [ -n "$CC" ] && export BERT_FAST_CUDA_ARCHS="$CC"
+        ARCH=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}-real')" 2>/dev/null)
+        [ -n "$ARCH" ] && export BERT_FAST_CUDA_ARCHS="$ARCH"
     fi
 fi
 START=$(date +%s)

@@ -27,7 +27,9 @@ Outcomes of a check:
     result, one warning (:class:`KernelFallbackWarning`) names the kernel, the specialization, the
     reason and the command that produces a report (``bert-fast doctor --json report.json``), and the
     verdict is kept so that later calls and later processes go straight to the torch implementation
-    (they warn once too, quoting the kept reason);
+    (they warn once too, quoting the kept reason). A failure of the environment rather than the
+    kernel (an OSError while compiling, e.g. no C compiler for Triton's launcher; memory exhausted)
+    falls back for this process only and is not kept: the next process checks again;
   * inconclusive (the torch implementation itself raised, e.g. out of memory): the kernel's result
     is returned and this process does not check that specialization again.
 
@@ -340,13 +342,23 @@ def kernel_selected(op: str, direction: str, spec: tuple, device: torch.device) 
 
 
 def _record(
-    op, direction, spec, device, key, v: str, reason: Optional[str] = None, ratio: Optional[float] = None
+    op,
+    direction,
+    spec,
+    device,
+    key,
+    v: str,
+    reason: Optional[str] = None,
+    ratio: Optional[float] = None,
+    keep: bool = True,
 ) -> Optional[Path]:
     if v == PASS and _VERDICTS.get(key) == PASS:  # BERT_FAST_VERIFY=always: already on disk
         return None
     _VERDICTS[key] = v
     if v == FAIL:
         _REASONS[key] = reason
+    if not keep:  # this process only
+        return None
     path, ident = _store_path(op, device)
     entry = {"verdict": v, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}
     if reason is not None:
@@ -393,7 +405,7 @@ def _first_line(exc: BaseException) -> str:
     """ "Type: message" on one line: the first line and, when the message has more (a Triton compile
     error starts with the source location), its last."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    text = "" if not lines else lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"  # "" : MemoryError()
     text = text if len(text) <= 400 else text[:397] + "..."
     return f"{type(exc).__name__}: {text}".strip()
 
@@ -460,9 +472,21 @@ def _stand_in(direction: str, fallback, kernel_mask):
     return fallback(keep)
 
 
+def _environment_error(exc: BaseException) -> bool:
+    """A failure of the machine around the kernel, not of the kernel: an OSError while compiling
+    (no C compiler for Triton's launcher, an unwritable cache: seen on an H200 whose CC was
+    overwritten, after which every kernel's "fail" was kept and later runs measured the torch
+    fallbacks) or memory exhausted. Such a verdict holds for this process only; the next process
+    checks again."""
+    return isinstance(exc, (OSError, torch.cuda.OutOfMemoryError, MemoryError))
+
+
 def _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, checks, kernel_mask):
     def failed(reason: str, cause: Optional[BaseException], result: Callable[[], Any]):
-        where = _record(op, direction, spec, device, key, FAIL, reason)
+        transient = cause is not None and _environment_error(cause)
+        if transient:
+            reason += " (an error of the environment, not kept: the next process checks again)"
+        where = _record(op, direction, spec, device, key, FAIL, reason, keep=not transient)
         message = _fail_message(label, op, direction, spec, device, reason, where, kept=False)
         if m == "strict":
             raise KernelCheckError(message) from cause

@@ -75,7 +75,10 @@ def _flags(r: Dict[str, Any]) -> str:
         ("speedup_unstable", "unstable speedup"),
         ("ceiling_unstable", "ceiling unstable"),
     )
-    return ", ".join(text for key, text in names if r.get(key))
+    out = [text for key, text in names if r.get(key)]
+    if r.get("kernel_fallbacks"):  # the figure is the torch fallbacks', not the kernels'
+        out.insert(0, "**torch fallback:** " + ", ".join(r["kernel_fallbacks"]))
+    return ", ".join(out)
 
 
 def model_table(runs: List[Dict[str, Any]]) -> List[str]:

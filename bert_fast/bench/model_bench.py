@@ -167,6 +167,7 @@ def run_case(
     import torch
 
     from bert_fast.bench.timing import allocated_memory, measure, peak_memory, reset_peak_memory, synchronize
+    from bert_fast.ops._verify import fallback_counts
 
     config = case["_config"]
     mode = case["mode"]
@@ -195,6 +196,7 @@ def run_case(
                         continue
                 base = allocated_memory(device)
                 reset_peak_memory(device)
+                fell_back_before = fallback_counts()
                 requested = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
                 model, runner, notes = build_provider_model(
                     provider, config, state, device, dtype, mode, requested, key=case["model"]
@@ -219,6 +221,15 @@ def run_case(
                 else:
                     steps[0]()
                 synchronize(device)
+                # kernels that failed their first-use check (or carry a kept "fail") ran the torch
+                # implementation here: the figure is not the kernels' and the flags column says so
+                fell_back = {
+                    k: n - fell_back_before.get(k, 0)
+                    for k, n in fallback_counts().items()
+                    if n > fell_back_before.get(k, 0)
+                }
+                if fell_back:
+                    rec["kernel_fallbacks"] = sorted(fell_back)
                 peak = peak_memory(device)
                 if peak is not None and base is not None:
                     rec["peak_mem_bytes"] = max(0, peak - base)

@@ -514,8 +514,11 @@ def fill_speedups(case: Dict[str, Any], m=None, subject: str = "bert_fast", froz
 
 # ----------------------------------------------------------------------------- table cells
 def flags(r: Dict[str, Any]) -> str:
-    """The flags column of a record: "unstable", "unstable speedup", "ceiling unstable"."""
+    """The flags column of a record: "unstable", "unstable speedup", "ceiling unstable", "torch
+    fallback: <op direction>, ..." (kernels that failed their check ran the torch implementation)."""
     out = []
+    if r.get("kernel_fallbacks"):
+        out.append("torch fallback: " + ", ".join(r["kernel_fallbacks"]))
     if r.get("unstable"):
         out.append("unstable")
     if r.get("speedup_unstable"):

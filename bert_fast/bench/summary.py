@@ -122,6 +122,12 @@ def summary_lines(doc: Dict[str, Any]) -> List[str]:
             )
         if s["faster_less_accurate"] is not None:
             text += f"; faster but less accurate: {_who(s['faster_less_accurate'])}"
+        if s["ours"].get("kernel_fallbacks"):
+            text += (
+                "; NOT the kernels' speed: it ran the torch fallback for "
+                + ", ".join(s["ours"]["kernel_fallbacks"])
+                + " (failed first-use checks: bert-fast doctor)"
+            )
         lines.append(text)
     if not lines:
         return []

@@ -86,6 +86,7 @@ be: there the torch implementation's own error is that large.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -311,6 +312,23 @@ def reset() -> None:
     _VERDICTS.clear()
     _REASONS.clear()
     _WARNED.clear()
+    _FALLBACKS.clear()
+
+
+# (op, direction) -> calls that took the torch implementation in a kernel's place (a failed check or
+# a kept "fail"); the benchmark reads it around a provider's calls so that a figure measured on the
+# fallbacks says so (fallback_counts)
+_FALLBACKS: "collections.Counter[tuple]" = collections.Counter()
+
+
+def fallback_counts() -> dict:
+    """{"op direction": calls} of this process so far that ran the torch implementation in place of
+    a kernel that failed its check (now or in a kept verdict)."""
+    return {f"{op} {d}": n for (op, d), n in _FALLBACKS.items()}
+
+
+def _fell_back(key) -> None:
+    _FALLBACKS[(key[0], key[1])] += 1
 
 
 def _load(op: str, direction: str, spec: tuple, device: torch.device, key) -> Optional[str]:
@@ -440,6 +458,7 @@ def run(
         return kernel()
     key = (op, direction, spec, device)
     if follows is not None and _load(op, follows[0], follows[1], device, (op,) + tuple(follows) + (device,)) == FAIL:
+        _fell_back(key)
         return fallback(None)  # the forward fell back: its saved tensors are the torch implementation's
     v = _VERDICTS.get(key)
     if v is None:
@@ -451,6 +470,7 @@ def run(
         if m == "strict":
             raise KernelCheckError(message)
         _warn_once(key, message)
+        _fell_back(key)
         return _stand_in(direction, fallback, kernel_mask)
     if _capturing(device):  # never checked, and no host reads are allowed now
         return _stand_in(direction, fallback, kernel_mask)
@@ -491,6 +511,7 @@ def _check(op, direction, spec, device, key, m, label, dtype, kernel, fallback, 
         if m == "strict":
             raise KernelCheckError(message) from cause
         _warn_once(key, message)
+        _fell_back(key)
         return result()
 
     try:

@@ -34,7 +34,7 @@
 # device time in all (start included), i.e. ONE command of under 10 minutes: the extension built for
 # this GPU's architecture alone, the doctor and the test suite at once (correctness only: they share
 # the GPU, 8 xdist workers on the 16 cores compile the kernels), then short bert-base benchmarks
-# (bert_fast vs hf-sdpa: dense, batch 1 with CUDA graphs, a training step) on the quiet GPU; no
+# (bert_fast vs hf-sdpa: dense, padded, batch 1 with CUDA graphs, a training step) on the quiet GPU; no
 # dispatch tuning, op benchmarks or pytest-benchmark. Default: lease when the budget is under 900 s.
 #   BERT_FAST_CHECK_BUDGET_S=560 bash benchmarks/gpu_check.sh          (run with timeout_s 600)
 #
@@ -42,7 +42,9 @@
 # runs under `timeout` with min(its own cap, what is left); stages with no time left are recorded
 # as skipped. With $OUT set, the results file, its folder and README.md are copied there too.
 #
-# Environment: PYTHON (default python3), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1.
+# Environment: PYTHON (default python3), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1,
+# BERT_FAST_CHECK_ONLY="install info bench-dense ..." (the stages to run, the others recorded as
+# skipped: a second lease call that only measures, for instance).
 #
 # On a leased machine whose commands are cut at 10 minutes (the whole check takes ~25), run it
 # detached and wait for it in later calls:
@@ -128,7 +130,7 @@ RESERVE=60                       # kept for the merge, the plots and the copies
 PLAN="${BERT_FAST_CHECK_PLAN:-}"
 if [ -z "$PLAN" ]; then if (( BUDGET < 900 )); then PLAN=lease; else PLAN=full; fi; fi
 if [ "$PLAN" = lease ]; then
-    RESERVE=40
+    RESERVE=25
     # one architecture instead of three: the build's nvcc passes are serial, ~3x shorter
     if [ -z "${BERT_FAST_CUDA_ARCHS:-}" ]; then
         ARCH=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}-real')" 2>/dev/null)
@@ -167,6 +169,10 @@ run_stage() {
     local name=$1 cap=$2 log=$3
     shift 3
     local now left limit t0 rc dt status
+    if [ -n "${BERT_FAST_CHECK_ONLY:-}" ] && [[ " $BERT_FAST_CHECK_ONLY " != *" $name "* ]]; then
+        printf '%s\t%s\t%s\t%s\n' "$name" "skipped" 0 "skipped: not in BERT_FAST_CHECK_ONLY" >> "$STAGES"
+        return 0
+    fi
     now=$(date +%s)
     left=$(( BUDGET - (now - START) - RESERVE ))
     if (( left < 20 )); then
@@ -220,9 +226,11 @@ if [ "$PLAN" = lease ]; then
     export TRITON_PRINT_AUTOTUNING=1
     SHORT=(--dtype bf16 --warmup 3 --iters 20 --max-seconds 8 --no-progress --providers bert_fast,hf-sdpa)
     LEFT=$(( BUDGET - ($(date +%s) - START) - RESERVE ))
-    EACH=$(( LEFT / 3 ))
+    EACH=$(( LEFT / 4 ))
     run_stage bench-dense "$EACH" "$RUN_DIR/bench-dense.log" "${BF[@]}" bench --model bert-base --batch 32 --seq 128 \
         --lengths full --mode infer "${SHORT[@]}" --json "$RUN_DIR/model-dense.json" --plot "$RUN_DIR/model-dense.png"
+    run_stage bench-padded "$EACH" "$RUN_DIR/bench-padded.log" "${BF[@]}" bench --model bert-base --batch 16 --seq 512 \
+        --lengths random:0.2 --mode infer "${SHORT[@]}" --json "$RUN_DIR/model-padded.json" --plot "$RUN_DIR/model-padded.png"
     run_stage bench-graphs "$EACH" "$RUN_DIR/bench-graphs.log" "${BF[@]}" bench --model bert-base --batch 1 --seq 128 \
         --lengths full --mode infer --cuda-graphs "${SHORT[@]}" --json "$RUN_DIR/model-graphs.json" --plot "$RUN_DIR/model-graphs.png"
     run_stage bench-train-128 "$EACH" "$RUN_DIR/bench-train-128.log" "${BF[@]}" bench --model bert-base --batch 32 --seq 128 \

@@ -250,14 +250,14 @@ def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_prob
 
     monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", changed)
     config = tiny_config()
-    hf = transformers.BertModel(config).eval()
+    hf = transformers.BertModel(config).to(DEVICE).eval()  # inputs() are on DEVICE
     ids, mask = inputs(config)
     version = transformers.__version__
     with pytest.warns(RuntimeWarning, match=rf"transformers {version}.*tested with {versions.tested_range()}"):
         out_model = bert_fast.optimize(hf)
     assert type(out_model) is transformers.BertModel  # left as it was
     with pytest.warns(RuntimeWarning, match="BertSelfOutput.forward"):
-        fast = bert_fast.BertModel(config).eval()
+        fast = bert_fast.BertModel(config).to(DEVICE).eval()
     fast.load_state_dict(hf.state_dict())
     with torch.no_grad():
         monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", original)  # transformers' own runs
@@ -356,8 +356,8 @@ def test_forwarded_kwargs_reach_unfused_modules_where_transformers_passes_them()
 def test_head_forwards_its_kwargs_like_transformers():
     config = tiny_config()
     torch.manual_seed(0)
-    hf = transformers.BertForMaskedLM(config).eval()
-    fast = bert_fast.BertForMaskedLM(config).eval()
+    hf = transformers.BertForMaskedLM(config).to(DEVICE).eval()  # inputs() are on DEVICE
+    fast = bert_fast.BertForMaskedLM(config).to(DEVICE).eval()
     fast.load_state_dict(hf.state_dict())
     ids, mask = inputs(config)
     labels = ids.masked_fill(mask == 0, -100)
@@ -383,10 +383,22 @@ def test_use_cache_is_ignored_from_keyword_and_config():
     torch.testing.assert_close(real(out, mask), real(ref, mask), atol=2e-5, rtol=1e-5)
 
 
+def _expected_selection(select, n: int, mode: str):
+    """(entries of hidden_states, {entry index: index into the n full states}) for ``select``."""
+    if select is True or (mode == "layers" and isinstance(select, int)):
+        return n, {i: i for i in range(n)}
+    picks = [select] if isinstance(select, int) else select
+    if mode == "layers":  # transformers 5.17: layer outputs only, literal membership
+        return n - 1, {i: i + 1 for i in picks if 0 <= i < n - 1}
+    return n, {i % n: i % n for i in picks if -n <= i < n}
+
+
 @pytest.mark.parametrize("select", [True, False, [0, 2], [2], -1, [1, -3], [7], []])
 def test_output_hidden_states_selects_layers_as_transformers(select):
-    """transformers 5: hidden_states has one entry per state, None where not selected. (4.x reads a
-    list as a truthy flag: we follow 5's meaning there too, documented.)"""
+    """As the installed transformers reads it (compat.hidden_states_selection, probed): 5.2x has one
+    entry per state, None where not selected; 5.17 one entry per layer output. (4.x reads a list
+    as a truthy flag: we follow 5.2x's meaning there, documented.) On any device: the H200 run had
+    transformers 5.17, whose meaning this once missed."""
     hf, fast = pair()
     ids, mask = inputs(hf.config)
     with torch.no_grad():
@@ -397,19 +409,40 @@ def test_output_hidden_states_selects_layers_as_transformers(select):
     if not select:  # False, [] (and 0): no hidden states, as transformers reads a falsy flag
         assert out is None and ref is None
         return
-    if select is True:
-        want = set(range(n))
-    else:
-        picks = [select] if isinstance(select, int) else select
-        want = {i % n for i in picks if -n <= i < n}
-    assert len(out) == n and {i for i, h in enumerate(out) if h is not None} == want
-    for i in want:
-        torch.testing.assert_close(real(out[i], mask), real(full[i], mask))
-    if compat.accepts_var_kwargs(transformers.BertModel.forward):  # transformers 5 selects too
+    size, want = _expected_selection(select, n, compat.hidden_states_selection())
+    assert len(out) == size and {i for i, h in enumerate(out) if h is not None} == set(want)
+    for i, j in want.items():
+        torch.testing.assert_close(real(out[i], mask), real(full[j], mask))
+    if compat.hidden_states_selection() != "flag":  # transformers selects too (5.x)
         assert [h is None for h in ref] == [h is None for h in out]
         for a, b in zip(out, ref):
             if a is not None:
                 torch.testing.assert_close(real(a, mask), real(b, mask), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["states", "layers"])
+def test_output_hidden_states_selection_modes(mode, monkeypatch):
+    """Both meanings transformers has given a list output_hidden_states, whichever is installed
+    here: 5.2x's ("states") and 5.17's ("layers", faked by the probe's answer)."""
+    monkeypatch.setattr(compat, "hidden_states_selection", lambda: mode)
+    hf, fast = pair()
+    ids, mask = inputs(hf.config)
+    with torch.no_grad():
+        full = fast(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        for select in ([0, 2], [2], -1, [1, -3], [7]):
+            out = fast(ids, attention_mask=mask, output_hidden_states=select).hidden_states
+            size, want = _expected_selection(select, len(full), mode)
+            assert len(out) == size and {i for i, h in enumerate(out) if h is not None} == set(want), select
+            for i, j in want.items():
+                torch.testing.assert_close(out[i], full[j])
+
+
+def test_hidden_states_selection_probe_reads_the_installed_transformers():
+    """The probe answers one of its three meanings; 5.x's BertModel accepts a list (4.x: a flag)."""
+    mode = compat.hidden_states_selection()
+    assert mode in ("states", "layers", "flag")
+    if not compat.accepts_var_kwargs(transformers.BertModel.forward):
+        assert mode == "flag"
 
 
 def test_output_attentions_keyword_and_config_give_the_same_error():

@@ -53,6 +53,11 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
   * Keywords transformers' heads and Trainer pass down to BertModel.forward (TransformersKwargs in
     5.x): num_items_in_batch (Trainer, 4.46+), output_hidden_states as a bool or (5.2x) an index or
     list of indices, cache / past_key_values (renamed in 5.24), use_cache (ignored by encoders).
+    How a list of indices selects hidden states is probed (``hidden_states_selection``): 5.24
+    indexes the num_layers + 1 states (embeddings first; negative indices count from the end; an
+    int is an index); 5.17 indexed the layer outputs alone (num_layers entries, no embeddings;
+    literal membership, so a negative index selects nothing; an int is a flag); 4.x reads a list
+    as a truthy flag (bert_fast then takes 5.24's meaning, documented in docs/models.md).
   * activations.ACT2FN (public), modeling_outputs (public), PreTrainedModel.from_pretrained /
     save_pretrained (public).
   * Building a BertModel with a chosen attention implementation for the benchmark
@@ -144,6 +149,48 @@ def returns_cross_attentions(model_class: type) -> bool:
     capture does (an empty tuple for an encoder) for every key of the private
     ``_can_record_outputs``; 4.x leaves it None."""
     return "cross_attentions" in (getattr(model_class, "_can_record_outputs", None) or {})
+
+
+@functools.lru_cache(maxsize=None)
+def hidden_states_selection() -> str:
+    """How the installed transformers' BertModel reads a list ``output_hidden_states``: a feature
+    probe (a 1-layer model of width 8 on the CPU, asked for ``[0]``), not a version compare.
+
+    "states": (5.2x, 5.24 tested) one entry per hidden state, embeddings + one per layer, None
+              where not selected; indices over those num_layers + 1 states, negative from the end,
+              an int is an index.
+    "layers": (5.17 tested) one entry per layer output, no embeddings entry; an index is kept
+              when it is literally in the list (a negative one selects nothing); an int, not being
+              a list, is a flag.
+    "flag":   (4.x) a list is a truthy flag: every state.
+    A probe that fails (a transformers that refuses lists, or anything else) answers "states"."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.BertConfig(
+            vocab_size=4,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            intermediate_size=8,
+            max_position_embeddings=4,
+            type_vocab_size=1,
+        )
+        set_attention_implementation(config, "eager")
+        with torch.device("cpu"), torch.no_grad():
+            model = transformers.BertModel(config, add_pooling_layer=False).eval()
+            out = model(torch.zeros((1, 2), dtype=torch.long), output_hidden_states=[0], return_dict=True)
+        got = [h is None for h in out.hidden_states]
+    except Exception:  # noqa: BLE001 - any failure: the documented 5.24 meaning
+        return "states"
+    if got == [False, True]:
+        return "states"
+    if got == [False]:
+        return "layers"
+    if got == [False, False]:
+        return "flag"
+    return "states"
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Optional
+from typing import Dict, FrozenSet, Optional, Tuple
 
 import torch
 import transformers
@@ -272,22 +272,32 @@ def _check_kwargs(kwargs: dict) -> None:
             raise ValueError("is_causal=True is not supported: bert_fast implements the bidirectional BERT encoder")
 
 
-def _selected_hidden_states(flag, count: int) -> Optional[FrozenSet[int]]:
-    """Which of the ``count`` hidden states (embeddings + one per layer) ``output_hidden_states``
-    asks for: None for none, else indices. As transformers 5 reads it: a bool, or an index or list
-    of indices (negative ones count from the end; out-of-range ones select nothing); a falsy value
-    (False, [], 0) asks for none, as transformers reads it."""
+def _selected_hidden_states(flag, count: int, mode: Optional[str] = None) -> Tuple[Optional[FrozenSet[int]], bool]:
+    """(which of the ``count`` hidden states (embeddings + one per layer) ``output_hidden_states``
+    asks for: None for none, else indices; whether the returned tuple leaves out the embeddings'
+    entry), as the installed transformers reads it (``mode``: compat.hidden_states_selection(),
+    probed when a list or an int is given). "states" (transformers 5.2x; also what 4.x users get):
+    a bool, or an index or list of indices over the ``count`` states (negative ones count from the
+    end; out-of-range ones select nothing). "layers" (transformers 5.17): a list selects layer
+    outputs, one entry per layer and none for the embeddings, an index kept when it is literally
+    in the list; an int is a flag. A falsy value (False, [], 0) asks for none, as transformers
+    reads it."""
     if isinstance(flag, torch.Tensor):
         flag = flag.tolist()
     if not flag:
-        return None
+        return None, False
     if flag is True:
-        return frozenset(range(count))
+        return frozenset(range(count)), False
     picks = [flag] if isinstance(flag, int) else list(flag)
     for i in picks:
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(f"output_hidden_states must be a bool, an int or a list of ints, got {flag!r}")
-    return frozenset(i % count for i in picks if -count <= i < count)
+    mode = mode or compat.hidden_states_selection()
+    if mode == "layers":
+        if isinstance(flag, int):  # not a list: a truthy flag
+            return frozenset(range(count)), False
+        return frozenset(i + 1 for i in picks if 0 <= i < count - 1), True
+    return frozenset(i % count for i in picks if -count <= i < count), False
 
 
 @dataclass(frozen=True)
@@ -524,7 +534,7 @@ class FastModel:
             output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states", False)
         )
         encoder = getattr(self, fam.encoder_attr)
-        selected = _selected_hidden_states(output_hidden_states, len(encoder.layer) + 1)
+        selected, layers_only = _selected_hidden_states(output_hidden_states, len(encoder.layer) + 1)
         return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
         emb = self.embeddings
         device = emb.word_embeddings.weight.device
@@ -636,7 +646,7 @@ class FastModel:
         if pooler is not None and s == 0:
             # No CLS position: pool the all-zero state, as for a fully padded row.
             pooled = pooler(last.new_zeros((b, 1, config.hidden_size)))
-        hidden_states = tuple(all_hidden) if selected is not None else None
+        hidden_states = tuple(all_hidden[1:] if layers_only else all_hidden) if selected is not None else None
         # One entry per layer (a checkpointed layer's recomputation appends to the list later).
         attentions = tuple(batch.attentions[: len(encoder.layer)]) if output_attentions else None
         # transformers 5 returns an encoder's (empty) cross-attentions beside them.

@@ -796,10 +796,14 @@ def test_gpu_check_detached_mode(tmp_path):
 def test_timing_cuda_events_and_peak_memory_without_flush_buffer():
     """CUDA path of time_callables: event timings, and peak memory that does not count the
     256 MB L2-flush buffer (allocated once and kept between calls)."""
-    from bert_fast.bench.timing import time_callables
+    from bert_fast.bench.timing import peak_memory, reset_peak_memory, time_callables
 
     dev = torch.device("cuda")
     x = torch.ones(1024, device=dev)
+    # What this process already holds (other tests of an xdist worker keep CUDA tensors alive:
+    # 65 MiB on the H200 run) is the baseline; the peak counts from it, in the same accounting.
+    reset_peak_memory(dev)
+    before = peak_memory(dev)
     t = time_callables([lambda: x.mul_(1.0)], dev, warmup=1, iters=6, flush_l2=True, reset_memory=True)
     assert t.method == "cuda_event" and t.iters == 6 and t.median_ms > 0 and t.l2_flush
-    assert t.peak_mem_bytes < 64 << 20, t.peak_mem_bytes
+    assert t.peak_mem_bytes - before < 64 << 20, (t.peak_mem_bytes, before)

@@ -131,8 +131,16 @@ def test_doctor_reports_fail_error_and_fault_and_exits_nonzero(tmp_path):
     assert "send the JSON report" in out
 
 
+def _plans(script: str):
+    """(lease plan, full plan): the two branches of gpu_check.sh's stage list."""
+    start = script.index('if [ "$PLAN" = lease ]; then\n    # correctness')
+    lease, full = script[start:].split("\nelse\n", 1)
+    return lease, full
+
+
 def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
-    """benchmarks/gpu_check.sh runs the doctor before the tests and the benchmarks, keeps its table
+    """benchmarks/gpu_check.sh runs the doctor before the tests and the benchmarks (the lease plan:
+    the doctor in the background beside the tests, both done before any benchmark), keeps its table
     (doctor.log) and JSON in the run folder, and the merged results file carries its summary and
     every check that did not pass."""
     from pathlib import Path
@@ -140,8 +148,14 @@ def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
     from bert_fast.bench import results
 
     script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh").read_text()
-    order = [script.index(f"run_stage {name} ") for name in ("doctor", "tests", "tune-dispatch", "bench-dense")]
+    lease, full = _plans(script)
+    order = [full.index(f"run_stage {name} ") for name in ("doctor", "tests", "tune-dispatch", "bench-dense")]
     assert order == sorted(order)
+    doctor, tests, wait, bench = (
+        lease.index(k) for k in ("run_stage doctor ", "run_stage tests ", "\n    wait\n", "run_stage bench-dense ")
+    )
+    assert doctor < tests < wait < bench  # started first, and waited for before the benchmarks
+    assert lease[doctor : lease.index("\n", lease.index("--json", doctor))].rstrip().endswith("&")
     assert '"$RUN_DIR/doctor.log"' in script and '--json "$RUN_DIR/doctor.json"' in script
     assert '--doctor "$RUN_DIR/doctor.json"' in script
     run_dir = tmp_path / "run"

@@ -43,6 +43,7 @@
 # as skipped. With $OUT set, the results file, its folder and README.md are copied there too.
 #
 # Environment: PYTHON (default python3), BERT_FAST_CHECK_BUDGET_S, BERT_FAST_CHECK_SKIP_INSTALL=1,
+# BERT_FAST_CHECK_COMMIT (the commit to record, where the machine's .git is not the tree's own),
 # BERT_FAST_CHECK_ONLY="install info bench-dense ..." (the stages to run, the others recorded as
 # skipped: a second lease call that only measures, for instance).
 #
@@ -147,6 +148,9 @@ COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 if [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
     COMMIT="${COMMIT}-dirty"
 fi
+# A leased machine gets the working tree over the .git of an older snapshot (seen: every H200 run
+# named the session's first commit, "-dirty"): pass the commit from where the tree came from.
+COMMIT="${BERT_FAST_CHECK_COMMIT:-$COMMIT}"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
 if [ -z "$GPU" ]; then
     GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no-gpu')" 2>/dev/null || echo unknown)

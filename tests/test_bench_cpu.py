@@ -182,7 +182,7 @@ def test_checkpoint_folder_weights_are_its_own():
 
 
 def test_model_folder_with_onnxruntime(tiny_folder, tmp_path, capsys):
-    pytest.importorskip("onnxruntime")
+    onnxruntime = pytest.importorskip("onnxruntime")
     out_json = tmp_path / "ort.json"
     rc = cli.main(
         [
@@ -209,7 +209,15 @@ def test_model_folder_with_onnxruntime(tiny_folder, tmp_path, capsys):
     assert run["weights"] == "checkpoint" and run["model_name"] == tiny_folder.name
     ort = next(r for r in run["results"] if r["provider"] == "onnxruntime")
     assert ort["status"] == "ok" and ort["median_ms"] > 0 and ort["speedup_of_bert_fast"] is None
-    assert "Attention x1" in ort["notes"][0] and "intra_op_num_threads=" in ort["notes"][0]
+    note = ort["notes"][0]
+    assert "SkipLayerNormalization x" in note and "intra_op_num_threads=" in note
+    from packaging.version import Version
+
+    if Version(onnxruntime.__version__).release >= (1, 32):
+        assert "Attention x1" in note, note
+    # else: onnxruntime 1.30's transformer optimizer fuses no Attention in this exported graph
+    # (the H200 run; checked here: the same export, 1.30.0 fuses BiasGelu and SkipLayerNormalization
+    # only, 1.32.0 also EmbedLayerNormalization and Attention); the note says what was fused
     assert run["parity_onnxruntime"]["max_abs_diff"] < 1e-4
 
 

@@ -220,15 +220,46 @@ def _linear_fwd_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     num_k = tl.cdiv(K, BLOCK_K)
+    # fp32 "ieee" dots run on the FMA units, and tl.dot(a, b, acc) continues one FMA chain per
+    # output element: carried through the whole K loop, every output was a sequential sum of K
+    # products, whose rounding grows like sqrt(K). cuBLAS (split-K / blocked reductions) is ~6x more
+    # accurate at K = 1000-3000: on an H200 dX and y failed the 2x rule there (tests/test_linear.py,
+    # e.g. 7.3e-6 vs 2 x 1.35e-6 + 3.2e-6 at K = 1152). So the "ieee" path sums IEEE_STEPS slices of
+    # BLOCK_K (128 values of K) into a fresh partial and adds the partials: chains of 128, then of
+    # K / 128 (about 4x less error at K = 1000, 6x at K = 3000), one tile add per 128 values of K.
+    # (Not `acc += tl.dot(a, b)` per slice: Triton's CombineDotAddFPattern folds that back into
+    # tl.dot(a, b, acc); the partial leaves an inner loop, which it cannot fold.) Tensor-core
+    # precisions ("native", "tf32") keep the flat loop: their MMAs accumulate as they must.
+    IEEE_STEPS: tl.constexpr = 128 // BLOCK_K if BLOCK_K < 128 else 1
     if INTERPRET:
         # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound under numpy 2.x
-        # (int() of a 1-element array); a while loop there, the pipelinable for loop on the GPU.
+        # (int() of a 1-element array); while loops there, the pipelinable for loops on the GPU.
         k = 0
         while k < num_k:
-            acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-            k += 1
+            if DOT_PRECISION == "ieee":
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+                k_end = tl.minimum(k + IEEE_STEPS, num_k)
+                while k < k_end:
+                    part = _gemm_step(
+                        part, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION
+                    )
+                    a_ptrs += BLOCK_K * stride_ak
+                    b_ptrs += BLOCK_K * stride_bk
+                    k += 1
+                acc += part
+            else:
+                acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+                k += 1
+    elif DOT_PRECISION == "ieee":
+        for k0 in range(0, num_k, IEEE_STEPS):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+            for k in range(k0, tl.minimum(k0 + IEEE_STEPS, num_k)):
+                part = _gemm_step(part, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            acc += part
     else:
         for k in range(0, num_k):
             acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)

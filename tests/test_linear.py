@@ -198,7 +198,7 @@ def test_db_deterministic(device):
 
 
 # ----------------------------------------------------------------------------- dispatch
-def test_backend_env_and_argument(device, monkeypatch):
+def test_backend_env_and_argument(device, monkeypatch, kernel_launches):
     x, w, b, _ = _inputs(device, torch.float32, (4,), 16, 8)
     expect_kernel = _dispatch.use_triton(x, uses_dot=True)
     for forced in ("triton", "cublas"):
@@ -212,8 +212,18 @@ def test_backend_env_and_argument(device, monkeypatch):
     monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "auto")
     with pytest.raises(ValueError, match="nope"):
         linear(x, w, b, backend="nope")
+    # auto: the dispatch table's choice. On CUDA that is cuBLAS for fp32 (default_backend) with our
+    # bias+GELU kernel as the epilogue, so the H200 saw no GEMM launch; under the interpreter, ours.
+    kernel_launches.reset()
     y = linear(x, w, b, "gelu")
     assert y.shape == (4, 8)
+    if expect_kernel:
+        assert kernel_launches.count("linear", "linear_tma", "bias_gelu") > 0, kernel_launches
+    # the argument reaches the kernel: backend="triton" launches our GEMM on every device
+    kernel_launches.reset()
+    torch.testing.assert_close(linear(x, w, b, "gelu", backend="triton"), y, rtol=1e-5, atol=1e-5)
+    if expect_kernel:
+        assert kernel_launches.count("linear", "linear_tma") > 0, kernel_launches
 
 
 @pytest.mark.no_kernels("the dispatch table, host side")
@@ -445,3 +455,31 @@ for cc in (90, 80):
          dict(BLOCK_R=32, BLOCK_N=128, INTERPRET=False), cc, label="db")
 """)
     assert len(rows) == 2 * (2 * 4 + 2 + 1)
+
+
+@pytest.mark.no_kernels("offline sm_90 compile in a subprocess")
+def test_fp32_ieee_gemm_sums_k_in_two_levels(tmp_path):
+    """The fp32 ("ieee", FMA) GEMM adds fresh partials of 128 values of K instead of one FMA chain
+    over all of K (kernels/linear.py, _linear_fwd_kernel): on an H200 the flat chain's error at
+    K = 1000-3000 broke the 2x rule against cuBLAS, which the interpreter cannot show (its tl.dot is
+    numpy's). So the compiled TTIR is read: the fp32 dot sits in an inner loop (Triton's
+    CombineDotAddFPattern would fold `acc + tl.dot(a, b)` back into one chain, a loop result it
+    cannot), the fp16 tensor-core dot in the one flat loop."""
+    from test_bias_gelu import run_offline_compile
+    from test_linear_tma import _loop_depth_of_dots
+
+    run_offline_compile(
+        r"""
+from bert_fast.kernels import linear as K
+names = "M N K M_BUCKET K_BUCKET KIND stride_am stride_bn stride_ym stride_zm".split()
+for dt, prec in (("fp32", "ieee"), ("fp16", "native")):
+    types = {**{n: "i32" for n in names}, **{n: "*" + dt for n in "A B BIAS Y Z".split()}}
+    c = dict(stride_ak=1, stride_bk=1, stride_yn=1, stride_zn=1, HAS_BIAS=True, ACTIVATION=1,
+             SAVE_Z=True, DOT_PRECISION=prec, ACC_DTYPE=tl.float32, INTERPRET=False,
+             BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, EVEN_K=False, EPILOGUE_SPLIT=2)
+    comp(K._linear_fwd_kernel, types, c, 90, warps=4, stages=3, label="gemm " + dt)
+    open(OUT_DIR + "/" + dt + ".ttir", "w").write(LAST["ttir"])
+""".replace("OUT_DIR", repr(str(tmp_path)))
+    )
+    assert _loop_depth_of_dots((tmp_path / "fp32.ttir").read_text()) == [2]
+    assert _loop_depth_of_dots((tmp_path / "fp16.ttir").read_text()) == [1]

@@ -402,9 +402,20 @@ def test_opcheck(device):
     )
 
 
+@pytest.fixture
+def cpu_twin(monkeypatch):
+    """CPU tensors take the C++ twin in every session. The dispatch picks it under TRITON_INTERPRET=1
+    (read at each call), which tests/conftest.py sets only for a CPU session: on the H200 these tests
+    ran the torch implementation instead ('torch' == 'cpu'; NaN where the twin gives 0). The twin is
+    C++, no Triton runs, so setting the variable in a CUDA session is safe for these tests, which
+    call nothing but the embedding on CPU tensors."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert emb._backend(torch.empty(0)) == "cpu"
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("unpad", [False, True])
-def test_gradcheck_float64_cpu_twin(dropout_p, unpad):
+def test_gradcheck_float64_cpu_twin(cpu_twin, dropout_p, unpad):
     hidden = 6
     ids, tt = make_ids("cpu", 2, 4, vocab=5)
     ids[0, 1] = ids[1, 1]  # a word row used twice
@@ -559,7 +570,7 @@ def test_reference_backend_env(device, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_rounding_cpu_twin(dtype):
+def test_low_precision_rounding_cpu_twin(cpu_twin, dtype):
     # gamma = 0: the output is dropout(beta) = beta * 1/(1-p) rounded once to dtype; covers the twin's
     # manual fp16/bf16 conversions (normals, subnormals, ties, overflow to inf) against torch's.
     hidden, p = 4096, 0.3
@@ -608,8 +619,13 @@ def test_misaligned_tables_and_grad_out(device, hidden):
         dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
         g_aligned = torch.autograd.grad(out, params, dy, retain_graph=True)
         g_mis = torch.autograd.grad(out, params, _misaligned_copy(dy))
+        # The table gradients are fp32 sums (CUDA: atomicAdd, in whatever order the blocks run; the
+        # vector and the scalar path also add in different orders) rounded once to dtype: two correct
+        # runs may differ by one ulp of dtype, eps(dtype) relative at most. On the H200, bf16 at
+        # hidden 3000 did (1 of 6000 elements, 0.0039 at 0.855), over the former rtol of 1e-3.
+        rtol = max(1e-3, torch.finfo(dtype).eps)
         for a, b, name in zip(g_aligned, g_mis, NAMES):
-            torch.testing.assert_close(a.float(), b.float(), atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(a.float(), b.float(), atol=1e-4, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
 def _poison_cuda_cache() -> None:

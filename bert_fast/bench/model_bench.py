@@ -197,6 +197,7 @@ def run_case(
                 base = allocated_memory(device)
                 reset_peak_memory(device)
                 fell_back_before = fallback_counts()
+                t_build = time.perf_counter()
                 requested = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
                 model, runner, notes = build_provider_model(
                     provider, config, state, device, dtype, mode, requested, key=case["model"]
@@ -221,6 +222,8 @@ def run_case(
                 else:
                     steps[0]()
                 synchronize(device)
+                # build + first call (compile, export, calibration): what budget.py's estimate charges
+                rec["build_seconds"] = time.perf_counter() - t_build
                 # kernels that failed their first-use check (or carry a kept "fail") ran the torch
                 # implementation here: the figure is not the kernels' and the flags column says so
                 fell_back = {
@@ -830,9 +833,19 @@ def run(args) -> int:
         by_dtype[name] = ceil_mod.measure(device, ceil_mod.parse_dtype(name))
         print(f"  {ceil_mod.describe(by_dtype[name], name)}", file=sys.stderr)
     ceilings = by_dtype[args.dtypes[0]]
+    # the GEMM kinds the providers run (packed fp32, bf16, int8) at a BERT FFN shape: the time
+    # estimate charges each provider at its own kind's rate (bert_fast.bench.budget)
+    kind_rates: Dict[str, Optional[float]] = {}
+    if device.type == "cpu" and not args.encode:
+        row = ceil_mod.gemm_rates([(1024, 3072, 768)], ("fp32_packed", "bf16_packed", "int8"), budget_s=1.5)[0]
+        kind_rates = {k: row.get(k) for k in ("fp32_packed", "bf16_packed", "int8")}
+        shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in kind_rates.items() if v)
+        print(f"  GEMM rates for the time estimate (GFLOP/s, GOP/s for int8, 1024x3072x768): {shown}", file=sys.stderr)
 
     doc = run_document("model", device, args, ceilings, notes)
     doc["ceilings_by_dtype"] = by_dtype
+    if kind_rates:
+        doc["gemm_rates_for_estimate"] = kind_rates
     doc["dtypes"] = list(args.dtypes)
     if args.cpu:
         doc["cpu"] = args.cpu
@@ -850,7 +863,12 @@ def run(args) -> int:
         if case["mode"] == "encode":  # the model is loaded later: no estimate, it is small by nature
             estimates.append(None)
             continue
-        padded = step_flops(case["_config"], [case["seq"]] * case["batch"], case["mode"])
+        cfg = case["_config"]
+        padded = step_flops(cfg, [case["seq"]] * case["batch"], case["mode"])
+        params_m = (
+            cfg.num_hidden_layers * (4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size)
+            + cfg.vocab_size * cfg.hidden_size
+        ) / 1e6
         est = estimate_case(
             args.providers,
             padded,
@@ -861,6 +879,11 @@ def run(args) -> int:
             max_rounds=args.max_rounds,
             max_seconds=args.max_seconds,
             paid=ONCE_PER_MODEL if case["model"] in exported else (),
+            real_flops=case["flops_per_step"],
+            rates={**kind_rates, **{k: v.get("matmul_tflops") for k, v in by_dtype.items()}},
+            case_dtype=case.get("dtype") or "fp32",
+            bf16_units=bool((args.cpu or {}).get("bf16")),
+            params_millions=params_m,
         )
         exported.add(case["model"])
         case["estimated_seconds"] = None if est is None else est.expected_s

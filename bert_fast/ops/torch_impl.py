@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_fast.ops import _dispatch, fused_sdpa
+from bert_fast.ops import _dispatch, cpu_fp32_gemm, fused_sdpa
 
 __all__ = [
     "linear_fwd",
@@ -128,11 +128,32 @@ def _fused_gelu_ok(x: Tensor, weight: Tensor) -> bool:
     )
 
 
+def _onednn_fp32_ok(x: Tensor, weight: Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.shape[0] > 0
+        and weight.is_contiguous()
+        and not isinstance(x, torch._subclasses.FakeTensor)
+        and cpu_fp32_gemm.use_onednn()
+    )
+
+
 def linear_fwd(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str], save_z: bool
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """(y, z): y = act(x @ W^T + b) for x [M, K]; z = x @ W^T + b when an activation is set and
     ``save_z`` (the backward's input), else None."""
+    if _onednn_fp32_ok(x, weight):
+        # oneDNN's fp32 linear where it measured faster than F.linear (bert_fast/ops/cpu_fp32_gemm.py)
+        x = x.contiguous()
+        if activation is None or save_z:
+            z = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            if activation is None:
+                return z, None
+            return F.gelu(z, approximate=GELU_APPROXIMATE[activation]), z
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], GELU_APPROXIMATE[activation]), None
     if activation is None:
         return F.linear(x, weight, bias), None
     approx = GELU_APPROXIMATE[activation]
@@ -832,9 +853,13 @@ def embedding_bwd(
     padding_idx: int,
     need: Sequence[bool],
     keep: Optional[Tensor] = None,
+    position_padding_idx: int = -1,
+    token_type_padding_idx: int = -1,
 ) -> List[Optional[Tensor]]:
     """Gradients of (word, position, type tables, weight, bias), None where ``need`` is False.
-    x is recomputed from the tables; table gradients accumulate in fp32 (float64 for float64)."""
+    x is recomputed from the tables; table gradients accumulate in fp32 (float64 for float64).
+    ``padding_idx`` / ``position_padding_idx`` / ``token_type_padding_idx``: the row of the word /
+    position / type table that gets no gradient (nn.Embedding's padding_idx), -1 for none."""
     hidden = word.shape[1]
     rows = indices.shape[0] if indices is not None else input_ids.numel()
     acc = _acc(word.dtype)
@@ -859,16 +884,19 @@ def embedding_bwd(
             if pos is None:
                 g = torch.zeros(pos_table.shape, dtype=acc, device=word.device)
                 g[:seqlen] = dx.view(-1, seqlen, hidden).sum(0)
+                if position_padding_idx >= 0:
+                    g[position_padding_idx] = 0
                 grads[1] = g.to(pos_table.dtype)
             else:
-                grads[1] = _table_grad(pos_table, pos, dx, acc, -1)
+                grads[1] = _table_grad(pos_table, pos, dx, acc, position_padding_idx)
         if need[2]:
             if tt is None:
                 g = torch.zeros(type_table.shape, dtype=acc, device=word.device)
-                g[0] = dx.sum(0)
+                if token_type_padding_idx != 0:
+                    g[0] = dx.sum(0)
                 grads[2] = g.to(type_table.dtype)
             else:
-                grads[2] = _table_grad(type_table, tt, dx, acc, -1)
+                grads[2] = _table_grad(type_table, tt, dx, acc, token_type_padding_idx)
     if need[3]:
         grads[3] = dw
     if need[4]:

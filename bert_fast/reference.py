@@ -48,13 +48,18 @@ def embedding_layer_norm(
     padding_idx: Optional[int] = None,
     indices: Optional[torch.Tensor] = None,
     dropout_mask: Optional[torch.Tensor] = None,
+    *,
+    position_padding_idx: Optional[int] = None,
+    token_type_padding_idx: Optional[int] = None,
 ) -> torch.Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) * weight + bias, then dropout.
 
     ids/pos/tt share one shape (position_ids None -> 0..S-1 along the last dim, token_type_ids
     None -> 0). ``indices`` (int, into the flattened ids) keeps only those tokens: output [T, H];
-    otherwise the output is ids.shape + (H,). The ``padding_idx`` row of the word table gets no
-    gradient (as nn.Embedding's padding_idx).
+    otherwise the output is ids.shape + (H,). The ``padding_idx`` row of the word table, the
+    ``position_padding_idx`` row of the position table (RoBERTa / XLM-R: pads sit at position
+    pad_token_id) and the ``token_type_padding_idx`` row of the type table get no gradient (as
+    nn.Embedding's padding_idx).
     """
     if position_ids is None:
         position_ids = default_position_ids(input_ids)
@@ -66,8 +71,8 @@ def embedding_layer_norm(
         token_type_ids = token_type_ids.reshape(-1)[indices]
     x = (
         F.embedding(input_ids, word_embeddings, padding_idx=padding_idx)
-        + F.embedding(position_ids, position_embeddings)
-        + F.embedding(token_type_ids, token_type_embeddings)
+        + F.embedding(position_ids, position_embeddings, padding_idx=position_padding_idx)
+        + F.embedding(token_type_ids, token_type_embeddings, padding_idx=token_type_padding_idx)
     )
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return apply_dropout(y, dropout_p, dropout_mask)

@@ -68,7 +68,11 @@ struct EmbBwdParams {
   float dropout_scale;
   uint64_t keep_threshold;
   uint64_t seed;
-  int64_t padding_idx;       // -1: none
+  // Rows that get no gradient (nn.Embedding's padding_idx), -1: none. RoBERTa / XLM-R gather the
+  // position row pad_token_id at every pad, and transformers leaves that row's gradient zero.
+  int64_t padding_idx;       // word table
+  int64_t pos_padding_idx;   // position table
+  int64_t type_padding_idx;  // token-type table
   // Outputs, each may be null (that gradient is not needed). Accumulators are fp32 (double for
   // float64) [rows_of_table, H] and must be zeroed by the caller. Each table's accumulator may
   // alias the final gradient when the table is fp32 (float64 on the CPU).

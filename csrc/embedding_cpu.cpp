@@ -247,11 +247,11 @@ void bwd_impl(const EmbBwdParams& p) {
       Acc* d = dword + r.w * H;
       for (int64_t j = 0; j < H; ++j) d[j] += dx[j];
     }
-    if (dpos) {
+    if (dpos && r.p != p.pos_padding_idx) {
       Acc* d = dpos + r.p * H;
       for (int64_t j = 0; j < H; ++j) d[j] += dx[j];
     }
-    if (dtt) {
+    if (dtt && r.t != p.type_padding_idx) {
       Acc* d = dtt + r.t * H;
       for (int64_t j = 0; j < H; ++j) d[j] += dx[j];
     }
@@ -335,6 +335,8 @@ EmbBwdParams parse_bwd(const py::dict& d) {
   p.mean64 = reinterpret_cast<const double*>(get_ptr(d, "mean"));
   p.rstd64 = reinterpret_cast<const double*>(get_ptr(d, "rstd"));
   p.padding_idx = get_val<int64_t>(d, "padding_idx", -1);
+  p.pos_padding_idx = get_val<int64_t>(d, "pos_padding_idx", -1);
+  p.type_padding_idx = get_val<int64_t>(d, "type_padding_idx", -1);
   p.dword = reinterpret_cast<void*>(get_ptr(d, "dword"));
   p.dpos = reinterpret_cast<void*>(get_ptr(d, "dpos"));
   p.dtype_grad = reinterpret_cast<void*>(get_ptr(d, "dtype_grad"));

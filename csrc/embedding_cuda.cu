@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) emb_ln_bwd_kernel(const EmbBwdParams
     c1 = warp_sum(c1) * invH;
     c2 = warp_sum(c2) * invH;
     if (dtt && p.dx_ws == nullptr && r.t != cur_t) {  // flush the aggregated token-type gradient
-      if (cur_t >= 0) {
+      if (cur_t >= 0 && cur_t != p.type_padding_idx) {
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           const int64_t c = (static_cast<int64_t>(i) * 32 + lane) * VEC;
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads) emb_ln_bwd_kernel(const EmbBwdParams
           if (dword && r.w != p.padding_idx)
 #pragma unroll
             for (int k = 0; k < VEC; ++k) atomicAdd(dword + r.w * H + c + k, dx[k]);
-          if (dpos)
+          if (dpos && r.p != p.pos_padding_idx)
 #pragma unroll
             for (int k = 0; k < VEC; ++k) atomicAdd(dpos + r.p * H + c + k, dx[k]);
           if (dtt)
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) emb_ln_bwd_kernel(const EmbBwdParams
       }
     }
   }
-  if (dtt && p.dx_ws == nullptr && cur_t >= 0) {
+  if (dtt && p.dx_ws == nullptr && cur_t >= 0 && cur_t != p.type_padding_idx) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t c = (static_cast<int64_t>(i) * 32 + lane) * VEC;
@@ -427,8 +427,8 @@ __global__ void __launch_bounds__(kGenericThreads) emb_ln_bwd_generic_kernel(con
         p.dx_ws[row * H + j] = dx;
       } else {
         if (dword && r.w != p.padding_idx) atomicAdd(dword + r.w * H + j, dx);
-        if (dpos) atomicAdd(dpos + r.p * H + j, dx);
-        if (dtt) atomicAdd(dtt + r.t * H + j, dx);
+        if (dpos && r.p != p.pos_padding_idx) atomicAdd(dpos + r.p * H + j, dx);
+        if (dtt && r.t != p.type_padding_idx) atomicAdd(dtt + r.t * H + j, dx);
       }
     }
   }

@@ -132,6 +132,10 @@ def embeddings_forward(
             dropout_p=p,
             padding_idx=emb.word_embeddings.padding_idx,
             indices=indices,
+            # RoBERTa / XLM-R: the position table's padding_idx row (pad_token_id, every pad's
+            # position) gets no gradient, as in transformers; each table's own nn.Embedding rule.
+            position_padding_idx=getattr(emb.position_embeddings, "padding_idx", None),
+            token_type_padding_idx=getattr(emb.token_type_embeddings, "padding_idx", None),
         )
     # inputs_embeds: the word vectors are given, so only positions and token types are looked up.
     b, s = inputs_embeds.shape[:2]

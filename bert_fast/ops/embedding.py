@@ -202,14 +202,15 @@ def _bwd_checks(
     mean,
     rstd,
     dropout_p,
-    padding_idx,
+    pads,
     need,
     keep,
     k,
     t,
 ):
     """LayerNorm's backward magnitudes (layer_norm_bwd_magnitudes), then summed into each table row
-    the way the gradient is (a table row's gradient adds the rows that gathered it)."""
+    the way the gradient is (a table row's gradient adds the rows that gathered it; a padding row,
+    ``pads`` (word, position, type), adds none)."""
     x, xmag, ids, pos, tt = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table)
     rows, hidden = x.shape
     dy = _verify.absf(grad_out).reshape(rows, hidden)
@@ -222,6 +223,8 @@ def _bwd_checks(
     ):
         if need[i]:
             m = torch.zeros(table.shape, dtype=dh.dtype, device=dh.device).index_add_(0, index, dh)
+            if pads[i] >= 0:
+                m[pads[i]] = 0
             checks.append(_verify.Check(name, k[i], t[i], mag=2.0 * m, acc=(rows + hidden + 2) * m))
     for i, (name, terms) in ((3, ("dweight", dw_terms)), (4, ("dbias", ady))):
         if need[i]:
@@ -248,13 +251,19 @@ def embedding_layer_norm_fwd(
     seed: Optional[Tensor],
     padding_idx: int,
     validate: bool = False,
+    position_padding_idx: int = -1,
+    token_type_padding_idx: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Inputs are validated by :func:`embedding_layer_norm`: ids/positions/types contiguous and of one
     shape (positions/types may be None), indices contiguous int64 or None, tables contiguous.
 
     ``validate``: check the index ranges here, before the launch. It runs inside the op (opaque to
     torch.compile, so the data-dependent check causes no graph break) and is skipped while a CUDA
-    graph is being captured (a host sync is illegal there)."""
+    graph is being captured (a host sync is illegal there).
+
+    ``padding_idx`` / ``position_padding_idx`` / ``token_type_padding_idx`` (-1: none, else in range)
+    name the table rows that get no gradient (nn.Embedding's padding_idx): the forward ignores them,
+    autograd hands them to the backward."""
     word = word_embeddings
     if validate and _dispatch.host_checks_allowed(input_ids):
         _validate_ranges(
@@ -414,6 +423,8 @@ def _(
     seed,
     padding_idx,
     validate=False,
+    position_padding_idx=-1,
+    token_type_padding_idx=-1,
 ):
     word = word_embeddings
     hidden = word.shape[1]
@@ -447,9 +458,15 @@ def embedding_layer_norm_bwd(
     padding_idx: int,
     output_mask: Sequence[bool],
     deterministic: bool,
+    position_padding_idx: int = -1,
+    token_type_padding_idx: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (word, position, token-type tables, weight, bias); output_mask says which are
-    needed (the others come back as empty tensors)."""
+    needed (the others come back as empty tensors). The ``padding_idx`` row of the word table, the
+    ``position_padding_idx`` row of the position table and the ``token_type_padding_idx`` row of the
+    type table (each -1: none) get zero, as nn.Embedding's padding_idx rows: RoBERTa / XLM-R gather
+    the position row pad_token_id at every pad, and transformers gives that row no gradient."""
+    pads = (int(padding_idx), int(position_padding_idx), int(token_type_padding_idx))
     word, pos, typ = word_embeddings, position_embeddings, token_type_embeddings
     need = [bool(m) for m in output_mask]
     dtype, device = word.dtype, word.device
@@ -479,6 +496,8 @@ def embedding_layer_norm_bwd(
             seed,
             padding_idx,
             need,
+            position_padding_idx=pads[1],
+            token_type_padding_idx=pads[2],
         )
         return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
     spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
@@ -501,6 +520,8 @@ def embedding_layer_norm_bwd(
             padding_idx,
             need,
             keep=keep,
+            position_padding_idx=pads[1],
+            token_type_padding_idx=pads[2],
         )
         return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
 
@@ -525,7 +546,7 @@ def embedding_layer_norm_bwd(
             rstd,
             dropout_p,
             seed,
-            padding_idx,
+            pads,
             need,
             deterministic,
         ),
@@ -544,7 +565,7 @@ def embedding_layer_norm_bwd(
             mean,
             rstd,
             dropout_p,
-            padding_idx,
+            pads,
             need,
             keep,
             k,
@@ -568,11 +589,12 @@ def _launch_bwd(
     rstd,
     dropout_p,
     seed,
-    padding_idx,
+    pads,
     need,
     deterministic,
 ):
-    """The kernel's five gradients (empty where not needed): CUDA, or the C++ CPU twin."""
+    """The kernel's five gradients (empty where not needed): CUDA, or the C++ CPU twin. ``pads``:
+    the (word, position, type) rows that get no gradient, -1 for none."""
     dtype, device = word.dtype, word.device
     acc = _acc_dtype(dtype)
     hidden = word.shape[1]
@@ -580,7 +602,15 @@ def _launch_bwd(
     shapes = [word.shape, pos.shape, typ.shape, weight.shape, weight.shape]
     grad_out = grad_out.reshape(rows, hidden).contiguous()
     params = _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows, dropout_p, seed)
-    params.update(dy=_ptr(grad_out), gamma=_ptr(weight), mean=_ptr(mean), rstd=_ptr(rstd), padding_idx=int(padding_idx))
+    params.update(
+        dy=_ptr(grad_out),
+        gamma=_ptr(weight),
+        mean=_ptr(mean),
+        rstd=_ptr(rstd),
+        padding_idx=pads[0],
+        pos_padding_idx=pads[1],
+        type_padding_idx=pads[2],
+    )
 
     # fp32 accumulators (float64 for float64); an fp32 table's gradient is its own accumulator.
     def accum(i):
@@ -639,7 +669,7 @@ def _launch_bwd(
                 _ptr(seg_rows),
                 int(seg_rows.numel()),
                 hidden,
-                int(padding_idx) if i == 0 else -1,
+                pads[i],
                 _ptr(g),
                 _DTYPE_CODES[dtype],
                 stream,
@@ -684,6 +714,8 @@ def _(
     padding_idx,
     output_mask,
     deterministic,
+    position_padding_idx=-1,
+    token_type_padding_idx=-1,
 ):
     shapes = [word_embeddings.shape, position_embeddings.shape, token_type_embeddings.shape, weight.shape, weight.shape]
     return tuple(word_embeddings.new_empty(shapes[i] if output_mask[i] else (0,)) for i in range(5))
@@ -706,17 +738,21 @@ def _setup_context(ctx, inputs, output):
         seed,
         padding_idx,
         _validate,
+        position_padding_idx,
+        token_type_padding_idx,
     ) = inputs
     _, mean, rstd = output
     ctx.save_for_backward(input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean, rstd)
     ctx.dropout_p = dropout_p
     ctx.padding_idx = padding_idx
+    ctx.position_padding_idx = position_padding_idx
+    ctx.token_type_padding_idx = token_type_padding_idx
 
 
 def _backward(ctx, grad_out, grad_mean, grad_rstd):
     (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean, rstd) = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[4:9])
-    grads = [None] * 14
+    grads = [None] * 16
     if not any(mask):
         return tuple(grads)
     out = torch.ops.bert_fast.embedding_layer_norm_bwd(
@@ -736,6 +772,8 @@ def _backward(ctx, grad_out, grad_mean, grad_rstd):
         ctx.padding_idx,
         mask,
         _dispatch.deterministic(),
+        ctx.position_padding_idx,
+        ctx.token_type_padding_idx,
     )
     for i in range(5):
         if mask[i]:
@@ -766,6 +804,16 @@ def _broadcast_ids(name: str, t: Optional[Tensor], shape) -> Optional[Tensor]:
                 f"{name} must have the shape of input_ids {tuple(shape)} (or broadcast to it), got {tuple(t.shape)}"
             ) from None
     return t.contiguous()
+
+
+def _check_padding_idx(name: str, value, rows: int, what: str) -> Optional[int]:
+    """None, or ``value`` in [-rows, rows) made non-negative (negative counts from the end, as
+    nn.Embedding's padding_idx)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not -rows <= value < rows:
+        raise ValueError(f"{name} must be an int in [-{rows}, {rows}) ({what}), got {value!r}")
+    return value % rows
 
 
 def check_index_ranges(checks) -> None:
@@ -826,6 +874,8 @@ def embedding_layer_norm(
     generator: Optional[torch.Generator] = None,
     *,
     validate: bool = True,
+    position_padding_idx: Optional[int] = None,
+    token_type_padding_idx: Optional[int] = None,
 ) -> Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) * weight + bias, then dropout.
 
@@ -838,6 +888,10 @@ def embedding_layer_norm(
             bias [H]: one float dtype (fp32/fp16/bf16; float64 too on the CPU), one device.
         eps: LayerNorm epsilon. dropout_p: dropout on the output (in [0, 1)).
         padding_idx: the word row that gets no gradient (as nn.Embedding), negative counts from the end.
+        position_padding_idx, token_type_padding_idx: the same for the position and the token-type
+            table. RoBERTa / XLM-R build position_embeddings with padding_idx=pad_token_id and give
+            pads that position, so transformers leaves that row's gradient zero: pass the tables'
+            own ``nn.Embedding.padding_idx`` (None for none) to get transformers' gradients.
         indices: int64 [T] into the flattened ids: keep only those tokens (unpadding fused into the
             gather); the output is then [T, H], else input_ids.shape + (H,).
         generator: CPU torch.Generator the dropout seed is drawn from (default: torch's global one).
@@ -902,12 +956,13 @@ def embedding_layer_norm(
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
     vocab = word_embeddings.shape[0]
-    if padding_idx is not None:
-        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not -vocab <= padding_idx < vocab:
-            raise ValueError(
-                f"padding_idx must be an int in [-{vocab}, {vocab}) (the word vocabulary), got {padding_idx!r}"
-            )
-        padding_idx = padding_idx % vocab
+    padding_idx = _check_padding_idx("padding_idx", padding_idx, vocab, "the word vocabulary")
+    position_padding_idx = _check_padding_idx(
+        "position_padding_idx", position_padding_idx, position_embeddings.shape[0], "the position table's rows"
+    )
+    token_type_padding_idx = _check_padding_idx(
+        "token_type_padding_idx", token_type_padding_idx, token_type_embeddings.shape[0], "the token type vocabulary"
+    )
     shape = tuple(input_ids.shape)
     position_ids = _broadcast_ids("position_ids", position_ids, shape)
     token_type_ids = _broadcast_ids("token_type_ids", token_type_ids, shape)
@@ -943,6 +998,8 @@ def embedding_layer_norm(
             padding_idx,
             indices,
             mask,
+            position_padding_idx=position_padding_idx,
+            token_type_padding_idx=token_type_padding_idx,
         )
     if (
         dropout_p == 0.0
@@ -992,6 +1049,8 @@ def embedding_layer_norm(
         seed,
         -1 if padding_idx is None else padding_idx,
         validate,
+        -1 if position_padding_idx is None else position_padding_idx,
+        -1 if token_type_padding_idx is None else token_type_padding_idx,
     )
     return out
 

@@ -10,8 +10,15 @@ with W_q int8 per output channel (symmetric, s_w [N]), quantized once here. Why 
 and per-channel weights: on all-MiniLM-L6-v2 (64 shipped sentences, min cosine of mean-pooled
 embeddings to fp32), per-tensor dynamic int8 of every Linear (torch.ao's quantize_dynamic, what
 most CPU int8 recipes do) gave 0.902, per-channel weights 0.967, per-row activations and
-per-channel weights 0.9965 (benchmarks/NOTES.md, "int8 on the CPU"). Attention, LayerNorm and the
-residual stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
+per-channel weights 0.9965 (benchmarks/NOTES.md, "int8 on the CPU"). LayerNorm and the residual
+stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
+
+Attention. Where our AVX-512 BF16 attention kernel runs (bert_fast.ops.cpu_attention), an int8 fp32
+model's attention runs on it in bf16 (Q, K, V rounded to bf16, fp32 softmax and accumulation): at
+batch 1 torch's fp32 flash kernel was a quarter of a MiniLM int8 forward. Measured on a Zen 5 (2
+threads, benchmarks/cpu_int8_attention_ab.py): MiniLM b1 1.22x, b8 1.37x, bert-base b1 1.15x, the
+shipped sentences' min cosine to fp32 0.99606 -> 0.99599; the accuracy guard below measures the
+model as it runs, bf16 attention included. ``BERT_FAST_INT8_ATTENTION=auto|bf16|fp32``.
 
 Why a speed check. torch runs a fast int8 GEMM only on CPUs with AVX-512 VNNI or AMX-INT8 (elsewhere
 torch._int_mm is 35-55x slower than fp32, and our AVX2 GEMM runs instead). bert_fast.model.int8_speed
@@ -30,6 +37,7 @@ Inference only: training, gradients and autocast take the normal path (with a wa
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Dict, Optional, Sequence, Tuple
@@ -39,10 +47,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bert_fast.model import frozen, int8_speed
-from bert_fast.ops import int8_gemm
+from bert_fast.ops import cpu_attention, int8_gemm
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
 DEFAULT_MIN_COSINE = 0.99
+# BERT_FAST_INT8_ATTENTION: "auto" (bf16 where our AVX-512 BF16 attention kernel runs), "bf16", "fp32"
+ATTENTION_ENV = "BERT_FAST_INT8_ATTENTION"
+
+
+def attention_in_bf16(qkv: Tensor) -> bool:
+    """Whether an int8 model's attention over this fp32 QKV runs in bf16 (module docstring, "Attention")."""
+    if qkv.dtype != torch.float32 or qkv.device.type != "cpu":
+        return False
+    setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower()
+    if setting == "fp32":
+        return False
+    return setting == "bf16" or cpu_attention.available()
+
 
 # model -> {layer index: _Int8Layer}; weak keys, as frozen.py's store
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -178,6 +178,16 @@ def attention_block(sa, gemms, h: torch.Tensor, batch: Batch, heads: int, traini
             return direct_ops.dense_self_attention(h, *separate, u.batch, u.max_seqlen, heads)
     p_attn = sa.dropout.p if training else 0.0
     qkv = gemms.qkv(h)
+    if batch.int8 and o is direct_ops and int8.attention_in_bf16(qkv):
+        # an int8 model's attention in bf16 on our AVX-512 BF16 kernel (int8.py, "Attention")
+        ctx = attention_block_ops(o, qkv.to(torch.bfloat16), batch, heads, hidden, p_attn)
+        return ctx.to(h.dtype).reshape(h.shape)
+    return attention_block_ops(o, qkv, batch, heads, hidden, p_attn).reshape(h.shape)
+
+
+def attention_block_ops(o, qkv: torch.Tensor, batch: Batch, heads: int, hidden: int, p_attn: float) -> torch.Tensor:
+    """Flash attention (padded or varlen) over a packed QKV projection."""
+    u = batch.unpadded
     if batch.padded:
         ctx = o.attention(qkv.view(batch.batch, batch.seqlen, 3, heads, hidden // heads), batch.mask, dropout_p=p_attn)
     else:
@@ -185,7 +195,7 @@ def attention_block(sa, gemms, h: torch.Tensor, batch: Batch, heads: int, traini
         ctx = o.varlen_attention(
             qkv.view(-1, 3, heads, hidden // heads), u.cu_seqlens, u.max_seqlen, dropout_p=p_attn, validate=False
         )
-    return ctx.reshape(h.shape)
+    return ctx
 
 
 def _residual_ln(o, x: torch.Tensor, residual: torch.Tensor, out_module, dtype, training: bool) -> torch.Tensor:

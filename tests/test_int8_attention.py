@@ -1,0 +1,67 @@
+"""An int8 model's attention in bf16 on our AVX-512 BF16 kernel (bert_fast/model/int8.py,
+"Attention"): taken by default where the kernel runs, never with BERT_FAST_INT8_ATTENTION=fp32, and
+within bf16 rounding of the fp32 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import bert_fast
+from bert_fast.model import int8 as int8_mod
+from bert_fast.ops import cpu_attention
+
+pytestmark = pytest.mark.skipif(not int8_mod.available(), reason="no torch._int_mm in this torch")
+
+
+def _model():
+    cfg = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    calib = {
+        "input_ids": torch.randint(1, 100, (4, 16), generator=g),
+        "attention_mask": torch.ones(4, 16, dtype=torch.long),
+    }
+    calib["attention_mask"][1, 9:] = 0
+    return bert_fast.optimize(model, int8=True, calibration=calib, min_cosine=0.9), calib
+
+
+def test_setting_values(monkeypatch):
+    qkv = torch.zeros(4, 12)
+    monkeypatch.setenv(int8_mod.ATTENTION_ENV, "fp32")
+    assert not int8_mod.attention_in_bf16(qkv)
+    monkeypatch.setenv(int8_mod.ATTENTION_ENV, "bf16")
+    assert int8_mod.attention_in_bf16(qkv) and not int8_mod.attention_in_bf16(qkv.bfloat16())
+    monkeypatch.setenv(int8_mod.ATTENTION_ENV, "auto")
+    assert int8_mod.attention_in_bf16(qkv) == cpu_attention.available()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["varlen", "padded"])
+def test_bf16_attention_agrees_with_fp32_and_takes_our_kernel(monkeypatch, padded):
+    monkeypatch.setenv("BERT_FAST_BACKEND", "torch")  # the CPU path users run (not the interpreter's kernels)
+    model, calib = _model()
+    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "on")  # ours, not its measured choice against torch's bf16 flash
+    if padded:
+        model = bert_fast.optimize(model, padded=True)
+    calls = []
+    for name in ("varlen", "padded"):
+        real = getattr(cpu_attention, name)
+        monkeypatch.setattr(cpu_attention, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
+    out = {}
+    for mode in ("fp32", "bf16"):
+        monkeypatch.setenv(int8_mod.ATTENTION_ENV, mode)
+        calls.clear()
+        with torch.no_grad():
+            out[mode] = model(**calib).last_hidden_state
+        if mode == "fp32":
+            assert calls == []  # fp32 attention never reaches the bf16 kernel
+        elif cpu_attention.available():
+            assert calls, "bf16 attention did not run our kernel"
+    assert out["bf16"].dtype == torch.float32
+    mask = calib["attention_mask"].bool()
+    cos = torch.nn.functional.cosine_similarity(out["bf16"][mask], out["fp32"][mask], dim=-1)
+    assert cos.min() > 0.999

@@ -207,3 +207,25 @@ def pytest_report_header(config):
         f"bert_fast test device: {pick_test_device()}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
         f"build_info: {bert_fast.build_info()}",
     ]
+
+
+@pytest.fixture
+def fake_ceilings(monkeypatch) -> dict:
+    """bert_fast.bench.ceilings.measure answers these (0.1 TFLOP/s, 10 GB/s) instead of measuring: a
+    bench test's time estimate then does not depend on the machine."""
+    from bert_fast.bench import ceilings
+
+    fake = {
+        "copy_bandwidth_gbs": 10.0,
+        "copy_bandwidth_ci_gbs": [9.9, 10.1],
+        "copy_unstable": False,
+        "matmul_tflops": 0.1,
+        "matmul_tflops_ci": [0.099, 0.101],
+        "matmul_unstable": False,
+        "threads": 2,
+        "rounds": 6,
+        "matmul_dtype": "fp32",
+        "matmul_shape": [1024] * 3,
+    }
+    monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(fake))
+    return fake

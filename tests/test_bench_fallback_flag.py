@@ -11,25 +11,11 @@ from bert_fast.bench.results import flags
 from bert_fast.bench.summary import summary_lines
 from bert_fast.ops import _verify
 
-FAKE_CEILINGS = {
-    "copy_bandwidth_gbs": 10.0,
-    "copy_bandwidth_ci_gbs": [9.9, 10.1],
-    "copy_unstable": False,
-    "matmul_tflops": 0.1,
-    "matmul_tflops_ci": [0.099, 0.101],
-    "matmul_unstable": False,
-    "threads": 2,
-    "rounds": 6,
-    "matmul_dtype": "fp32",
-    "matmul_shape": [1024] * 3,
-}
 
-
-def test_fallback_is_flagged_in_json_table_and_summary(tmp_path, monkeypatch, capsys):
+def test_fallback_is_flagged_in_json_table_and_summary(tmp_path, monkeypatch, capsys, fake_ceilings):
     from bert_fast import cli
-    from bert_fast.bench import ceilings, model_bench
+    from bert_fast.bench import model_bench
 
-    monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(FAKE_CEILINGS))
     _verify.reset()
     real_build = model_bench.build_provider_model
 

@@ -360,30 +360,17 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
 
 
 # ----------------------------------------------------------------------------- bounded time (budget)
-FAKE_CEILINGS = {
-    "copy_bandwidth_gbs": 10.0,
-    "copy_bandwidth_ci_gbs": [9.9, 10.1],
-    "copy_unstable": False,
-    "matmul_tflops": 0.1,
-    "matmul_tflops_ci": [0.099, 0.101],
-    "matmul_unstable": False,
-    "threads": 2,
-    "rounds": 6,
-    "matmul_dtype": "fp32",
-    "matmul_shape": [1024] * 3,
-}
 
 
-def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys):
+def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys, fake_ceilings):
     """The README's old CPU example (bert-large, 16 x 512) ran over 20 minutes with no output. At
     0.1 TFLOP/s it is estimated at about an hour and skipped, with what it would cost, before any
     model is built; the small case beside it still runs."""
     import json
 
     from bert_fast import cli
-    from bert_fast.bench import ceilings, model_bench
+    from bert_fast.bench import model_bench
 
-    monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(FAKE_CEILINGS))
     built = []
     real_build = model_bench.build_provider_model
     monkeypatch.setattr(

@@ -1,5 +1,6 @@
 """A/B of the CPU path's fp32 linear: aten (F.linear: MKL/OpenBLAS) against oneDNN's linear on the plain
-weight (bert_fast/ops/cpu_fp32_gemm.py), whole no-grad forwards, interleaved rounds, paired ratios.
+weight (bert_fast/ops/cpu_fp32_gemm.py), whole no-grad forwards side by side (benchmarks/_env_ab.py:
+timing.measure, 95% intervals).
 
     python benchmarks/cpu_fp32_gemm_ab.py [--threads 2] [--rounds 7]
 
@@ -10,12 +11,10 @@ fp32 path on oneDNN").
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
 
 import torch
 import transformers
+from _env_ab import compare  # benchmarks/, the script's folder
 
 import bert_fast
 from bert_fast.bench import cpu_caps
@@ -37,22 +36,11 @@ def main() -> None:
         model = bert_fast.BertModel(transformers.BertConfig(**overrides)).eval()
         ids = torch.randint(0, 30000, (batch, seq))
         mask = torch.ones(batch, seq, dtype=torch.long)
-        times = {"aten": [], "onednn": []}
         with torch.no_grad():
-            for _ in range(args.rounds + 1):  # the first round warms both up and is dropped
-                for mode in times:
-                    os.environ[cpu_fp32_gemm.ENV] = mode
-                    t0 = time.perf_counter()
-                    model(input_ids=ids, attention_mask=mask)
-                    times[mode].append(time.perf_counter() - t0)
-        times = {k: v[1:] for k, v in times.items()}
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        ratios = sorted(a / b for a, b in zip(times["aten"], times["onednn"]))
-        print(
-            f"{name} {batch}x{seq} fp32 no-grad: aten {med['aten']:.1f} ms, oneDNN {med['onednn']:.1f} ms, "
-            f"speedup {med['aten'] / med['onednn']:.2f}x (paired ratios {ratios[0]:.2f}-{ratios[-1]:.2f})"
-        )
-    os.environ.pop(cpu_fp32_gemm.ENV, None)
+            line = compare(
+                cpu_fp32_gemm.ENV, ("aten", "onednn"), lambda: model(input_ids=ids, attention_mask=mask), args.rounds
+            )
+        print(f"{name} {batch}x{seq} fp32 no-grad: {line}")
 
 
 if __name__ == "__main__":

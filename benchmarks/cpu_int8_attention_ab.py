@@ -1,7 +1,7 @@
 """A/B of an int8 model's attention: fp32 (torch's flash CPU kernel) against bf16 (our AVX-512 BF16
 kernel, bert_fast/ops/cpu_attention.py), whole no-grad forwards of the real all-MiniLM-L6-v2 and a
-bert-base config, interleaved rounds, paired ratios; and the accuracy of each (min cosine of the
-mean-pooled outputs on the 64 shipped sentences to the fp32 model).
+bert-base config, side by side (benchmarks/_env_ab.py: timing.measure, 95% intervals); and the
+accuracy of each (min cosine of the mean-pooled outputs on the 64 shipped sentences to the fp32 model).
 
     python benchmarks/cpu_int8_attention_ab.py [--threads 2] [--rounds 9]
 """
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import transformers
+from _env_ab import compare  # benchmarks/, the script's folder
 
 import bert_fast
 from bert_fast.bench import cpu_caps
@@ -52,22 +51,11 @@ def main() -> None:
     for name, model, batch in (("MiniLM", m_int8, 1), ("MiniLM", m_int8, 8), ("bert-base", b_int8, 1)):
         ids = torch.randint(1000, 20000, (batch, 128))
         mask = torch.ones(batch, 128, dtype=torch.long)
-        times = {m: [] for m in MODES}
         with torch.no_grad():
-            for _ in range(args.rounds + 1):  # the first round warms up and is dropped
-                for mode in MODES:
-                    os.environ[int8_mod.ATTENTION_ENV] = mode
-                    t0 = time.perf_counter()
-                    model(input_ids=ids, attention_mask=mask)
-                    times[mode].append(time.perf_counter() - t0)
-        times = {k: v[1:] for k, v in times.items()}
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        ratios = sorted(a / b for a, b in zip(times["fp32"], times["bf16"]))
-        print(
-            f"{name} int8 {batch}x128 no-grad: attention fp32 {med['fp32']:.2f} ms, bf16 {med['bf16']:.2f} ms, "
-            f"speedup {med['fp32'] / med['bf16']:.2f}x (paired ratios {ratios[0]:.2f}-{ratios[-1]:.2f})"
-        )
-    os.environ.pop(int8_mod.ATTENTION_ENV, None)
+            line = compare(
+                int8_mod.ATTENTION_ENV, MODES, lambda: model(input_ids=ids, attention_mask=mask), args.rounds
+            )
+        print(f"{name} int8 {batch}x128 no-grad, attention {line}")
 
 
 if __name__ == "__main__":

@@ -98,22 +98,10 @@ def randomize_(module, seed=0):
 
 
 def hf_embeddings(family, hidden, device):
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=2 * hidden,
-        max_position_embeddings=MAX_POS,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=PAD,
-        type_vocab_size=2,
-    )
-    cls = {"roberta": transformers.RobertaModel, "xlm_roberta": transformers.XLMRobertaModel}[family]
-    cfg = {"roberta": transformers.RobertaConfig, "xlm_roberta": transformers.XLMRobertaConfig}[family](**kw)
+    """transformers' own embeddings module of ``family`` (its config: family_config, below)."""
+    cls = getattr(transformers, FAMILY_MODELS[family][0])
     torch.manual_seed(0)
-    return randomize_(cls(cfg).embeddings).to(device)
+    return randomize_(cls(family_config(family, hidden)).embeddings).to(device)
 
 
 def grads_of(tables, out, dy):

@@ -24,8 +24,6 @@ see them).
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -33,6 +31,7 @@ import torch
 from torch import Tensor
 
 from bert_fast.model import direct_ops
+from bert_fast.ops.cpu_timing import median_pair as _median_pair
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -116,21 +115,6 @@ MEASURE_ROWS = (64, 1024)  # the row counts measured: one per class below
 SPLIT_ROWS = 256  # calls with at most this many rows take the small class's choice
 _CHOICES: Dict[tuple, Tuple[bool, bool]] = {}  # (n, k, dtype, activation, threads) -> choice
 _FORCED: Optional[bool] = None  # tests: force packing on (True) or off (False)
-
-
-def _median_pair(a, b, reps: int) -> Tuple[float, float]:
-    """Median seconds of ``a()`` and ``b()``, interleaved (the same machine state for both)."""
-    ta, tb = [], []
-    a(), b()  # warm-up: oneDNN builds its primitive at the first call of a shape
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def packing_choice(lin: "_PackedLinear", activation: Optional[str]) -> Tuple[bool, bool]:

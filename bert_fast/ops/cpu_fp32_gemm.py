@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from typing import Dict
 
 import torch
 import torch.nn.functional as F
+
+from bert_fast.ops.cpu_timing import median_pair
 
 ENV = "BERT_FAST_CPU_FP32_GEMM"
 MARGIN = 0.9  # oneDNN must take at most this fraction of F.linear's time
@@ -69,19 +70,12 @@ def _measure(reps: int = 5) -> bool:
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     try:
         with torch.no_grad():
-            onednn = lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")  # noqa: E731
-            aten = lambda: F.linear(x, w, b)  # noqa: E731
-            onednn(), aten()  # first calls: oneDNN builds its primitive, MKL its buffers
-            times = {"onednn": [], "aten": []}
-            for _ in range(reps):  # interleaved: a noisy neighbour slows both alike
-                for name, fn in (("onednn", onednn), ("aten", aten)):
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+            t_onednn, t_aten = median_pair(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""), lambda: F.linear(x, w, b), reps
+            )
     except Exception:  # noqa: BLE001 - oneDNN refused this CPU or build: aten
         return False
-    med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-    return med["onednn"] <= MARGIN * med["aten"]
+    return t_onednn <= MARGIN * t_aten
 
 
 def reset() -> None:

@@ -10,8 +10,12 @@ importing transformers and triton; ``bert_fast.BertModel`` etc. load on first us
 
 import importlib
 
-from bert_fast._build_info import build_info
-from bert_fast.versions import check_transformers_floor
+from bert_fast import onednn_caches
+
+onednn_caches.bound()  # before any oneDNN op of ours: RSS stays flat under varying shapes (item 7)
+
+from bert_fast._build_info import build_info  # noqa: E402
+from bert_fast.versions import check_transformers_floor  # noqa: E402
 
 check_transformers_floor()  # a transformers older than setup.py's floor is refused here, by name
 

@@ -9,6 +9,11 @@ live bytes stay flat; what grows is the free memory glibc holds. oneDNN's primit
 1024 primitives, keyed by shape: frozen models' packed GEMMs) adds a bounded step on top, reached
 within the first few hundred shapes.
 
+The default since #32 item 7 (bert_fast/onednn_caches.py): oneDNN's and ideep's caches, keyed by the
+token count, are bounded at import; their entries were what kept the holes from merging, and with them
+bounded RSS stays flat (benchmarks/NOTES.md, "Flat memory by default"). What is below is for a process
+that needs less still, or that ran oneDNN before importing bert_fast.
+
 Two remedies, each measured by benchmarks/soak_memory.py:
 
 - ``malloc_trim()`` every few forwards (``MemoryTrimmer``): glibc gives the free pages inside its

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from bert_fast import onednn_caches
 from bert_fast.bench.summary import (  # noqa: F401 - the summary's names, also reachable from here
     SUMMARY_COS_EPS,
     is_ours,
@@ -226,7 +227,8 @@ def environment(device=None) -> Dict[str, Any]:
         build_info=build,
         env={
             k: os.environ.get(k)
-            for k in ("TRITON_INTERPRET", "BERT_FAST_BACKEND", "CUDA_VISIBLE_DEVICES")
+            # oneDNN's cache bounds (bert_fast.onednn_caches sets them at import unless given)
+            for k in ("TRITON_INTERPRET", "BERT_FAST_BACKEND", "CUDA_VISIBLE_DEVICES", *onednn_caches.VARIABLES)
             if k in os.environ
         },
     )

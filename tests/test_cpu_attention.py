@@ -97,16 +97,17 @@ def test_eligibility_and_switch(monkeypatch):
     x = torch.zeros(4, 3, 2, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "1")
     assert cpu_attention.eligible(x, 2)
-    assert not cpu_attention.eligible(x.float(), 2)  # fp32 keeps torch's kernel
+    assert not cpu_attention.eligible(x.half(), 2)  # fp16: torch's kernel
     assert not cpu_attention.eligible(torch.zeros(4, 3, 2, 63, dtype=torch.bfloat16), 2)  # odd head dim
     monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "0")
     assert not cpu_attention.eligible(x, 2)
     monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "auto")
-    monkeypatch.setattr(cpu_attention, "_CHOICES", {(2, 64): False})
+    key = (torch.bfloat16, 2, 64, torch.get_num_threads())
+    monkeypatch.setattr(cpu_attention, "_CHOICES", {key: False})
     assert not cpu_attention.eligible(x, 2)  # torch's kernel won the timing: keep it
     monkeypatch.setattr(cpu_attention, "_CHOICES", {})
     cpu_attention.eligible(x, 2)
-    assert (2, 64) in cpu_attention._CHOICES  # measured once, then cached
+    assert key in cpu_attention._CHOICES  # measured once, then cached
 
 
 def test_bf16_model_takes_it_and_stays_close_to_fp32(monkeypatch):

@@ -7,9 +7,10 @@ gradient is taken, nothing is compiled and the op would run its torch implementa
 (CPU tensors without the interpreter, or BERT_FAST_BACKEND=torch), the model calls the very same
 implementation functions (bert_fast.ops.torch_impl) directly: same code, same numbers (a test
 checks the two paths agree bit for bit), minus the overhead. Dropout is never on here (eval only).
-One exception: bf16 attention on a CPU with AVX-512 BF16 runs bert_fast.ops.cpu_attention (our
-kernel, where it measured faster than torch's flash CPU kernel; held to the 2x rule against the
-float64 oracle in tests/test_cpu_attention.py), since inference needs no log-sum-exp for a backward.
+One exception: attention in bf16 (AVX-512 BF16) or fp32 (AVX-512 or AVX2) runs bert_fast.ops.cpu_attention
+(our kernels, where they measured faster than torch's flash CPU kernel; held to the 2x rule against
+the float64 oracle in tests/test_cpu_attention.py and tests/test_cpu_attention_f32.py), since
+inference needs no log-sum-exp for a backward.
 
 The object mirrors the subset of ``bert_fast.ops`` the model uses, so a layer runs unchanged on
 either (``layer.layer_forward`` with ``batch.ops`` = bert_fast.ops or direct_ops).
@@ -93,7 +94,9 @@ def dense_self_attention(
     t, hidden = h.shape
     d = hidden // heads
     if cpu_attention.eligible(h, heads):
-        q, k, v = (torch.nn.functional.linear(h, w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+        # fp32: linear(), the CPU fp32 GEMM choice (oneDNN where it measured faster than F.linear)
+        gemm = linear if h.dtype == torch.float32 else torch.nn.functional.linear
+        q, k, v = (gemm(h, w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
         return cpu_attention.separate(q, k, v, batch, seqlen, heads, 1.0 / math.sqrt(d))
 
     def heads_view(x: Tensor) -> Tensor:

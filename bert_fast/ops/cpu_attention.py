@@ -1,15 +1,19 @@
-"""bf16 self-attention of CPU inference in one native call (csrc/attention_cpu.cpp).
+"""Self-attention of CPU inference in one native call: bf16 (csrc/attention_cpu.cpp, AVX-512 BF16) and
+fp32 (csrc/attention_f32_cpu.cpp, AVX-512 or AVX2, #32 item 3).
 
 Inference only (no log-sum-exp, no gradient): bert_fast/model/direct_ops.py calls it in place of
 torch's flash CPU kernel, which runs bf16 attention at a sixth of the bf16 GEMM rate on CPUs
-without AMX (benchmarks/NOTES.md, "CPU attention in bf16"). One call serves a padded batch with a
-key mask, packed varlen sequences (cu_seqlens: no grouping by length, no gather or scatter), and
-q, k, v from three separate GEMMs, because the kernel reads every operand through one row stride.
+without AMX (benchmarks/NOTES.md, "CPU attention in bf16") and spends most of an fp32 BERT-sized
+problem in fixed per-block costs ("fp32 attention on our own kernel"). One call serves a padded
+batch with a key mask, packed varlen sequences (cu_seqlens: no grouping by length, no gather or
+scatter), and q, k, v from three separate GEMMs, because the kernels read every operand through
+one row stride.
 
-Where it runs: a CPU with AVX-512 BF16, bf16 tensors, an even head dim. Whether it beats torch's
-kernel is measured once per process and (heads, head dim) (``choice``): on an AMX CPU torch's
-kernel runs its GEMMs on AMX tiles and may win there; the measurement keeps whichever is faster.
-``BERT_FAST_CPU_ATTENTION=0`` turns it off, ``=1`` uses it without measuring.
+Where each runs: bf16 on a CPU with AVX-512 BF16 and an even head dim; fp32 on a CPU with AVX-512
+or AVX2 (+FMA), any head dim; both capped by BERT_FAST_CPU_ISA. Whether ours beats torch's kernel is
+measured once per process, dtype, (heads, head dim) and thread count (``choice``): on an AMX CPU
+torch's bf16 kernel runs its GEMMs on AMX tiles and may win there; the measurement keeps whichever
+is faster. ``BERT_FAST_CPU_ATTENTION=0`` turns both off, ``=1`` uses them without measuring.
 """
 
 from __future__ import annotations
@@ -24,19 +28,26 @@ from torch import Tensor
 try:
     from bert_fast import _C as _ext
 
-    if not hasattr(_ext, "attention_bf16"):  # an extension built before this kernel existed
+    if not hasattr(_ext, "attention_bf16") or not hasattr(_ext, "attention_f32"):  # an older build
         _ext = None
 except ImportError:  # pragma: no cover - the extension is part of every install
     _ext = None
 
-# (heads, d) -> whether ours won the first-use timing against torch's flash CPU kernel
-_CHOICES: Dict[Tuple[int, int], bool] = {}
+# (dtype, heads, d, threads) -> whether ours won the first-use timing against torch's flash CPU kernel
+_CHOICES: Dict[Tuple[torch.dtype, int, int, int], bool] = {}
+DTYPES = (torch.bfloat16, torch.float32)
 
 
-def available() -> bool:
-    """This build has the kernel and this CPU can run it (AVX-512 BF16, not ruled out by
-    BERT_FAST_CPU_ISA: asked at every call, a check of a few hundred nanoseconds)."""
-    return _ext is not None and bool(_ext.cpu_has_bf16_dot())
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """This build has the ``dtype`` kernel and this CPU can run it (bf16: AVX-512 BF16; fp32: AVX-512
+    or AVX2), not ruled out by BERT_FAST_CPU_ISA: asked at every call, a few hundred nanoseconds."""
+    if _ext is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(_ext.cpu_has_bf16_dot())
+    if dtype == torch.float32:
+        return bool(_ext.attention_f32_isa())
+    return False
 
 
 def _setting() -> str:
@@ -44,26 +55,26 @@ def _setting() -> str:
 
 
 def eligible(t: Tensor, heads: int) -> bool:
-    """Whether attention over ``t`` (bf16 CPU activations, hidden = heads x d) may run here."""
+    """Whether attention over ``t`` (bf16 or fp32 CPU activations, hidden = heads x d) may run here."""
     setting = _setting()
-    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or setting in ("0", "off", "false"):
+    if t.dtype not in DTYPES or t.device.type != "cpu" or setting in ("0", "off", "false"):
         return False
     d = t.shape[-1] // heads if t.dim() == 2 else t.shape[-1]
-    if d % 2 or not available():
+    if (t.dtype == torch.bfloat16 and d % 2) or not available(t.dtype):
         return False
-    return setting in ("1", "on", "true") or choice(heads, d)
+    return setting in ("1", "on", "true") or choice(heads, d, t.dtype)
 
 
-def choice(heads: int, d: int) -> bool:
-    """Ours or torch's flash CPU kernel for this (heads, d): timed once per process at b4 x 128
-    tokens (best of 3 each, ~10-30 ms in all), and the result cached."""
-    key = (heads, d)
+def choice(heads: int, d: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Ours or torch's flash CPU kernel for this (dtype, heads, d) at the current thread count: timed
+    once per process at b4 x 128 tokens (best of 3 each, ~10-30 ms in all), and the result cached."""
+    key = (dtype, heads, d, torch.get_num_threads())
     got = _CHOICES.get(key)
     if got is not None:
         return got
     b, s = 4, 128
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn((b, s, 3, heads, d), generator=g).to(torch.bfloat16)
+    qkv = torch.randn((b, s, 3, heads, d), generator=g).to(dtype)
     q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
     scale = d**-0.5
 
@@ -94,7 +105,8 @@ def _run(
     d: int,
     scale: float,
 ) -> Tensor:
-    _ext.attention_bf16(
+    kernel = _ext.attention_bf16 if q.dtype == torch.bfloat16 else _ext.attention_f32
+    kernel(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),

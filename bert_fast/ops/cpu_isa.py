@@ -37,7 +37,8 @@ def cap() -> Optional[str]:
 def native_passes() -> Dict[str, str]:
     """{"cpu": the CPU's widest ISA, "cap": BERT_FAST_CPU_ISA or "-", and per native pass the version
     it runs: "keep_mask" (dropout mask), "int8_passes" (int8 quantize / dequantize),
-    "attention_bf16" (bf16 attention kernel, or "not used: ..." where it cannot run)}; {} without the
+    "attention_bf16" / "attention_fp32" (the attention kernels, or "not used: ..." where they cannot
+    run; where they run, a first-use timing still decides against torch's kernel)}; {} without the
     extension."""
     if _ext is None:
         return {}
@@ -48,6 +49,8 @@ def native_passes() -> Dict[str, str]:
     out["int8_passes"] = _ext.int8_isa() if hasattr(_ext, "int8_isa") else "scalar"
     has_attn = hasattr(_ext, "cpu_has_bf16_dot") and _ext.cpu_has_bf16_dot()
     out["attention_bf16"] = "avx512_bf16" if has_attn else "not used: needs avx512_bf16 (torch's kernel runs)"
+    f32 = _ext.attention_f32_isa() if hasattr(_ext, "attention_f32_isa") else ""
+    out["attention_fp32"] = f32 or "not used: needs avx2+fma (torch's kernel runs)"
     return out
 
 

@@ -103,10 +103,25 @@ def test_noisy_timer_is_flagged_unstable_and_stops_at_the_budget():
     assert sp.unstable and sp.ci_rel > 0.10
 
 
-def test_rounds_interleave_in_rotating_order():
+def test_rounds_interleave_in_the_orders_of_a_williams_design():
     t, clock, providers = _setup({n: (lambda r, i: 1.0) for n in ("a", "b", "c")})
     timing.measure(providers, warmup=0, min_rounds=6, max_rounds=6, timer=t, clock=clock)
-    assert t.order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] * 2
+    names = "abc"
+    assert t.order == [[names[j] for j in o] for o in timing.round_orders(3)]
+
+
+@pytest.mark.parametrize("p", range(1, 10))
+def test_round_orders_balance_first_place_and_predecessors(p):
+    """Every provider first equally often, and every ordered pair adjacent equally often: no provider
+    always runs right after the same neighbour (a plain rotation fails this for p >= 3)."""
+    from collections import Counter
+
+    orders = timing.round_orders(p)
+    assert all(sorted(o) == list(range(p)) for o in orders)
+    assert len(set(Counter(o[0] for o in orders).values())) == 1
+    pairs = Counter((o[k], o[k + 1]) for o in orders for k in range(p - 1))
+    if p > 1:
+        assert len(pairs) == p * (p - 1) and len(set(pairs.values())) == 1
 
 
 def test_paired_rounds_cancel_shared_drift():

@@ -561,7 +561,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_pos_int,
         default=None,
         dest="max_rounds",
-        help="timed rounds at most; each round calls every provider once, in rotating order "
+        help="timed rounds at most; each round calls every provider once, in carry-over balanced orders "
         "(default: 500 on CUDA, 1000 on the CPU)",
     )
     p.add_argument(

@@ -144,8 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         dest="max_rounds",
-        help="timed rounds at most; a round calls every provider of the case once, in rotating "
-        "order (default: 500 on CUDA, 50 on the CPU)",
+        help="timed rounds at most; a round calls every provider of the case once, in carry-over "
+        "balanced orders (default: 500 on CUDA, 50 on the CPU)",
     )
     p.add_argument(
         "--target",

@@ -5,8 +5,11 @@ A shared machine drifts (other jobs, clocks, thermals): one provider timed for a
 the next for a minute see different machines, and a ratio of those times says little. So:
 
 * **Interleaved rounds.** ``measure()`` takes every provider of a comparison at once. One round
-  calls every provider once, in an order that rotates from round to round (round r starts with
-  provider r mod P), so drift and any "who ran just before me" effect hit all providers alike.
+  calls every provider once, in orders from a Williams design (``round_orders``): over a cycle of P
+  rounds (2P for odd P) every provider runs first equally often and follows every other provider
+  equally often, so drift and any "who ran just before me" effect (a rival's thread pool still
+  spinning after its call) hit all providers alike. (A plain rotation, used before, keeps each
+  provider's predecessor fixed: one provider always paid for the same neighbour.)
 * **Warm-up first** (Triton autotuning, torch.compile, cuDNN/cuBLAS heuristics, caches, lazy
   allocation happen there), in rounds too.
 * **Repeat until precise.** After ``min_rounds`` rounds, and after every round from then on, the
@@ -368,6 +371,26 @@ def _fns(v) -> List[Callable[[], Any]]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def round_orders(p: int) -> List[List[int]]:
+    """The call orders of one cycle of rounds for ``p`` providers: a Williams design. Each order is a
+    permutation of range(p); over the cycle every provider is first equally often and every ordered
+    pair (a just before b) occurs equally often (once for even p, twice for odd p, whose cycle adds
+    the reversed orders)."""
+    if p <= 0:
+        return [[]]
+    base, lo, hi = [0], 1, p - 1
+    while len(base) < p:  # 0, 1, p-1, 2, p-2, ...
+        base.append(lo)
+        lo += 1
+        if len(base) < p:
+            base.append(hi)
+            hi -= 1
+    orders = [[(b + r) % p for b in base] for r in range(p)]
+    if p % 2:
+        orders += [list(reversed(o)) for o in orders]
+    return orders
+
+
 def measure(
     providers: Mapping[str, Any],
     device="cpu",
@@ -421,8 +444,8 @@ def measure(
         live.remove(name)
 
     def run_round(i: int, timed: bool) -> Dict[str, float]:
-        shift = i % len(live)
-        order = live[shift:] + live[:shift]
+        orders = round_orders(len(live))
+        order = [live[j] for j in orders[i % len(orders)]]
         out: Dict[str, float] = {}
         if not timed:
             for name in order:
@@ -536,7 +559,7 @@ def method_description(
     device = torch.device(device)
     return {
         "clock": "cuda_event" if device.type == "cuda" else "perf_counter",
-        "scheme": "providers interleaved in rounds, rotating order, warm-up rounds first",
+        "scheme": "providers interleaved in rounds, orders of a Williams design (carry-over balanced), warm-up rounds first",
         "warmup_rounds": warmup,
         "min_rounds": min_rounds,
         "max_rounds": max_rounds,

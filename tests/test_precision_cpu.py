@@ -101,9 +101,19 @@ def test_bf16_sentence_transformers(minilm):
 # ----------------------------------------------------------------------------- int8 behind its guard
 @pytest.fixture
 def int8_calls(monkeypatch):
+    """Every int8 GEMM call: through __call__, or with the residual LayerNorm folded in (residual_ln)."""
     calls = []
     inner = int8._Int8Linear.__call__
     monkeypatch.setattr(int8._Int8Linear, "__call__", lambda self, x, a=None: calls.append(a) or inner(self, x, a))
+    fused = int8._Int8Linear.residual_ln
+
+    def residual_ln(self, *args, **kwargs):
+        y = fused(self, *args, **kwargs)
+        if y is not None:
+            calls.append("residual_ln")
+        return y
+
+    monkeypatch.setattr(int8._Int8Linear, "residual_ln", residual_ln)
     return calls
 
 

@@ -113,6 +113,19 @@ class _Int8Linear:
             y = int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu)
         return y.view(*x.shape[:-1], self.n)
 
+    def residual_ln(self, x: Tensor, residual: Tensor, ln_w: Tensor, ln_b: Tensor, eps: float) -> Optional[Tensor]:
+        """LayerNorm(x W^T + b + residual) * ln_w + ln_b, with the add and the LayerNorm in the dequantize
+        pass after torch._int_mm (int8_gemm.dequantize_residual_ln: fp32 throughout, one cast); None
+        where that does not apply (the AVX2 backend, whose GEMM dequantizes in its own epilogue; an
+        empty batch), and the caller runs the GEMM and its residual LayerNorm as usual."""
+        x2 = x.reshape(-1, self.k)
+        if self.backend != "int_mm" or x2.shape[0] == 0 or residual.dtype != x.dtype:
+            return None
+        xq, sx = int8_gemm.quantize_rows(x2)
+        acc = torch._int_mm(xq, self.wq)
+        y = int8_gemm.dequantize_residual_ln(acc, sx, self.scale, self.bias, residual, ln_w, ln_b, eps)
+        return y.view(*x.shape[:-1], self.n)
+
 
 def _stamp(linears) -> Tuple:
     out = []

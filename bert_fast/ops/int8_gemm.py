@@ -93,6 +93,60 @@ def dequantize(
     return y
 
 
+def dequantize_residual_ln_torch(
+    acc: Tensor,
+    sx: Tensor,
+    sw: Tensor,
+    bias: Optional[Tensor],
+    residual: Tensor,
+    ln_w: Tensor,
+    ln_b: Tensor,
+    eps: float,
+) -> Tensor:
+    """LayerNorm(acc * s_x * s_w + b + residual) in fp32, cast to the residual's dtype (torch ops)."""
+    v = dequantize_torch(acc, sx, sw, bias, torch.float32) + residual.float()
+    return torch.nn.functional.layer_norm(v, (v.shape[-1],), ln_w.float(), ln_b.float(), eps).to(residual.dtype)
+
+
+def dequantize_residual_ln(
+    acc: Tensor,
+    sx: Tensor,
+    sw: Tensor,
+    bias: Optional[Tensor],
+    residual: Tensor,
+    ln_w: Tensor,
+    ln_b: Tensor,
+    eps: float,
+) -> Tensor:
+    """LayerNorm(acc * s_x[:, None] * s_w + b + residual) * ln_w + ln_b in the residual's dtype (fp32 or
+    bf16), computed in fp32 with one cast at the end: one pass where the extension has it. For the GEMMs
+    a residual add and a LayerNorm follow (the attention output and the FFN's down projection)."""
+    code = _CODES.get(residual.dtype)
+    if _ext is None or code is None or acc.device.type != "cpu" or not hasattr(_ext, "int8_dequantize_residual_ln"):
+        return dequantize_residual_ln_torch(acc, sx, sw, bias, residual, ln_w, ln_b, eps)
+    m, n = acc.shape
+    residual = residual.reshape(m, n).contiguous()
+    w, b = ln_w.float().contiguous(), ln_b.float().contiguous()  # no copy for fp32 weights
+    y = torch.empty((m, n), dtype=residual.dtype)
+    _ext.int8_dequantize_residual_ln(
+        acc.contiguous().data_ptr(),
+        m,
+        n,
+        sx.contiguous().data_ptr(),
+        sw.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        residual.data_ptr(),
+        code,
+        w.data_ptr(),
+        b.data_ptr(),
+        float(eps),
+        y.data_ptr(),
+        code,
+        torch.get_num_threads(),
+    )
+    return y
+
+
 def int8_linear(x2: Tensor, wq_t: Tensor, sw: Tensor, bias: Optional[Tensor], gelu: Optional[str]) -> Tensor:
     """act(x2 W^T + b) for x2 [M, K] fp32/bf16, W as (W_q^T int8 [K, N], s_w fp32 [N]), b fp32 [N] or
     None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns x2's dtype.

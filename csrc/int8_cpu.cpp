@@ -86,6 +86,18 @@ inline float act_scalar(float v, int act) {
   return v;
 }
 
+// Element i of x (fp32 or bf16) as fp32; v into element i of y (fp32, or bf16 rounded to nearest even).
+inline float load_any(const void* x, int dt, int64_t i) {
+  return dt == kF32 ? static_cast<const float*>(x)[i] : bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
+}
+
+inline void store_any(void* y, int dt, int64_t i, float v) {
+  if (dt == kF32)
+    static_cast<float*>(y)[i] = v;
+  else
+    static_cast<uint16_t*>(y)[i] = f32_to_bf16(v);
+}
+
 void dequant_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw,
                          const float* b, void* y, int dt, int act) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -93,11 +105,7 @@ void dequant_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, 
     for (int64_t j = 0; j < n; ++j) {
       float v = static_cast<float>(a[j]) * sx[r] * sw[j];
       if (b) v += b[j];
-      v = act_scalar(v, act);
-      if (dt == kF32)
-        static_cast<float*>(y)[r * n + j] = v;
-      else
-        static_cast<uint16_t*>(y)[r * n + j] = f32_to_bf16(v);
+      store_any(y, dt, r * n + j, act_scalar(v, act));
     }
   }
 }
@@ -106,12 +114,8 @@ void dequant_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, 
 // N is the hidden size): v = acc * s_x * s_w + b + residual, y = (v - mean) * rstd * w + beta, the
 // statistics over the row in two passes (mean, then the centred squares), all in fp32, one cast at
 // the end. ``buf``: a row of n floats.
-inline float load_any(const void* x, int dt, int64_t i) {
-  return dt == kF32 ? static_cast<const float*>(x)[i] : bf16_to_f32(static_cast<const uint16_t*>(x)[i]);
-}
-
 void dequant_ln_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw,
-                            const float* b, const void* res, int res_dt, const float* w, const float* beta, float eps,
+                            const float* b, const void* res, const float* w, const float* beta, float eps,
                             void* y, int dt, float* buf) {
   for (int64_t r = r0; r < r1; ++r) {
     const int32_t* a = acc + r * n;
@@ -119,7 +123,7 @@ void dequant_ln_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t 
     for (int64_t j = 0; j < n; ++j) {
       float v = static_cast<float>(a[j]) * sx[r] * sw[j];
       if (b) v += b[j];
-      v += load_any(res, res_dt, r * n + j);
+      v += load_any(res, dt, r * n + j);
       buf[j] = v;
       sum += v;
     }
@@ -128,11 +132,7 @@ void dequant_ln_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t 
     for (int64_t j = 0; j < n; ++j) sq += (buf[j] - mean) * (buf[j] - mean);
     const float rstd = 1.0f / std::sqrt(sq / static_cast<float>(n) + eps);
     for (int64_t j = 0; j < n; ++j) {
-      const float o = (buf[j] - mean) * rstd * w[j] + beta[j];
-      if (dt == kF32)
-        static_cast<float*>(y)[r * n + j] = o;
-      else
-        static_cast<uint16_t*>(y)[r * n + j] = f32_to_bf16(o);
+      store_any(y, dt, r * n + j, (buf[j] - mean) * rstd * w[j] + beta[j]);
     }
   }
 }
@@ -146,6 +146,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
   if (dt == kF32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(x) + i);
   const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(x) + i);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 lanes of fp32 into y (fp32, or bf16 rounded to nearest even: finite values only, which the int8
+// GEMM, GELU and LayerNorm here always give), masked tail.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(void* y, int dt, int64_t i, __mmask16 m,
+                                                                           __m512 v) {
+  if (dt == kF32) return _mm512_mask_storeu_ps(static_cast<float*>(y) + i, m, v);
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_rows_avx512(const void* x, int dt, int64_t r0,
@@ -177,7 +188,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(co
                                                                                int64_t r1, int64_t n, const float* sx,
                                                                                const float* sw, const float* b,
                                                                                void* y, int dt, int act) {
-  const __m512i round_bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   for (int64_t r = r0; r < r1; ++r) {
     const __m512 vsx = _mm512_set1_ps(sx[r]);
     const int32_t* a = acc + r * n;
@@ -189,22 +199,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_rows_avx512(co
       if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + j));
       if (act == kGeluErf) v = simd::gelu_erf(v);
       else if (act == kGeluTanh) v = simd::gelu_tanh(v);
-      if (dt == kF32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * n + j, m, v);
-      } else {  // round to nearest even (finite values: the int8 GEMM and GELU cannot make NaN or inf)
-        __m512i u = _mm512_castps_si512(v);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-      }
+      store16(y, dt, r * n + j, m, v);
     }
   }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_ln_rows_avx512(
     const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx, const float* sw, const float* b,
-    const void* res, int res_dt, const float* w, const float* beta, float eps, void* y, int dt, float* buf) {
-  const __m512i round_bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    const void* res, const float* w, const float* beta, float eps, void* y, int dt, float* buf) {
   for (int64_t r = r0; r < r1; ++r) {
     const __m512 vsx = _mm512_set1_ps(sx[r]);
     const int32_t* a = acc + r * n;
@@ -214,7 +216,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_ln_rows_avx512
       __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j)), vsx),
                                _mm512_maskz_loadu_ps(m, sw + j));
       if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + j));
-      v = _mm512_add_ps(v, load16(res, res_dt, r * n + j, m));
+      v = _mm512_add_ps(v, load16(res, dt, r * n + j, m));
       _mm512_mask_storeu_ps(buf + j, m, v);
       vsum = _mm512_add_ps(vsum, v);
     }
@@ -232,14 +234,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_ln_rows_avx512
       const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, buf + j), vmean);
       const __m512 o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(d, vrstd), _mm512_maskz_loadu_ps(m, w + j)),
                                      _mm512_maskz_loadu_ps(m, beta + j));
-      if (dt == kF32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * n + j, m, o);
-      } else {
-        __m512i u = _mm512_castps_si512(o);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * n + j, m,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-      }
+      store16(y, dt, r * n + j, m, o);
     }
   }
 }
@@ -333,11 +328,9 @@ void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t 
 }
 
 void dequantize_residual_ln(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t sw, uintptr_t bias,
-                            uintptr_t residual, int res_dt, uintptr_t ln_w, uintptr_t ln_b, double eps, uintptr_t y,
+                            uintptr_t residual, uintptr_t ln_w, uintptr_t ln_b, double eps, uintptr_t y,
                             int dt, int threads, const std::string& isa) {
   if (dt != kF32 && dt != kBF16) throw std::invalid_argument("int8_dequantize_residual_ln: dtype code must be 0 or 1");
-  if (res_dt != kF32 && res_dt != kBF16)
-    throw std::invalid_argument("int8_dequantize_residual_ln: residual dtype code must be 0 or 1");
   const bool v = use_avx512(isa);
   if (rows <= 0 || n <= 0) return;
   const int32_t* ap = reinterpret_cast<const int32_t*>(acc);
@@ -353,9 +346,9 @@ void dequantize_residual_ln(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx
   split_rows(rows, n, threads, [=](int64_t r0, int64_t r1) {
     std::vector<float> buf(static_cast<size_t>(n));  // the row of v between the passes (L1)
 #ifdef BF_INT8_X86
-    if (v) return dequant_ln_rows_avx512(ap, r0, r1, n, sxp, swp, bp, rp, res_dt, wp, lbp, e, yp, dt, buf.data());
+    if (v) return dequant_ln_rows_avx512(ap, r0, r1, n, sxp, swp, bp, rp, wp, lbp, e, yp, dt, buf.data());
 #endif
-    dequant_ln_rows_scalar(ap, r0, r1, n, sxp, swp, bp, rp, res_dt, wp, lbp, e, yp, dt, buf.data());
+    dequant_ln_rows_scalar(ap, r0, r1, n, sxp, swp, bp, rp, wp, lbp, e, yp, dt, buf.data());
   });
 }
 
@@ -372,11 +365,11 @@ void bind_int8(py::module_& m) {
         "out [rows, cols] (dtype 0: fp32, 1: bf16) = act(acc int32 * row_scale[r] * col_scale[c] + bias[c]) "
         "(bias 0: none; act 0: none, 1: GELU erf, 2: GELU tanh); one pass");
   m.def("int8_dequantize_residual_ln", &dequantize_residual_ln, py::arg("acc"), py::arg("rows"), py::arg("cols"),
-        py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"), py::arg("residual"), py::arg("residual_dtype"),
+        py::arg("row_scale"), py::arg("col_scale"), py::arg("bias"), py::arg("residual"),
         py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("out"), py::arg("dtype"), py::arg("threads"),
         py::arg("isa") = "",
         "out [rows, cols] = LayerNorm(acc int32 * row_scale[r] * col_scale[c] + bias[c] + residual) * ln_weight + "
-        "ln_bias, in fp32 (residual and out: dtype 0 fp32, 1 bf16; weights fp32); one pass over acc");
+        "ln_bias, in fp32 (residual and out of one dtype: 0 fp32, 1 bf16; weights fp32); one pass over acc");
   m.def("int8_isa", []() { return std::string(use_avx512("") ? "avx512" : "scalar"); },
         "The version the int8 passes run on this CPU (capped by BERT_FAST_CPU_ISA)");
 }

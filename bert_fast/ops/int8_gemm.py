@@ -136,7 +136,6 @@ def dequantize_residual_ln(
         sw.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         residual.data_ptr(),
-        code,
         w.data_ptr(),
         b.data_ptr(),
         float(eps),

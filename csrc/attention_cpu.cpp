@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "attention_chunks.h"
 #include "cpu_isa.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -187,9 +188,7 @@ BF_TARGET float softmax_row(const float* s, const float* bias, int64_t lp, float
 struct ChunkPack {
   std::vector<uint32_t> kp;
   std::vector<uint16_t> vp;
-  std::vector<int64_t> lp_off;                        // per sequence of the chunk
-  std::vector<std::pair<int64_t, int64_t>> tokens;    // (sequence, token) to pack
-  std::vector<std::pair<int64_t, int64_t>> blocks;    // (sequence, first query row) to attend
+  attention_chunks::Plan plan;  // the chunk's sequences, tokens to pack and query blocks
 };
 
 struct RowScratch {          // per thread
@@ -198,7 +197,8 @@ struct RowScratch {          // per thread
   std::vector<uint16_t> pb;  // [kRows][lp] bf16 probabilities
 };
 
-inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+using attention_chunks::kBlockRows;
+using attention_chunks::round16;
 
 // Token j (< lp) of sequence s into the packs of every head (zeros past the sequence's end).
 BF_TARGET void pack_token(const AttnArgs& a, int64_t s, int64_t j, uint32_t* kp, uint16_t* vp) {
@@ -222,8 +222,6 @@ BF_TARGET void pack_token(const AttnArgs& a, int64_t s, int64_t j, uint32_t* kp,
     for (int c = d; c < dp; ++c) vh[2 * c] = 0;  // head dims padded to 16: zero pairs
   }
 }
-
-constexpr int kBlockRows = 8;  // query rows per work item (every head): 2 register blocks of 4
 
 // Query rows [r0, r1) of sequence s, every head: scores, softmax, P V from the chunk's packs.
 BF_TARGET void attend_rows(const AttnArgs& a, int64_t s, int64_t r0, int64_t r1, const uint32_t* kp,
@@ -267,43 +265,25 @@ BF_TARGET void attend_rows(const AttnArgs& a, int64_t s, int64_t r0, int64_t r1,
   }
 }
 
-// Chunks of sequences whose packs together stay under this many bytes (L2-sized: each pack is
-// read by every query block of its sequence). A longer sequence makes a chunk of its own.
-constexpr int64_t kChunkBytes = 2 << 20;
-
 // The whole call on ``n`` threads: per chunk, pack every token of its sequences (threads split
 // the tokens), then the query blocks (threads take them one by one). Without OpenMP the pragmas
 // are ignored and the calling thread does it all.
 BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
   const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
   const int64_t k_per_row = static_cast<int64_t>(a.heads) * d2, v_per_row = static_cast<int64_t>(a.heads) * dp;
+  attention_chunks::Plan& p = pk.plan;
   int64_t s0 = 0;
   while (s0 < a.nseq) {
     // the chunk [s0, s1): packs of at most kChunkBytes (or one sequence)
-    pk.lp_off.clear();
-    int64_t rows = 0, s1 = s0;
-    while (s1 < a.nseq) {
-      const int64_t lp = round16(a.starts[s1 + 1] - a.starts[s1]);
-      if (s1 > s0 && (rows + lp) * (k_per_row * 4 + v_per_row * 2) > kChunkBytes) break;
-      pk.lp_off.push_back(rows);
-      rows += lp;
-      ++s1;
-    }
-    if (static_cast<int64_t>(pk.kp.size()) < rows * k_per_row) pk.kp.resize(rows * k_per_row);
-    if (static_cast<int64_t>(pk.vp.size()) < rows * v_per_row) pk.vp.resize(rows * v_per_row);
-    pk.tokens.clear();
-    pk.blocks.clear();
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t len = a.starts[s + 1] - a.starts[s];
-      for (int64_t j = 0; j < round16(len); ++j) pk.tokens.emplace_back(s, j);
-      for (int64_t r = 0; r < len; r += kBlockRows) pk.blocks.emplace_back(s, r);
-    }
-    const int64_t nt = static_cast<int64_t>(pk.tokens.size()), nb = static_cast<int64_t>(pk.blocks.size());
-    const std::pair<int64_t, int64_t>* tokens = pk.tokens.data();
-    const std::pair<int64_t, int64_t>* blocks = pk.blocks.data();
+    const int64_t s1 = attention_chunks::plan(a.starts, a.nseq, s0, k_per_row * 4 + v_per_row * 2, p);
+    if (static_cast<int64_t>(pk.kp.size()) < p.rows * k_per_row) pk.kp.resize(p.rows * k_per_row);
+    if (static_cast<int64_t>(pk.vp.size()) < p.rows * v_per_row) pk.vp.resize(p.rows * v_per_row);
+    const int64_t nt = static_cast<int64_t>(p.tokens.size()), nb = static_cast<int64_t>(p.blocks.size());
+    const std::pair<int64_t, int64_t>* tokens = p.tokens.data();
+    const std::pair<int64_t, int64_t>* blocks = p.blocks.data();
     uint32_t* kp = pk.kp.data();
     uint16_t* vp = pk.vp.data();
-    const int64_t* off = pk.lp_off.data();
+    const int64_t* off = p.lp_off.data();
 #pragma omp parallel num_threads(n)
     {
       RowScratch w;
@@ -333,9 +313,6 @@ bool cpu_has_bf16_dot() {
 #endif
 }
 
-// Below this many multiply-adds per extra thread the work stays on the calling thread.
-constexpr double kMinMacsPerThread = 4e6;
-
 void attention_bf16(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, uintptr_t out, int64_t out_row_stride,
                     uintptr_t starts, int64_t nseq, uintptr_t key_mask, int64_t mask_stride, int heads, int d,
                     double scale, int threads) {
@@ -355,13 +332,7 @@ void attention_bf16(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, u
              heads,
              d,
              static_cast<float>(scale)};
-  double macs = 0.0;
-  for (int64_t s = 0; s < nseq; ++s) {
-    const double len = static_cast<double>(a.starts[s + 1] - a.starts[s]);
-    macs += 2.0 * len * len * d * heads;
-  }
-  const int64_t by_size = static_cast<int64_t>(macs / kMinMacsPerThread);
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, by_size)));
+  const int n = attention_chunks::threads_for(a.starts, nseq, d, heads, threads);
   // The packs stay allocated with the calling thread between calls (no page faults per call);
   // bounded by kChunkBytes or by one sequence's K and V.
   thread_local ChunkPack pack;

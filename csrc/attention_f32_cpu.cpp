@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_chunks.h"
 #include "cpu_isa.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -62,9 +63,7 @@ struct F32Args {
 struct F32Pack {  // a chunk's packed K and V (shared by the threads; kept with the calling thread)
   std::vector<float> kp;
   std::vector<float> vp;
-  std::vector<int64_t> lp_off;
-  std::vector<std::pair<int64_t, int64_t>> tokens;
-  std::vector<std::pair<int64_t, int64_t>> blocks;
+  attention_chunks::Plan plan;  // the chunk's sequences, tokens to pack and query blocks
 };
 
 struct F32Scratch {  // per thread
@@ -72,11 +71,8 @@ struct F32Scratch {  // per thread
   std::vector<float> scores;
 };
 
-inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+using attention_chunks::round16;
 inline int pad16(int d) { return (d + 15) / 16 * 16; }
-
-constexpr int kF32BlockRows = 8;             // query rows per work item (every head)
-constexpr int64_t kF32ChunkBytes = 2 << 20;  // packs of a chunk: L2-sized
 
 #ifdef F32A_X86
 #define F32A_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
@@ -154,8 +150,6 @@ std::string attention_f32_isa() {
   return "";
 }
 
-constexpr double kMinMacsPerThread = 4e6;  // below this per extra thread, one thread does it all
-
 void attention_f32(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, uintptr_t out, int64_t out_row_stride,
                    uintptr_t starts, int64_t nseq, uintptr_t key_mask, int64_t mask_stride, int heads, int d,
                    double scale, int threads) {
@@ -176,13 +170,7 @@ void attention_f32(uintptr_t q, uintptr_t k, uintptr_t v, int64_t row_stride, ui
             heads,
             d,
             static_cast<float>(scale)};
-  double macs = 0.0;
-  for (int64_t s = 0; s < nseq; ++s) {
-    const double len = static_cast<double>(a.starts[s + 1] - a.starts[s]);
-    macs += 2.0 * len * len * d * heads;
-  }
-  const int64_t by_size = static_cast<int64_t>(macs / kMinMacsPerThread);
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, by_size)));
+  const int n = attention_chunks::threads_for(a.starts, nseq, d, heads, threads);
   thread_local F32Pack pack;  // kept between calls: no page faults per call
   py::gil_scoped_release nogil;
   // On torch's OpenMP pool (libgomp resolved to torch's copy, as for the bf16 kernel).

@@ -181,37 +181,23 @@ F32A_TARGET void attend_rows(const F32Args& a, int64_t s, int64_t r0, int64_t r1
   }
 }
 
-// The whole call on n threads: per chunk of sequences (packs under kChunkBytes, or one sequence),
+// The whole call on n threads: per chunk of sequences (attention_chunks::plan: L2-sized packs),
 // pack every token (threads split the tokens), then the query blocks (threads take them one by one).
 F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
   const int d = a.d, dp = pad16(d);
   const int64_t k_per_row = static_cast<int64_t>(a.heads) * d, v_per_row = static_cast<int64_t>(a.heads) * dp;
+  attention_chunks::Plan& p = pk.plan;
   int64_t s0 = 0;
   while (s0 < a.nseq) {
-    pk.lp_off.clear();
-    int64_t rows = 0, s1 = s0;
-    while (s1 < a.nseq) {
-      const int64_t lp = round16(a.starts[s1 + 1] - a.starts[s1]);
-      if (s1 > s0 && (rows + lp) * (k_per_row + v_per_row) * 4 > kF32ChunkBytes) break;
-      pk.lp_off.push_back(rows);
-      rows += lp;
-      ++s1;
-    }
-    if (static_cast<int64_t>(pk.kp.size()) < rows * k_per_row) pk.kp.resize(rows * k_per_row);
-    if (static_cast<int64_t>(pk.vp.size()) < rows * v_per_row) pk.vp.resize(rows * v_per_row);
-    pk.tokens.clear();
-    pk.blocks.clear();
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t len = a.starts[s + 1] - a.starts[s];
-      for (int64_t j = 0; j < round16(len); ++j) pk.tokens.emplace_back(s, j);
-      for (int64_t r = 0; r < len; r += kF32BlockRows) pk.blocks.emplace_back(s, r);
-    }
-    const int64_t nt = static_cast<int64_t>(pk.tokens.size()), nb = static_cast<int64_t>(pk.blocks.size());
-    const std::pair<int64_t, int64_t>* tokens = pk.tokens.data();
-    const std::pair<int64_t, int64_t>* blocks = pk.blocks.data();
+    const int64_t s1 = attention_chunks::plan(a.starts, a.nseq, s0, (k_per_row + v_per_row) * 4, p);
+    if (static_cast<int64_t>(pk.kp.size()) < p.rows * k_per_row) pk.kp.resize(p.rows * k_per_row);
+    if (static_cast<int64_t>(pk.vp.size()) < p.rows * v_per_row) pk.vp.resize(p.rows * v_per_row);
+    const int64_t nt = static_cast<int64_t>(p.tokens.size()), nb = static_cast<int64_t>(p.blocks.size());
+    const std::pair<int64_t, int64_t>* tokens = p.tokens.data();
+    const std::pair<int64_t, int64_t>* blocks = p.blocks.data();
     float* kp = pk.kp.data();
     float* vp = pk.vp.data();
-    const int64_t* off = pk.lp_off.data();
+    const int64_t* off = p.lp_off.data();
 #pragma omp parallel num_threads(n)
     {
       F32Scratch w;
@@ -224,7 +210,8 @@ F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t s = blocks[i].first, r = blocks[i].second, o = off[s - s0];
         const int64_t len = a.starts[s + 1] - a.starts[s];
-        attend_rows(a, s, r, std::min(len, r + kF32BlockRows), kp + o * k_per_row, vp + o * v_per_row, w);
+        const int64_t r1 = std::min<int64_t>(len, r + attention_chunks::kBlockRows);
+        attend_rows(a, s, r, r1, kp + o * k_per_row, vp + o * v_per_row, w);
       }
     }
     s0 = s1;

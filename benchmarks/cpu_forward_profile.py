@@ -1,7 +1,8 @@
 """Where a CPU forward's time goes (issue #32 item 1): bert_fast's no-grad forwards split into GEMMs,
 attention, LayerNorm / adds / GELU / embedding / pooler, our native passes, and Python + dispatch,
 beside OpenVINO's per-node profile of the same input, for b1 s128 and dense b8 s128 of
-all-MiniLM-L6-v2 (real weights) and bert-base (random weights, its shapes).
+all-MiniLM-L6-v2 (real weights) and bert-base (random weights, its shapes); fp32 and bf16, plain and frozen,
+and int8 (optimize(model, int8=True)) where its speed check passes.
 
 How. Each provider's wall time per forward is the median of timed forwards without any profiler. The
 split of bert_fast comes from torch.profiler: every event's self CPU time goes to the category of its
@@ -33,6 +34,7 @@ import transformers
 
 import bert_fast
 from bert_fast.bench import cpu_caps, model_providers
+from bert_fast.model import int8_speed
 from bert_fast.ops import cpu_attention, int8_gemm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,6 +145,14 @@ def main() -> int:
         "bert-base (random weights)": transformers.BertModel(transformers.BertConfig()).eval(),
     }
     dtypes = [torch.float32] + ([torch.bfloat16] if caps.get("bf16") else [])
+    # int8 (optimize(model, int8=True), calibrated on the shipped sentences) where its speed check passes
+    tok = transformers.AutoTokenizer.from_pretrained(str(pkg.get_model_path()))
+    try:
+        int8_speed.require_faster()
+        int8_ok = True
+    except (int8_speed.Int8SpeedError, RuntimeError) as exc:
+        int8_ok = False
+        print(f"int8 not profiled: {exc}", file=sys.stderr)
     rows, lines = [], list(head)
     for name, hf in models.items():
         state = {k: v.clone() for k, v in hf.state_dict().items()}
@@ -152,14 +162,20 @@ def main() -> int:
             x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             feeds = model_providers._feeds(ids, x["attention_mask"], None)
             for dtype in dtypes:
-                for freeze in (False, True):
-                    m = bert_fast.optimize(copy.deepcopy(hf), dtype=dtype, freeze=freeze)
+                for variant in ("plain", "frozen") + (("int8",) if dtype == torch.float32 and int8_ok else ()):
+                    m = bert_fast.optimize(
+                        copy.deepcopy(hf),
+                        dtype=dtype,
+                        freeze=variant == "frozen",
+                        int8=variant == "int8",
+                        tokenizer=tok if variant == "int8" else None,
+                    )
                     run = lambda m=m: m(**x)  # noqa: E731
                     with torch.inference_mode():
                         ms = wall_ms(run, args.forwards)
                         split, top_other = torch_split(run, max(5, args.forwards // 2))
                     split["python + dispatch"] = max(0.0, ms - sum(split.values()))
-                    label = f"bert_fast {'frozen ' if freeze else ''}{str(dtype).replace('torch.', '')}"
+                    label = f"bert_fast {'' if variant == 'plain' else variant + ' '}{str(dtype).replace('torch.', '')}"
                     rows.append(
                         {"model": name, "batch": b, "seq": s, "provider": label, "ms": ms, "split_ms": split}
                         | {"largest_other_ops_ms": top_other}
@@ -177,9 +193,10 @@ def main() -> int:
                     r["printed"] = True
                     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["split_ms"].items(), key=lambda kv: -kv[1]))
                     lines.append(f"{name} b{b} s{s} {r['provider']}: {r['ms']:.2f} ms = {parts} (ms)")
+                    print(lines[-1], file=sys.stderr)
                     if r.get("largest_other_ops_ms"):
                         lines.append(f"    largest other ops (ms): {r['largest_other_ops_ms']}")
-                    print(lines[-1], file=sys.stderr)
+                        print(lines[-1], file=sys.stderr)
     for r in rows:
         r.pop("printed", None)
     if args.out:

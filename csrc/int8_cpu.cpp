@@ -256,16 +256,21 @@ bool use_avx512(const std::string& isa) {
 #endif
 }
 
-// Below this many elements per thread one thread does it: waking a thread costs ~5-50 us.
+// Below this many elements per thread one thread does it: waking a thread costs ~5-50 us, and 2^17
+// elements of the plain dequantize pass are ~10 us of work on a Zen 5 core.
 constexpr int64_t kMinElementsPerThread = 1 << 17;
+// What an element costs beside the plain dequantize pass (measured on a Zen 5, 128 x 1536, one thread):
+// the GELU epilogue 4.5x (67 us against 15), the LayerNorm one ~2x. split_rows weighs the element count
+// by it, so batch 1's FFN-up dequantize (196,608 elements, 67 us on one core) runs on both cores.
+constexpr int64_t kCostPlain = 1, kCostLayerNorm = 2, kCostGelu = 4;
 
 // Rows split in equal parts over up to ``threads`` threads: torch's OpenMP pool where the build has
 // OpenMP (this module's libgomp.so.1 resolves to the copy torch loaded, so the GEMMs around these
 // passes and the passes share one set of threads: std::threads started next to oneDNN's measured
 // 1.5-2x slower), else std::threads.
 template <class F>
-void split_rows(int64_t rows, int64_t cols, int threads, F f) {
-  const int64_t by_size = std::max<int64_t>(1, rows * cols / kMinElementsPerThread);
+void split_rows(int64_t rows, int64_t cols, int threads, int64_t cost, F f) {
+  const int64_t by_size = std::max<int64_t>(1, rows * cols * cost / kMinElementsPerThread);
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(threads), by_size, rows}));
   if (n == 1) {
     f(0, rows);
@@ -298,7 +303,7 @@ void quantize_rows(uintptr_t x, int dt, int64_t rows, int64_t k, uintptr_t q, ui
   int8_t* qp = reinterpret_cast<int8_t*>(q);
   float* sp = reinterpret_cast<float*>(s);
   py::gil_scoped_release nogil;
-  split_rows(rows, k, threads, [=](int64_t r0, int64_t r1) {
+  split_rows(rows, k, threads, kCostPlain, [=](int64_t r0, int64_t r1) {
 #ifdef BF_INT8_X86
     if (v) return quant_rows_avx512(xp, dt, r0, r1, k, qp, sp);
 #endif
@@ -319,7 +324,7 @@ void dequantize(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx, uintptr_t 
   const float* bp = reinterpret_cast<const float*>(bias);  // 0: no bias
   void* yp = reinterpret_cast<void*>(y);
   py::gil_scoped_release nogil;
-  split_rows(rows, n, threads, [=](int64_t r0, int64_t r1) {
+  split_rows(rows, n, threads, act == kNone ? kCostPlain : kCostGelu, [=](int64_t r0, int64_t r1) {
 #ifdef BF_INT8_X86
     if (v) return dequant_rows_avx512(ap, r0, r1, n, sxp, swp, bp, yp, dt, act);
 #endif
@@ -343,7 +348,7 @@ void dequantize_residual_ln(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx
   void* yp = reinterpret_cast<void*>(y);
   const float e = static_cast<float>(eps);
   py::gil_scoped_release nogil;
-  split_rows(rows, n, threads, [=](int64_t r0, int64_t r1) {
+  split_rows(rows, n, threads, kCostLayerNorm, [=](int64_t r0, int64_t r1) {
     std::vector<float> buf(static_cast<size_t>(n));  // the row of v between the passes (L1)
 #ifdef BF_INT8_X86
     if (v) return dequant_ln_rows_avx512(ap, r0, r1, n, sxp, swp, bp, rp, wp, lbp, e, yp, dt, buf.data());

@@ -218,3 +218,32 @@ def test_avx2_gemm_refuses_what_it_cannot_run(monkeypatch):
     assert not int8_gemm.avx2_available()
     with pytest.raises(ValueError, match="cannot run isa=avx2"):
         int8_gemm._ext.int8_linear_avx2(0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1)
+
+
+@native
+@pytest.mark.parametrize("gelu", [None, "none"])
+def test_a_pass_split_over_threads_equals_one_thread(gelu):
+    """split_rows weighs an element by the pass's cost (the GELU epilogue 4x): batch 1's FFN-up shape
+    (128 x 1536) now runs on two threads, with the one-thread result bit for bit (rows are independent)."""
+    m, n = 128, 1536
+    g = torch.Generator().manual_seed(2)
+    acc = torch.randint(-(10**5), 10**5, (m, n), dtype=torch.int32, generator=g)
+    sx, sw, bias = torch.rand(m, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g)
+    ys = []
+    for threads in (1, 2):
+        y = torch.empty(m, n)
+        int8_gemm._ext.int8_dequantize(
+            acc.data_ptr(),
+            m,
+            n,
+            sx.data_ptr(),
+            sw.data_ptr(),
+            bias.data_ptr(),
+            y.data_ptr(),
+            0,
+            threads,
+            "",
+            int8_gemm._ACT_CODES[gelu],
+        )
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1])

@@ -104,7 +104,9 @@ def int8_calls(monkeypatch):
     """Every int8 GEMM call: through __call__, or with the residual LayerNorm folded in (residual_ln)."""
     calls = []
     inner = int8._Int8Linear.__call__
-    monkeypatch.setattr(int8._Int8Linear, "__call__", lambda self, x, a=None: calls.append(a) or inner(self, x, a))
+    monkeypatch.setattr(
+        int8._Int8Linear, "__call__", lambda self, x, a=None, **k: calls.append(a) or inner(self, x, a, **k)
+    )
     fused = int8._Int8Linear.residual_ln
 
     def residual_ln(self, *args, **kwargs):

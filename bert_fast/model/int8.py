@@ -55,9 +55,10 @@ DEFAULT_MIN_COSINE = 0.99
 ATTENTION_ENV = "BERT_FAST_INT8_ATTENTION"
 
 
-def attention_in_bf16(qkv: Tensor) -> bool:
-    """Whether an int8 model's attention over this fp32 QKV runs in bf16 (module docstring, "Attention")."""
-    if qkv.dtype != torch.float32 or qkv.device.type != "cpu":
+def attention_in_bf16(h: Tensor) -> bool:
+    """Whether an int8 model's attention over these hidden states (fp32) runs in bf16 (module
+    docstring, "Attention")."""
+    if h.dtype != torch.float32 or h.device.type != "cpu":
         return False
     setting = os.environ.get(ATTENTION_ENV, "auto").strip().lower()
     if setting == "fp32":
@@ -102,24 +103,26 @@ class _Int8Linear:
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.nbytes = self.wq.numel() * self.wq.element_size() + 4 * self.n + (0 if bias is None else 4 * self.n)
 
-    def __call__(self, x: Tensor, activation: Optional[str] = None) -> Tensor:
+    def __call__(self, x: Tensor, activation: Optional[str] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+        """act(x W^T + b) in ``out_dtype`` (default x's dtype): the pass that dequantizes writes it."""
         x2 = x.reshape(-1, self.k)
         if x2.shape[0] == 0:
-            return x.new_empty((*x.shape[:-1], self.n))
+            return x.new_empty((*x.shape[:-1], self.n), dtype=out_dtype or x.dtype)
         gelu = None if activation is None else GELU_APPROXIMATE[activation]
         if self.backend == "avx2":
-            y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu)
+            y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
         else:
-            y = int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu)
+            y = int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu, out_dtype)
         return y.view(*x.shape[:-1], self.n)
 
     def residual_ln(self, x: Tensor, residual: Tensor, ln_w: Tensor, ln_b: Tensor, eps: float) -> Optional[Tensor]:
         """LayerNorm(x W^T + b + residual) * ln_w + ln_b, with the add and the LayerNorm in the dequantize
-        pass after torch._int_mm (int8_gemm.dequantize_residual_ln: fp32 throughout, one cast); None
-        where that does not apply (the AVX2 backend, whose GEMM dequantizes in its own epilogue; an
-        empty batch), and the caller runs the GEMM and its residual LayerNorm as usual."""
+        pass after torch._int_mm (int8_gemm.dequantize_residual_ln: fp32 throughout, one cast), in the
+        residual's dtype (x may be bf16 where the residual is fp32: the bf16 attention's output is
+        quantized as it is); None where that does not apply (the AVX2 backend, whose GEMM dequantizes
+        in its own epilogue; an empty batch), and the caller runs the GEMM and its residual LayerNorm."""
         x2 = x.reshape(-1, self.k)
-        if self.backend != "int_mm" or x2.shape[0] == 0 or residual.dtype != x.dtype:
+        if self.backend != "int_mm" or x2.shape[0] == 0:
             return None
         xq, sx = int8_gemm.quantize_rows(x2)
         acc = torch._int_mm(xq, self.wq)
@@ -130,7 +133,7 @@ class _Int8Linear:
 def _stamp(linears) -> Tuple:
     out = []
     for m in linears:
-        for t in (m.weight, m.bias):
+        for t in frozen.weight_and_bias(m):
             out.append(None if t is None else (id(t), t.data_ptr(), t._version))
     return tuple(out)
 
@@ -157,6 +160,16 @@ class _Int8Layer:
 
     def separate_qkv(self):
         return None  # one fused int8 QKV GEMM
+
+
+def is_int8_layer(gemms) -> bool:
+    """Whether a layer's GEMM set (layer.gemms_for) is an int8 one."""
+    return isinstance(gemms, _Int8Layer)
+
+
+def is_int8_linear(gemm) -> bool:
+    """Whether a GEMM is an int8 one (it then takes ``out_dtype``: its dequantize pass writes it)."""
+    return isinstance(gemm, _Int8Linear)
 
 
 def store_of(model) -> Optional[Dict[int, _Int8Layer]]:

@@ -177,11 +177,13 @@ def attention_block(sa, gemms, h: torch.Tensor, batch: Batch, heads: int, traini
         if separate is not None:
             return direct_ops.dense_self_attention(h, *separate, u.batch, u.max_seqlen, heads)
     p_attn = sa.dropout.p if training else 0.0
+    if batch.int8 and o is direct_ops and int8.is_int8_layer(gemms) and int8.attention_in_bf16(h):
+        # An int8 model's attention in bf16 on our AVX-512 BF16 kernel (int8.py, "Attention"): the QKV
+        # GEMM's dequantize pass writes bf16, and the context stays bf16 for the output GEMM, which
+        # quantizes it as it is (_gemm_residual_ln): the same values as two casts, without them.
+        qkv = gemms.qkv(h, out_dtype=torch.bfloat16)
+        return attention_block_ops(o, qkv, batch, heads, hidden, p_attn).reshape(h.shape)
     qkv = gemms.qkv(h)
-    if batch.int8 and o is direct_ops and int8.attention_in_bf16(qkv):
-        # an int8 model's attention in bf16 on our AVX-512 BF16 kernel (int8.py, "Attention")
-        ctx = attention_block_ops(o, qkv.to(torch.bfloat16), batch, heads, hidden, p_attn)
-        return ctx.to(h.dtype).reshape(h.shape)
     return attention_block_ops(o, qkv, batch, heads, hidden, p_attn).reshape(h.shape)
 
 
@@ -211,14 +213,17 @@ def _gemm_residual_ln(
 ) -> torch.Tensor:
     """LayerNorm(dropout(gemm(x)) + residual) of a BertSelfOutput / BertOutput. An int8 GEMM of
     inference folds the add and the LayerNorm into its dequantize pass (int8._Int8Linear.residual_ln:
-    one pass over the row instead of two more ops); every other GEMM set runs the GEMM, then the op."""
+    one pass over the row instead of two more ops); every other GEMM set runs the GEMM, then the op.
+    x is in the model's dtype, or bf16 in an int8 model whose attention ran in bf16 (attention_block):
+    the int8 GEMM then writes the model's dtype itself."""
     fused = getattr(gemm, "residual_ln", None)
     if fused is not None and o is direct_ops and not training:
         ln = out_module.LayerNorm
         y = fused(x, residual, ln.weight, ln.bias, ln.eps)
         if y is not None:
             return y
-    return _residual_ln(o, cast(gemm(x), dtype), residual, out_module, dtype, training)
+    y = gemm(x, out_dtype=dtype) if int8.is_int8_linear(gemm) else gemm(x)
+    return _residual_ln(o, cast(y, dtype), residual, out_module, dtype, training)
 
 
 def layer_forward(layer, index: int, h: torch.Tensor, batch: Batch, config, training: bool) -> torch.Tensor:

@@ -146,13 +146,21 @@ def dequantize_residual_ln(
     return y
 
 
-def int8_linear(x2: Tensor, wq_t: Tensor, sw: Tensor, bias: Optional[Tensor], gelu: Optional[str]) -> Tensor:
+def int8_linear(
+    x2: Tensor,
+    wq_t: Tensor,
+    sw: Tensor,
+    bias: Optional[Tensor],
+    gelu: Optional[str],
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
     """act(x2 W^T + b) for x2 [M, K] fp32/bf16, W as (W_q^T int8 [K, N], s_w fp32 [N]), b fp32 [N] or
-    None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns x2's dtype.
+    None; ``gelu``: None or torch's GELU ``approximate`` ("none" / "tanh"). Returns ``out_dtype``
+    (fp32 or bf16; default x2's dtype), written by the dequantize pass: no separate cast.
     The GEMM is torch._int_mm (oneDNN; fast where the CPU has AVX-512 VNNI or AMX-INT8)."""
     xq, sx = quantize_rows(x2)
     acc = torch._int_mm(xq, wq_t)
-    return dequantize(acc, sx, sw, bias, x2.dtype, gelu)
+    return dequantize(acc, sx, sw, bias, out_dtype or x2.dtype, gelu)
 
 
 # ----------------------------------------------------------------------------- AVX2 (no VNNI)
@@ -174,16 +182,23 @@ def pack_weight_avx2(wq_t: Tensor) -> Tensor:
 
 
 def int8_linear_avx2(
-    x2: Tensor, w_packed: Tensor, n: int, sw: Tensor, bias: Optional[Tensor], gelu: Optional[str]
+    x2: Tensor,
+    w_packed: Tensor,
+    n: int,
+    sw: Tensor,
+    bias: Optional[Tensor],
+    gelu: Optional[str],
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """int8_linear with our AVX2 GEMM, the dequantization and GELU in its epilogue (one pass over the
     output): the same int32 accumulators as torch._int_mm, so the same result as int8_linear."""
-    code = _CODES.get(x2.dtype)
-    if code is None:
-        raise TypeError(f"int8_linear_avx2 takes fp32 or bf16 activations, got {x2.dtype}")
+    out_dtype = out_dtype or x2.dtype
+    code = _CODES.get(out_dtype)
+    if code is None or x2.dtype not in _CODES:
+        raise TypeError(f"int8_linear_avx2 takes and returns fp32 or bf16, got {x2.dtype} -> {out_dtype}")
     xq, sx = quantize_rows(x2)
     m, k = xq.shape
-    y = torch.empty((m, n), dtype=x2.dtype)
+    y = torch.empty((m, n), dtype=out_dtype)
     _ext.int8_linear_avx2(
         xq.data_ptr(),
         m,

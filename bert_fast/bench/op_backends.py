@@ -4,11 +4,25 @@ module only asks them, and never fails (a broken op is reported as its error).""
 
 from __future__ import annotations
 
-import importlib
 from typing import Dict, Optional
+
+# Each op module's backend(): ``from <module> import`` reaches the module itself, where the package's
+# attribute of the same name (bert_fast.ops.linear, .attention, ...) is the op function.
+from bert_fast.ops.attention import backend as attention_backend
+from bert_fast.ops.bias_gelu import backend as bias_gelu_backend
+from bert_fast.ops.embedding import backend as embedding_backend
+from bert_fast.ops.linear import backend as linear_backend
+from bert_fast.ops.residual_layer_norm import backend as residual_layer_norm_backend
 
 # The ops, in the order of a forward's data flow (also the op-case modules of bench-ops).
 OP_KERNELS = ("embedding", "linear", "bias_gelu", "residual_layer_norm", "attention")
+_BACKENDS = {
+    "embedding": embedding_backend,
+    "linear": linear_backend,
+    "bias_gelu": bias_gelu_backend,
+    "residual_layer_norm": residual_layer_norm_backend,
+    "attention": attention_backend,
+}
 
 
 def op_backend(op: str, device, dtype, build: Optional[dict] = None) -> str:
@@ -18,8 +32,7 @@ def op_backend(op: str, device, dtype, build: Optional[dict] = None) -> str:
     import torch
 
     try:
-        mod = importlib.import_module(f"bert_fast.ops.{op}")
-        return str(mod.backend(torch.device(device), dtype))
+        return str(_BACKENDS[op](torch.device(device), dtype))
     except Exception as exc:  # noqa: BLE001 - info must print whatever is broken, not die on it
         return f"error: {type(exc).__name__}: {exc}"
 

@@ -152,6 +152,7 @@ def recommend(caps: Dict[str, Any], rates: Dict[str, Any]) -> Dict[str, Any]:
             f"{CALL_INT8} refuses on this CPU (Int8SpeedError): int8 GEMM {check['int8_tops']:.3g} TOPS vs fp32 "
             f"{check['fp32_tflops']:.3g} TFLOP/s measured at M x K x N = {' x '.join(map(str, check['shape']))}; "
             f"(fastest int8 GEMM here: {check.get('backend', 'int_mm')})"
+            + (f"; {check['note']}" if check.get("note") else "")
         )
     elif int8 is not None and best and int8 >= INT8_OVER_BEST * best:
         int8_note = (

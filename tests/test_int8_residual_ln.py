@@ -12,6 +12,7 @@ import transformers
 
 import bert_fast
 from bert_fast.model import int8 as int8_mod
+from bert_fast.model import int8_speed
 from bert_fast.ops import int8_gemm
 from bert_fast.testing import assert_close_2x
 
@@ -85,6 +86,7 @@ def test_scalar_and_avx512_agree(monkeypatch):
 
 
 @pytest.mark.skipif(not int8_mod.available(), reason="no torch._int_mm in this torch")
+@pytest.mark.skipif(not int8_speed.int_mm_exact(), reason=int8_speed.INEXACT_NOTE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_model_takes_it_and_agrees_with_the_unfused_path(monkeypatch, dtype):
     monkeypatch.setenv("BERT_FAST_BACKEND", "torch")  # the CPU path users run (not the interpreter's kernels)

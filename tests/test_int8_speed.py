@@ -85,6 +85,7 @@ def test_where_torchs_int8_gemm_is_slow_ours_is_chosen(monkeypatch):
     """An AVX2 CPU without VNNI, as torch sees it (torch._int_mm a slow loop): the check picks the AVX2
     GEMM, and a quantized model runs it."""
     monkeypatch.setattr(int8_gemm, "int8_linear", crawling(int8_gemm.int8_linear))
+    monkeypatch.setattr(int8_speed, "_EXACT", {"int_mm": True})  # slow, not wrong (an exact one is timed)
     speed = int8_speed.check()
     assert speed.backend == "avx2" and set(speed.rates) == {"int_mm", "avx2"}
     assert speed.rates["avx2"] > 10 * speed.rates["int_mm"]
@@ -142,6 +143,7 @@ def test_the_doctor_says_int8_is_refused_with_both_rates():
 
 @needs_int8
 @pytest.mark.skipif(not int8_gemm.avx2_available(), reason="needs AVX2 for bert_fast's own int8 GEMM")
+@pytest.mark.skipif(not int8_speed.int_mm_exact(), reason=int8_speed.INEXACT_NOTE)
 def test_either_int8_backend_gives_the_same_model_outputs(monkeypatch):
     """quantize(backend="avx2") and (backend="int_mm") run the same int32 sums: the same outputs (up to
     the GELU's vector forms, ~1e-7), and every int8 GEMM of the model runs the backend asked for."""
@@ -157,3 +159,35 @@ def test_either_int8_backend_gives_the_same_model_outputs(monkeypatch):
         with torch.inference_mode():
             outs[backend] = model(**batch).last_hidden_state
     torch.testing.assert_close(outs["avx2"], outs["int_mm"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_inexact_int_mm_is_never_a_backend(monkeypatch):
+    """torch._int_mm whose int32 sums saturate (oneDNN's int16 pair sums without VNNI; a fake that
+    clamps every sum to int16 here) is left out of the speed check, with the reason, and refused
+    when asked for by name; the AVX2 GEMM runs instead where it can, and int8 is refused otherwise."""
+    real = torch._int_mm
+
+    def saturating(a, b):
+        return real(a, b).clamp(-(2**15), 2**15 - 1)
+
+    monkeypatch.setattr(int8_speed, "_EXACT", {})
+    if int8.available():  # the probe says what a direct full-range product says of the real one
+        g = torch.Generator().manual_seed(5)
+        a = torch.randint(-127, 128, (64, 384), dtype=torch.int8, generator=g)
+        b = torch.randint(-127, 128, (384, 128), dtype=torch.int8, generator=g)
+        assert int8_speed.int_mm_exact() == torch.equal(real(a, b).long(), a.long() @ b.long())
+    monkeypatch.setattr(int8_speed, "_EXACT", {})
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not int8_speed.int_mm_exact()
+    monkeypatch.setattr(int8_speed, "_CACHE", {})
+    speed = int8_speed.check()
+    assert "int_mm" not in speed.rates and int8_speed.INEXACT_NOTE in speed.describe()
+    batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    with pytest.raises(ValueError, match="'int_mm' refused"):
+        int8.quantize(bert_fast.optimize(tiny_model()), batch, min_cosine=0.0, backend="int_mm")
+    if int8_gemm.avx2_available():
+        assert speed.backend == "avx2"
+    else:
+        assert speed.backend == "none" and not speed.rates
+        with pytest.raises(int8_speed.Int8SpeedError, match="cannot run correctly"):
+            int8_speed.require_faster()

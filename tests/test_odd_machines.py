@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import bert_fast
-from bert_fast.model import int8, int8_speed, precision
+from bert_fast.model import frozen, int8, int8_speed, precision
 
 pytestmark = pytest.mark.no_kernels("the CPU path, not the Triton kernels")
 
@@ -86,7 +86,8 @@ def test_head_dims_the_native_kernels_do_not_cover(hidden, heads, dtype):
     hf = hf_model(hidden, heads)
     x = batch()
     want = run(hf, x)
-    for freeze in (False, True):
+    # freeze=True packs bf16 only where oneDNN runs it (not under ONEDNN_MAX_CPU_ISA=AVX2, say): refused there
+    for freeze in (False, True) if frozen.dtype_supported(dtype) else (False,):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             m = bert_fast.optimize(copy.deepcopy(hf), dtype=dtype, freeze=freeze)

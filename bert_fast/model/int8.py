@@ -261,6 +261,8 @@ def quantize(
     backend = backend or speed.backend
     if backend == "avx2" and not int8_gemm.avx2_available():
         raise ValueError("int8 backend 'avx2' needs AVX2 (and bert_fast._C built with int8_linear_avx2)")
+    if backend == "int_mm" and not int8_speed.int_mm_exact():
+        raise ValueError(f"int8 backend 'int_mm' refused: {int8_speed.INEXACT_NOTE}")
     weight = model.embeddings.word_embeddings.weight
     if weight.device.type != "cpu":
         raise ValueError(f"int8 quantization is for CPU inference; this model is on {weight.device}")

@@ -14,6 +14,14 @@ int8 is offered only where it beats fp32, refused with the measured rates where 
 
 Cost: at most ~MAX_SECONDS; on a slow int8 path one warm-up call already decides it (a call over
 CLEARLY_SLOWER times the fp32 one ends the measurement).
+
+Why an exactness check first (``int_mm_exact``). oneDNN's int8 GEMMs for CPUs without VNNI add pairs
+of u8 x s8 products in int16 (vpmaddubsw), which saturates on the products this recipe makes (|x_q|,
+|w_q| up to 127). Where torch routes torch._int_mm to such a kernel its sums are wrong: seen with
+torch 2.13 on an AVX-512 VNNI CPU under ONEDNN_MAX_CPU_ISA=AVX2 (torch picks oneDNN from the CPU's
+flags, oneDNN its AVX2 kernel: 16,370 of 16,384 sums of full-range int8 off, by up to 108,547), and
+fast, so the speed check alone would pick it. So torch._int_mm is a backend only where it is exact
+on such a probe; elsewhere our AVX2 GEMM (exact int32 sums) runs, or int8 is refused with the reason.
 """
 
 from __future__ import annotations
@@ -51,8 +59,9 @@ class Int8Speed:
     shape: Tuple[int, int, int]
     threads: int
     rounds: int
-    backend: str = "int_mm"
+    backend: str = "int_mm"  # "none": no exact int8 GEMM here (``note`` says why)
     rates: Dict[str, float] = field(default_factory=dict)
+    note: str = ""  # why a backend was left out (torch._int_mm inexact here)
 
     @property
     def speedup(self) -> float:
@@ -65,11 +74,14 @@ class Int8Speed:
     def describe(self) -> str:
         m, k, n = self.shape
         others = ", ".join(f"{b} {r:.3g}" for b, r in self.rates.items() if b != self.backend)
+        if self.backend == "none":
+            return f"no exact int8 GEMM runs on this CPU: {self.note}"
         return (
             f"int8 GEMM {self.int8_tops:.3g} TOPS ({BACKEND_NAMES.get(self.backend, self.backend)}"
             + (f"; other int8 backends: {others} TOPS" if others else "")
             + f") vs fp32 {self.fp32_tflops:.3g} TFLOP/s ({self.speedup:.2f}x) "
             f"measured on this CPU at M={m} K={k} N={n}, {self.threads} thread(s)"
+            + (f"; {self.note}" if self.note else "")
         )
 
     def as_dict(self) -> dict:
@@ -83,6 +95,7 @@ class Int8Speed:
             "shape": list(self.shape),
             "threads": self.threads,
             "rounds": self.rounds,
+            "note": self.note,
         }
 
 
@@ -97,10 +110,12 @@ def _measure(shape: Tuple[int, int, int]) -> Int8Speed:
     b = torch.randn(n, generator=g)
     sw = (w.abs().amax(1) / 127).clamp_min(1e-12)
     wq_t = torch.round(w / sw[:, None]).to(torch.int8).t().contiguous()
-    runs = {
-        "fp32": lambda: F.linear(x, w, b),
-        "int_mm": lambda: int8_gemm.int8_linear(x, wq_t, sw, b, None),
-    }
+    runs = {"fp32": lambda: F.linear(x, w, b)}
+    note = ""
+    if int_mm_exact():
+        runs["int_mm"] = lambda: int8_gemm.int8_linear(x, wq_t, sw, b, None)
+    else:
+        note = INEXACT_NOTE
     if int8_gemm.avx2_available():
         packed = int8_gemm.pack_weight_avx2(wq_t)
         runs["avx2"] = lambda: int8_gemm.int8_linear_avx2(x, packed, n, sw, b, None)
@@ -121,15 +136,16 @@ def _measure(shape: Tuple[int, int, int]) -> Int8Speed:
                 break
     work = 2.0 * m * k * n / 1e12
     rates = {name: work / statistics.median(t) for name, t in times.items() if name != "fp32"}
-    best = max(rates, key=rates.get)
+    best = max(rates, key=rates.get) if rates else "none"
     return Int8Speed(
-        int8_tops=rates[best],
+        int8_tops=rates.get(best, 0.0),
         fp32_tflops=work / statistics.median(times["fp32"]),
         shape=shape,
         threads=torch.get_num_threads(),
         rounds=len(times["fp32"]),
         backend=best,
         rates=rates,
+        note=note,
     )
 
 
@@ -148,6 +164,11 @@ def check() -> Int8Speed:
 def require_faster() -> Int8Speed:
     """check(), raising Int8SpeedError (with both measured rates) where int8 is not faster than fp32."""
     speed = check()
+    if speed.backend == "none":
+        raise Int8SpeedError(
+            f"int8 cannot run correctly on this CPU: {speed.describe()}. int8 was not applied. Use float32 with "
+            "freeze=True here (bert_fast.optimize(model, freeze=True)), or bf16 on a CPU with bf16 units."
+        )
     if not speed.faster:
         raise Int8SpeedError(
             f"int8 would be slower than float32 on this CPU: {speed.describe()}. int8 was not applied. "
@@ -155,6 +176,34 @@ def require_faster() -> Int8Speed:
             "float32 with freeze=True here (bert_fast.optimize(model, freeze=True)), or bf16 on a CPU with bf16 units."
         )
     return speed
+
+
+INEXACT_NOTE = (
+    "torch._int_mm left out: its int32 sums are wrong here (int16 saturation of oneDNN's kernel for CPUs without VNNI)"
+)
+_EXACT: Dict[str, bool] = {}
+
+
+def int_mm_exact() -> bool:
+    """torch._int_mm gives exact int32 sums on this CPU for full-range int8 (the module docstring, "Why an
+    exactness check"): a 32 x 256 by 256 x 64 product of +-127 patterns and random values, against int64
+    sums. Cached per process (~1 ms once)."""
+    got = _EXACT.get("int_mm")
+    if got is None:
+        got = False
+        try:
+            g = torch.Generator().manual_seed(0)
+            a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+            b = torch.randint(-127, 128, (256, 64), dtype=torch.int8, generator=g)
+            a[:8] = 127  # the largest pair sums: 2 x 255 x 127 in a u8 x s8 kernel's int16
+            a[8:16] = -127
+            b[:, :8] = 127
+            b[:, 8:16] = -127
+            got = bool(torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long()))
+        except Exception:  # noqa: BLE001 - no int8 op at all: not exact either
+            got = False
+        _EXACT["int_mm"] = got
+    return got
 
 
 def int8_available() -> bool:

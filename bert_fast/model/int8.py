@@ -88,8 +88,9 @@ def quantize_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 class _Int8Linear:
-    """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype. ``backend``: "int_mm"
-    (torch._int_mm on W_q^T int8 [K, N]) or "avx2" (our AVX2 GEMM on the int16-pair panels it wants)."""
+    """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype (or ``out_dtype``).
+    ``backend``: "int_mm" (torch._int_mm on W_q^T int8 [K, N]) or "avx2" (our AVX2 GEMM on the int16-pair
+    panels it wants)."""
 
     __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes", "backend")
 

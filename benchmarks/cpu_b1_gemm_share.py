@@ -45,12 +45,7 @@ PROVIDERS = {
 
 
 def cpu_line() -> str:
-    flags = cpu_caps.cpu_flags() or frozenset()
-    caps = [f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma") if f in flags]
-    return (
-        f"{cpu_caps.cpu_model()}; {', '.join(caps) or 'flags unknown'}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
-    )
+    return f"{cpu_caps.describe(cpu_caps.capabilities())}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def best_rate(row: dict, precision: str) -> float:

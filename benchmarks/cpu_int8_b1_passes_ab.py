@@ -15,11 +15,14 @@ thread where the old rule kept it on one), "after" today's, interleaved (bert_fa
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from _env_ab import compare_variants  # noqa: E402  (benchmarks/, the script's folder)
 
 from bert_fast.bench import model_providers, model_workload, timing  # noqa: E402
 from bert_fast.model import direct_ops, int8, layer  # noqa: E402
@@ -77,7 +80,7 @@ def main() -> None:
     timing.fix_threads(args.threads)
     from bert_fast.bench import cpu_caps
 
-    print(f"{cpu_caps.cpu_model()}; {torch.get_num_threads()} threads; torch {torch.__version__}")
+    print(cpu_caps.describe(cpu_caps.capabilities()), f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     for name, batch in (("minilm", 1), ("minilm", 8), ("bert-base", 1)):
         key = model_workload.local_minilm() if name == "minilm" else "bert-base"
         config = model_workload.load_config(key)
@@ -88,29 +91,18 @@ def main() -> None:
         )
         model.eval()
 
-        def under(old: bool):
-            def run():
-                use(old)
-                with torch.no_grad():
-                    return runner(**inputs)
+        def call():
+            with torch.no_grad():
+                return runner(**inputs)
 
-            return run
-
-        try:
-            res = timing.measure(
-                {"before": under(True), "after": under(False)},
-                warmup=2,
-                min_rounds=args.rounds,
-                max_rounds=args.rounds,
-                catch=False,
-            )
-        finally:
-            use(False)
-        t = res.timings
-        print(
-            f"{name} {batch}x128 int8: before {t['before'].median_ms:.2f} ms, after {t['after'].median_ms:.2f} ms; "
-            f"speedup {res.speedup('after', 'before').format()}"
+        line = compare_variants(
+            {"before": functools.partial(use, True), "after": functools.partial(use, False)},
+            call,
+            args.rounds,
+            restore=functools.partial(use, False),
+            warmup=2,
         )
+        print(f"{name} {batch}x128 int8: {line}")
 
 
 if __name__ == "__main__":

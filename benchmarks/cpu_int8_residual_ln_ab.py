@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 
 import torch
 import transformers
-from _env_ab import minilm_path  # benchmarks/, the script's folder
+from _env_ab import compare_variants, minilm_path  # benchmarks/, the script's folder
 
 import bert_fast
-from bert_fast.bench import cpu_caps, timing
+from bert_fast.bench import cpu_caps
 from bert_fast.model import int8 as int8_mod
 
 FUSED = int8_mod._Int8Linear.residual_ln
@@ -50,30 +51,21 @@ def main() -> None:
             ids = torch.randint(1000, 20000, (batch, 128))
             mask = torch.ones(batch, 128, dtype=torch.long)
 
-            def run(impl):
-                def call():
-                    int8_mod._Int8Linear.residual_ln = impl
-                    with torch.no_grad():
-                        return model(input_ids=ids, attention_mask=mask)
+            def call():
+                with torch.no_grad():
+                    return model(input_ids=ids, attention_mask=mask)
 
-                return call
-
-            try:
-                res = timing.measure(
-                    {"unfused": run(unfused), "fused": run(FUSED)},
-                    warmup=2,
-                    min_rounds=args.rounds,
-                    max_rounds=args.rounds,
-                    catch=False,
-                )
-            finally:
-                int8_mod._Int8Linear.residual_ln = FUSED
-            u, f = res.timings["unfused"], res.timings["fused"]
-            print(
-                f"{name} {batch}x128 no-grad: unfused {u.median_ms:.2f} ms ({u.ci_low_ms:.2f}-{u.ci_high_ms:.2f}), "
-                f"fused {f.median_ms:.2f} ms ({f.ci_low_ms:.2f}-{f.ci_high_ms:.2f}); "
-                f"speedup {res.speedup('fused', 'unfused').format()}"
+            line = compare_variants(
+                {
+                    "unfused": functools.partial(setattr, int8_mod._Int8Linear, "residual_ln", unfused),
+                    "fused": functools.partial(setattr, int8_mod._Int8Linear, "residual_ln", FUSED),
+                },
+                call,
+                args.rounds,
+                restore=functools.partial(setattr, int8_mod._Int8Linear, "residual_ln", FUSED),
+                warmup=2,
             )
+            print(f"{name} {batch}x128 no-grad: {line}")
 
 
 if __name__ == "__main__":

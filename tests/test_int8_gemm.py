@@ -39,6 +39,26 @@ ISAS = [
 ]
 
 
+def native_dequantize(acc, sx, sw, bias, dtype, threads, isa="", gelu=None):
+    """bert_fast._C's dequantize pass called directly (a given thread count and ISA): y [m, n] of ``dtype``."""
+    m, n = acc.shape
+    y = torch.empty(m, n, dtype=dtype)
+    int8_gemm._ext.int8_dequantize(
+        acc.data_ptr(),
+        m,
+        n,
+        sx.data_ptr(),
+        sw.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        int8_gemm._CODES[dtype],
+        threads,
+        isa,
+        int8_gemm._ACT_CODES[gelu],
+    )
+    return y
+
+
 @native
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,19 +79,7 @@ def test_quantize_and_dequantize_equal_the_torch_oracle(isa, dtype, m, k):
     int8_gemm._ext.int8_quantize_rows(x.data_ptr(), int8_gemm._CODES[dtype], m, k, q.data_ptr(), s.data_ptr(), 2, isa)
     assert torch.equal(q, q0) and torch.equal(s, s0), isa
     for b in (bias, None):
-        y = torch.empty(m, n, dtype=dtype)
-        int8_gemm._ext.int8_dequantize(
-            acc.data_ptr(),
-            m,
-            n,
-            s.data_ptr(),
-            sw.data_ptr(),
-            0 if b is None else b.data_ptr(),
-            y.data_ptr(),
-            int8_gemm._CODES[dtype],
-            2,
-            isa,
-        )
+        y = native_dequantize(acc, s, sw, b, dtype, 2, isa)
         assert torch.equal(y, int8_gemm.dequantize_torch(acc, s0, sw, b, dtype)), isa
     # and the public entry points take the same path
     q1, s1 = int8_gemm.quantize_rows(x)
@@ -92,20 +100,7 @@ def test_dequantize_with_gelu_matches_torch_gelu(isa, dtype, gelu):
     sx, sw, bias = torch.rand(m, generator=g) * 1e-5, torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g)
     pre = int8_gemm.dequantize_torch(acc, sx, sw, bias, torch.float32)
     want = torch.nn.functional.gelu(pre.double(), approximate=gelu)
-    y = torch.empty(m, n, dtype=dtype)
-    int8_gemm._ext.int8_dequantize(
-        acc.data_ptr(),
-        m,
-        n,
-        sx.data_ptr(),
-        sw.data_ptr(),
-        bias.data_ptr(),
-        y.data_ptr(),
-        int8_gemm._CODES[dtype],
-        2,
-        isa,
-        int8_gemm._ACT_CODES[gelu],
-    )
+    y = native_dequantize(acc, sx, sw, bias, dtype, 2, isa, gelu)
     err = (y.double() - want).abs()
     if dtype == torch.float32:
         assert (err <= 2e-7 * (1 + want.abs()) + 1e-7).all(), (isa, err.max().item())
@@ -231,21 +226,5 @@ def test_a_pass_split_over_threads_equals_one_thread(gelu):
     g = torch.Generator().manual_seed(2)
     acc = torch.randint(-(10**5), 10**5, (m, n), dtype=torch.int32, generator=g)
     sx, sw, bias = torch.rand(m, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g)
-    ys = []
-    for threads in (1, 2):
-        y = torch.empty(m, n)
-        int8_gemm._ext.int8_dequantize(
-            acc.data_ptr(),
-            m,
-            n,
-            sx.data_ptr(),
-            sw.data_ptr(),
-            bias.data_ptr(),
-            y.data_ptr(),
-            0,
-            threads,
-            "",
-            int8_gemm._ACT_CODES[gelu],
-        )
-        ys.append(y)
-    assert torch.equal(ys[0], ys[1])
+    one, two = (native_dequantize(acc, sx, sw, bias, torch.float32, threads, gelu=gelu) for threads in (1, 2))
+    assert torch.equal(one, two)

@@ -77,6 +77,12 @@ inline int pad16(int d) { return (d + 15) / 16 * 16; }
 #ifdef F32A_X86
 #define F32A_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
 #define F32A_AVX2 __attribute__((target("avx2,fma")))
+// The register blocks (qk_block, pv_block) keep their accumulators in registers only when GCC unrolls
+// their loops fully and compiles them on their own: inlined into the OpenMP body, or with loops left
+// rolled, it kept some of acc[R][NB] on the stack (a store and reload in every step of the P V loop;
+// fixing both made the d = 32 call 1.4x faster, benchmarks/NOTES.md).
+#define F32A_UNROLL _Pragma("GCC unroll 16")
+#define F32A_BLOCK __attribute__((noinline))
 
 struct Vec512 {
   using T = __m512;

@@ -3,6 +3,7 @@
 //   F32A_NS       the namespace of this copy (avx512 / avx2)
 //   F32A_TARGET   its function attribute (target("avx512f,...") / target("avx2,fma"))
 //   Vec           a struct of static inline functions over W fp32 lanes (see attention_f32_cpu.cpp)
+// (and, once, F32A_UNROLL and F32A_BLOCK: what keeps the register blocks' accumulators in registers)
 // and includes it inside namespace bert_fast::<anonymous>. Every function here takes F32A_TARGET, so
 // the compiler emits each copy with its own instructions and the caller picks one at run time.
 //
@@ -19,42 +20,43 @@ constexpr int kRows = 4;  // query rows per register block
 
 // scores[r][j0 .. j0 + W NB) for R rows
 template <int R, int NB>
-F32A_TARGET void qk_block(const float* const* qrow, const float* kp, int64_t lp, int d, int64_t j0, float* scores) {
+F32A_TARGET F32A_BLOCK void qk_block(const float* const* qrow, const float* kp, int64_t lp, int d, int64_t j0,
+                                     float* scores) {
   typename Vec::T acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
+  F32A_UNROLL for (int r = 0; r < R; ++r)
+    F32A_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
   for (int c = 0; c < d; ++c) {
     const float* kr = kp + c * lp + j0;
     typename Vec::T kb[NB];
-    for (int b = 0; b < NB; ++b) kb[b] = Vec::load(kr + Vec::W * b);
-    for (int r = 0; r < R; ++r) {
+    F32A_UNROLL for (int b = 0; b < NB; ++b) kb[b] = Vec::load(kr + Vec::W * b);
+    F32A_UNROLL for (int r = 0; r < R; ++r) {
       const typename Vec::T qa = Vec::set1(qrow[r][c]);
-      for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(qa, kb[b], acc[r][b]);
+      F32A_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(qa, kb[b], acc[r][b]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) Vec::store(scores + r * lp + j0 + Vec::W * b, acc[r][b]);
+  F32A_UNROLL for (int r = 0; r < R; ++r)
+    F32A_UNROLL for (int b = 0; b < NB; ++b) Vec::store(scores + r * lp + j0 + Vec::W * b, acc[r][b]);
 }
 
 // out[r][c0 .. c0 + W NB) (the first d columns kept) for R rows, scaled by inv[r]
 template <int R, int NB>
-F32A_TARGET void pv_block(const float* pb, const float* vp, int64_t lp, int dp, int c0, int d, const float* inv,
-                          float* const* orow) {
+F32A_TARGET F32A_BLOCK void pv_block(const float* pb, const float* vp, int64_t lp, int dp, int c0, int d,
+                                     const float* inv, float* const* orow) {
   typename Vec::T acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
+  F32A_UNROLL for (int r = 0; r < R; ++r)
+    F32A_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
   for (int64_t j = 0; j < lp; ++j) {
     const float* vr = vp + j * dp + c0;
     typename Vec::T vb[NB];
-    for (int b = 0; b < NB; ++b) vb[b] = Vec::load(vr + Vec::W * b);
-    for (int r = 0; r < R; ++r) {
+    F32A_UNROLL for (int b = 0; b < NB; ++b) vb[b] = Vec::load(vr + Vec::W * b);
+    F32A_UNROLL for (int r = 0; r < R; ++r) {
       const typename Vec::T pa = Vec::set1(pb[r * lp + j]);
-      for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(pa, vb[b], acc[r][b]);
+      F32A_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(pa, vb[b], acc[r][b]);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  F32A_UNROLL for (int r = 0; r < R; ++r) {
     const typename Vec::T s = Vec::set1(inv[r]);
-    for (int b = 0; b < NB; ++b) {
+    F32A_UNROLL for (int b = 0; b < NB; ++b) {
       const int c = c0 + Vec::W * b;
       const typename Vec::T o = Vec::mul(acc[r][b], s);
       if (d - c >= Vec::W) {
@@ -119,24 +121,35 @@ F32A_TARGET float softmax_row(float* s, const float* bias, int64_t lp, float sca
   return 1.0f / Vec::reduce_add(vsum);
 }
 
-// Token j (< lp) of sequence s into the packs of every head (zeros past the sequence's end).
-F32A_TARGET void pack_token(const F32Args& a, int64_t s, int64_t j, float* kp, float* vp) {
+// Tokens j0 .. j0 + 16 (j0 a multiple of 16, < lp) of sequence s into the packs of every head (zeros
+// past the sequence's end). A tile of 16 tokens at a time, so that K's transposed rows are written
+// 16 floats (a cache line) at once: one token at a time, every dim wrote 4 bytes into its own line
+// (d lines per token and head), and that strided store loop took about a third of a d = 64 call.
+F32A_TARGET void pack_tile(const F32Args& a, int64_t s, int64_t j0, float* kp, float* vp) {
+  constexpr int kTile = 16;
   const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0, lp = round16(len);
   const int d = a.d, dp = pad16(d);
-  const bool real = j < len;
+  const int real = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, len - j0)));
   for (int h = 0; h < a.heads; ++h) {
-    float* kh = kp + static_cast<int64_t>(h) * d * lp + j;
-    float* vh = vp + (static_cast<int64_t>(h) * lp + j) * dp;
-    if (real) {
-      const float* kk = a.k + (t0 + j) * a.row_stride + static_cast<int64_t>(h) * d;
-      const float* vv = a.v + (t0 + j) * a.row_stride + static_cast<int64_t>(h) * d;
-      for (int c = 0; c < d; ++c) kh[c * lp] = kk[c];
-      std::memcpy(vh, vv, d * sizeof(float));
-    } else {
-      for (int c = 0; c < d; ++c) kh[c * lp] = 0.0f;
-      std::memset(vh, 0, d * sizeof(float));
+    const int64_t hoff = static_cast<int64_t>(h) * d;
+    float* kh = kp + static_cast<int64_t>(h) * d * lp + j0;
+    float* vh = vp + (static_cast<int64_t>(h) * lp + j0) * dp;
+    const float* krow[kTile];
+    for (int t = 0; t < real; ++t) krow[t] = a.k + (t0 + j0 + t) * a.row_stride + hoff;
+    for (int c = 0; c < d; ++c) {
+      float* dst = kh + c * lp;
+      for (int t = 0; t < real; ++t) dst[t] = krow[t][c];
+      for (int t = real; t < kTile; ++t) dst[t] = 0.0f;
     }
-    if (dp > d) std::memset(vh + d, 0, (dp - d) * sizeof(float));
+    for (int t = 0; t < kTile; ++t) {
+      float* vt = vh + static_cast<int64_t>(t) * dp;
+      if (t < real) {
+        std::memcpy(vt, a.v + (t0 + j0 + t) * a.row_stride + hoff, d * sizeof(float));
+        if (dp > d) std::memset(vt + d, 0, (dp - d) * sizeof(float));
+      } else {
+        std::memset(vt, 0, dp * sizeof(float));
+      }
+    }
   }
 }
 
@@ -182,7 +195,7 @@ F32A_TARGET void attend_rows(const F32Args& a, int64_t s, int64_t r0, int64_t r1
 }
 
 // The whole call on n threads: per chunk of sequences (attention_chunks::plan: L2-sized packs),
-// pack every token (threads split the tokens), then the query blocks (threads take them one by one).
+// pack every token (threads split the tiles of 16 tokens), then the query blocks (threads take them one by one).
 F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
   const int d = a.d, dp = pad16(d);
   const int64_t k_per_row = static_cast<int64_t>(a.heads) * d, v_per_row = static_cast<int64_t>(a.heads) * dp;
@@ -201,10 +214,12 @@ F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
 #pragma omp parallel num_threads(n)
     {
       F32Scratch w;
+      // tokens lists every padded position of every sequence in order (lp a multiple of 16), so
+      // every 16th entry starts a tile of one sequence
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < nt; ++i) {
+      for (int64_t i = 0; i < nt; i += 16) {
         const int64_t s = tokens[i].first, o = off[s - s0];
-        pack_token(a, s, tokens[i].second, kp + o * k_per_row, vp + o * v_per_row);
+        pack_tile(a, s, tokens[i].second, kp + o * k_per_row, vp + o * v_per_row);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < nb; ++i) {

@@ -73,9 +73,12 @@ def test_non_contiguous_qkv():
     assert_close_2x(out, _oracle(q, k, v, None, scale, torch.float64), _torch_bf16(q, k, v, None, scale))
 
 
-def test_varlen_equals_each_sequence_alone():
-    lengths = [5, 1, 17, 64, 33]
-    h, d = 3, 32
+# the second case's packs (12 heads x 64 dims, ~1,200 token rows) take several of the kernel's 2 MiB
+# chunks: sequences packed in different chunks must not change a value
+@pytest.mark.parametrize(
+    "lengths,h,d", [([5, 1, 17, 64, 33], 3, 32), ([130, 7, 200, 16, 255, 129, 31, 190, 240], 12, 64)]
+)
+def test_varlen_equals_each_sequence_alone(lengths, h, d):
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     qkv = _qkv(1, int(cu[-1]), h, d, seed=11)[0]  # [T, 3, h, d]
     out = cpu_attention.varlen(qkv, cu, d**-0.5)

@@ -83,9 +83,12 @@ def test_padded_attention_within_2x_of_torch(isa, b, s, h, d, masked):
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-def test_varlen_equals_each_sequence_alone(isa):
-    lengths = [5, 1, 17, 64, 33]
-    h, d = 3, 32
+# the second case's packs (12 heads x 64 dims, ~1,200 token rows) take several of the kernel's 2 MiB
+# chunks: sequences packed in different chunks must not change a value
+@pytest.mark.parametrize(
+    "lengths,h,d", [([5, 1, 17, 64, 33], 3, 32), ([130, 7, 200, 16, 255, 129, 31, 190, 240], 12, 64)]
+)
+def test_varlen_equals_each_sequence_alone(isa, lengths, h, d):
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     qkv = _qkv(1, int(cu[-1]), h, d, seed=11)[0]
     out = cpu_attention.varlen(qkv, cu, d**-0.5)

@@ -63,6 +63,11 @@ struct AttnArgs {
 #ifdef BF_ATTN_X86
 #define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
+// As in the fp32 kernel (attention_f32_cpu.cpp): the register blocks compiled on their own, their loops
+// unrolled, so that acc[R][NB] stays in registers.
+#define BF_UNROLL _Pragma("GCC unroll 16")
+#define BF_BLOCK __attribute__((noinline))
+
 constexpr int kRows = 4;  // query rows per block: 4 rows x 4 column blocks = 16 accumulators
 
 BF_TARGET inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
@@ -75,43 +80,43 @@ BF_TARGET inline __m512bh bcast_pair(const uint16_t* p) {  // (p[0], p[1]) in ev
 
 // scores[r][j0 .. j0 + 16 NB) = sum_p Q[r][2p, 2p+1] . Kp[p][j][0, 1] for R rows.
 template <int R, int NB>
-BF_TARGET void qk_block(const uint16_t* const* qrow, const uint32_t* kp, int64_t lp, int d2, int64_t j0,
-                        float* scores) {
+BF_TARGET BF_BLOCK void qk_block(const uint16_t* const* qrow, const uint32_t* kp, int64_t lp, int d2, int64_t j0,
+                                 float* scores) {
   __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  BF_UNROLL for (int r = 0; r < R; ++r)
+    BF_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int p = 0; p < d2; ++p) {
     const uint32_t* kr = kp + p * lp + j0;
     __m512bh kb[NB];
-    for (int b = 0; b < NB; ++b) kb[b] = as_bh(_mm512_loadu_si512(kr + 16 * b));
-    for (int r = 0; r < R; ++r) {
+    BF_UNROLL for (int b = 0; b < NB; ++b) kb[b] = as_bh(_mm512_loadu_si512(kr + 16 * b));
+    BF_UNROLL for (int r = 0; r < R; ++r) {
       const __m512bh qa = bcast_pair(qrow[r] + 2 * p);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qa, kb[b]);
+      BF_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qa, kb[b]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(scores + r * lp + j0 + 16 * b, acc[r][b]);
+  BF_UNROLL for (int r = 0; r < R; ++r)
+    BF_UNROLL for (int b = 0; b < NB; ++b) _mm512_storeu_ps(scores + r * lp + j0 + 16 * b, acc[r][b]);
 }
 
 // out block [R rows][16 NB dims from c0] = sum_q P[r][2q, 2q+1] . Vp[q][c][0, 1], scaled per row
 template <int R, int NB>
-BF_TARGET void pv_block(const uint16_t* pb, const uint16_t* vp, int64_t lp, int dp, int c0, int d,
-                        const float* inv, uint16_t* const* orow) {
+BF_TARGET BF_BLOCK void pv_block(const uint16_t* pb, const uint16_t* vp, int64_t lp, int dp, int c0, int d,
+                                 const float* inv, uint16_t* const* orow) {
   __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  BF_UNROLL for (int r = 0; r < R; ++r)
+    BF_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t q = 0; q < lp / 2; ++q) {
     const uint16_t* vr = vp + (q * dp + c0) * 2;
     __m512bh vb[NB];
-    for (int b = 0; b < NB; ++b) vb[b] = as_bh(_mm512_loadu_si512(vr + 32 * b));
-    for (int r = 0; r < R; ++r) {
+    BF_UNROLL for (int b = 0; b < NB; ++b) vb[b] = as_bh(_mm512_loadu_si512(vr + 32 * b));
+    BF_UNROLL for (int r = 0; r < R; ++r) {
       const __m512bh pa = bcast_pair(pb + r * lp + 2 * q);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pa, vb[b]);
+      BF_UNROLL for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pa, vb[b]);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  BF_UNROLL for (int r = 0; r < R; ++r) {
     const __m512 s = _mm512_set1_ps(inv[r]);
-    for (int b = 0; b < NB; ++b) {
+    BF_UNROLL for (int b = 0; b < NB; ++b) {
       const int c = c0 + 16 * b;
       const int left = d - c;
       const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);

@@ -8,7 +8,10 @@ both variants (BERT_FAST_CPU_ATTENTION=1), not torch's.
 
     git worktree add /tmp/old <commit> && cmake -S /tmp/old -B /tmp/old/build -DBERT_FAST_CUDA=OFF \\
         -DCMAKE_BUILD_TYPE=Release -DBERT_FAST_OUTPUT_DIR=/tmp/old/out && cmake --build /tmp/old/build
-    python benchmarks/cpu_build_ab.py --old-ext /tmp/old/out/_C*.so [--threads 2] [--rounds 15]
+    python benchmarks/cpu_build_ab.py --old-ext /tmp/old/out/_C*.so [--threads 2] [--rounds 15] [--per-call-only]
+
+BERT_FAST_CPU_ISA=avx2 in the environment runs both builds' AVX2 code (what an AVX2-only CPU runs). An A/A
+run (--old-ext a copy of this build's module) measures the floor: what code placement alone moves.
 """
 
 from __future__ import annotations
@@ -76,10 +79,17 @@ def main() -> None:
     ap.add_argument("--old-ext", required=True, help="the other build's _C*.so")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--per-call-only", action="store_true", help="the attention calls, no whole forwards")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["BERT_FAST_CPU_ATTENTION"] = "1"
     print(cpu_caps.describe(cpu_caps.capabilities()))
+    print(f"BERT_FAST_CPU_ISA={os.environ.get('BERT_FAST_CPU_ISA', '')!r}, other build: {args.old_ext}")
+    if args.per_call_only:
+        where = holders()
+        variants = {"old": swapper(load_other_build(args.old_ext), where), "this": swapper(this_build, where)}
+        per_call(variants, variants["this"], args.rounds)
+        return
 
     path = minilm_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)

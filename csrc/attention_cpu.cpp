@@ -193,7 +193,7 @@ BF_TARGET float softmax_row(const float* s, const float* bias, int64_t lp, float
 struct ChunkPack {
   std::vector<uint32_t> kp;
   std::vector<uint16_t> vp;
-  attention_chunks::Plan plan;  // the chunk's sequences, tokens to pack and query blocks
+  attention_chunks::Plan plan;  // the chunk's sequences, tiles to pack and query blocks
 };
 
 struct RowScratch {          // per thread
@@ -210,7 +210,7 @@ using attention_chunks::round16;
 // once and each V pair row is written in order: one token at a time wrote 4 bytes into each of d/2
 // lines per head (the fp32 twin's pack took about a third of a d = 64 call that way).
 BF_TARGET void pack_tile(const AttnArgs& a, int64_t s, int64_t j0, uint32_t* kp, uint16_t* vp) {
-  constexpr int kTile = 16;
+  constexpr int kTile = attention_chunks::kPackTile;
   const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0, lp = round16(len);
   const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
   const int real = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, len - j0)));
@@ -234,7 +234,7 @@ BF_TARGET void pack_tile(const AttnArgs& a, int64_t s, int64_t j0, uint32_t* kp,
       uint16_t* vh = vp + (static_cast<int64_t>(h) * (lp / 2) + (j0 + t) / 2) * dp * 2;
       const uint16_t* v0 = t < real ? vrow[t] : kZeros;
       const uint16_t* v1 = t + 1 < real ? vrow[t + 1] : kZeros;
-      const int step0 = t < real ? 1 : 0, step1 = t + 1 < real ? 1 : 0;
+      const int step0 = t < real ? 1 : 0, step1 = t + 1 < real ? 1 : 0;  // a padding token reads kZeros[0]
       for (int c = 0; c < d; ++c) {
         vh[2 * c] = v0[c * step0];
         vh[2 * c + 1] = v1[c * step1];
@@ -286,9 +286,9 @@ BF_TARGET void attend_rows(const AttnArgs& a, int64_t s, int64_t r0, int64_t r1,
   }
 }
 
-// The whole call on ``n`` threads: per chunk, pack every token of its sequences (threads split
-// the tiles of 16 tokens), then the query blocks (threads take them one by one). Without OpenMP the pragmas
-// are ignored and the calling thread does it all.
+// The whole call on ``n`` threads: per chunk, pack every token of its sequences (threads split the
+// tiles of 16 tokens), then the query blocks (threads take them one by one). Without OpenMP the
+// pragmas are ignored and the calling thread does it all.
 BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
   const int d = a.d, d2 = d / 2, dp = (d + 15) / 16 * 16;
   const int64_t k_per_row = static_cast<int64_t>(a.heads) * d2, v_per_row = static_cast<int64_t>(a.heads) * dp;
@@ -299,8 +299,8 @@ BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
     const int64_t s1 = attention_chunks::plan(a.starts, a.nseq, s0, k_per_row * 4 + v_per_row * 2, p);
     if (static_cast<int64_t>(pk.kp.size()) < p.rows * k_per_row) pk.kp.resize(p.rows * k_per_row);
     if (static_cast<int64_t>(pk.vp.size()) < p.rows * v_per_row) pk.vp.resize(p.rows * v_per_row);
-    const int64_t nt = static_cast<int64_t>(p.tokens.size()), nb = static_cast<int64_t>(p.blocks.size());
-    const std::pair<int64_t, int64_t>* tokens = p.tokens.data();
+    const int64_t nt = static_cast<int64_t>(p.tiles.size()), nb = static_cast<int64_t>(p.blocks.size());
+    const std::pair<int64_t, int64_t>* tiles = p.tiles.data();
     const std::pair<int64_t, int64_t>* blocks = p.blocks.data();
     uint32_t* kp = pk.kp.data();
     uint16_t* vp = pk.vp.data();
@@ -308,12 +308,10 @@ BF_TARGET void run_chunks(const AttnArgs& a, int n, ChunkPack& pk) {
 #pragma omp parallel num_threads(n)
     {
       RowScratch w;
-      // tokens lists every padded position of every sequence in order (lp a multiple of 16), so
-      // every 16th entry starts a tile of one sequence
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < nt; i += 16) {
-        const int64_t s = tokens[i].first, o = off[s - s0];
-        pack_tile(a, s, tokens[i].second, kp + o * k_per_row, vp + o * v_per_row);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t s = tiles[i].first, o = off[s - s0];
+        pack_tile(a, s, tiles[i].second, kp + o * k_per_row, vp + o * v_per_row);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < nb; ++i) {

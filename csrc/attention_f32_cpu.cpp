@@ -63,7 +63,7 @@ struct F32Args {
 struct F32Pack {  // a chunk's packed K and V (shared by the threads; kept with the calling thread)
   std::vector<float> kp;
   std::vector<float> vp;
-  attention_chunks::Plan plan;  // the chunk's sequences, tokens to pack and query blocks
+  attention_chunks::Plan plan;  // the chunk's sequences, tiles to pack and query blocks
 };
 
 struct F32Scratch {  // per thread

@@ -126,7 +126,7 @@ F32A_TARGET float softmax_row(float* s, const float* bias, int64_t lp, float sca
 // 16 floats (a cache line) at once: one token at a time, every dim wrote 4 bytes into its own line
 // (d lines per token and head), and that strided store loop took about a third of a d = 64 call.
 F32A_TARGET void pack_tile(const F32Args& a, int64_t s, int64_t j0, float* kp, float* vp) {
-  constexpr int kTile = 16;
+  constexpr int kTile = attention_chunks::kPackTile;
   const int64_t t0 = a.starts[s], len = a.starts[s + 1] - t0, lp = round16(len);
   const int d = a.d, dp = pad16(d);
   const int real = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, len - j0)));
@@ -195,7 +195,8 @@ F32A_TARGET void attend_rows(const F32Args& a, int64_t s, int64_t r0, int64_t r1
 }
 
 // The whole call on n threads: per chunk of sequences (attention_chunks::plan: L2-sized packs),
-// pack every token (threads split the tiles of 16 tokens), then the query blocks (threads take them one by one).
+// pack every token (threads split the tiles of 16 tokens), then the query blocks (threads take them one
+// by one).
 F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
   const int d = a.d, dp = pad16(d);
   const int64_t k_per_row = static_cast<int64_t>(a.heads) * d, v_per_row = static_cast<int64_t>(a.heads) * dp;
@@ -205,8 +206,8 @@ F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
     const int64_t s1 = attention_chunks::plan(a.starts, a.nseq, s0, (k_per_row + v_per_row) * 4, p);
     if (static_cast<int64_t>(pk.kp.size()) < p.rows * k_per_row) pk.kp.resize(p.rows * k_per_row);
     if (static_cast<int64_t>(pk.vp.size()) < p.rows * v_per_row) pk.vp.resize(p.rows * v_per_row);
-    const int64_t nt = static_cast<int64_t>(p.tokens.size()), nb = static_cast<int64_t>(p.blocks.size());
-    const std::pair<int64_t, int64_t>* tokens = p.tokens.data();
+    const int64_t nt = static_cast<int64_t>(p.tiles.size()), nb = static_cast<int64_t>(p.blocks.size());
+    const std::pair<int64_t, int64_t>* tiles = p.tiles.data();
     const std::pair<int64_t, int64_t>* blocks = p.blocks.data();
     float* kp = pk.kp.data();
     float* vp = pk.vp.data();
@@ -214,12 +215,10 @@ F32A_TARGET void run_chunks(const F32Args& a, int n, F32Pack& pk) {
 #pragma omp parallel num_threads(n)
     {
       F32Scratch w;
-      // tokens lists every padded position of every sequence in order (lp a multiple of 16), so
-      // every 16th entry starts a tile of one sequence
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < nt; i += 16) {
-        const int64_t s = tokens[i].first, o = off[s - s0];
-        pack_tile(a, s, tokens[i].second, kp + o * k_per_row, vp + o * v_per_row);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t s = tiles[i].first, o = off[s - s0];
+        pack_tile(a, s, tiles[i].second, kp + o * k_per_row, vp + o * v_per_row);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < nb; ++i) {

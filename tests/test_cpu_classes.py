@@ -37,6 +37,7 @@ def cpu_class(request, monkeypatch):
     c = CLASSES[request.param]
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(c["flags"]))
     monkeypatch.setattr(cpu_caps, "mkldnn_bf16", lambda: c["bf16"])
+    monkeypatch.setattr(precision, "onednn_runs_bf16", lambda: c["bf16"])
     monkeypatch.setattr(precision, "_WARNED", set())
     fp32 = 0.2
     speed = int8_speed.Int8Speed(

@@ -76,6 +76,23 @@ def test_unreadable_cpu_flags_refuse_nothing_and_warn_nothing(monkeypatch):
     assert isinstance(ok, bool) and why
 
 
+def test_bf16_units_that_onednn_may_not_use_count_as_none(monkeypatch):
+    """A CPU with bf16 units under ONEDNN_MAX_CPU_ISA=AVX2 (say): oneDNN cannot use them, so bf16 would
+    run converted in software. It is refused, saying why, and a forward on bf16 weights warns once,
+    as on a CPU without the units; the flags alone would have let it through (and freeze() refuse)."""
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(precision, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(precision, "_WARNED", set())
+    assert precision.has_bf16_units() is False
+    with pytest.raises(ValueError, match="bf16 units but oneDNN may not use them"):
+        bert_fast.optimize(hf_model(), dtype=torch.bfloat16)
+    m = bert_fast.optimize(hf_model()).to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="oneDNN may not use them") as seen:
+        run(m, batch())
+        run(m, batch())
+    assert len([w for w in seen if issubclass(w.category, RuntimeWarning)]) == 1
+
+
 @pytest.mark.parametrize("hidden,heads", [(39, 3), (50, 2), (36, 12)], ids=["d13", "d25", "d3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_dims_the_native_kernels_do_not_cover(hidden, heads, dtype):

@@ -30,7 +30,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from bert_fast.model import direct_ops
+from bert_fast.model import direct_ops, precision
 from bert_fast.ops.cpu_timing import median_pair as _median_pair
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
@@ -57,10 +57,7 @@ def dtype_supported(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     if dtype == torch.bfloat16:
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except Exception:  # noqa: BLE001
-            return False
+        return precision.onednn_runs_bf16()
     return False
 
 

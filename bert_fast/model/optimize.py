@@ -54,7 +54,8 @@ def optimize(
     ``dtype`` (``torch.bfloat16`` / ``"bf16"`` or ``torch.float32``) converts the whole ``model`` to
     that dtype first (``model.to(dtype)``, which is also what ``model.to(torch.bfloat16)`` does on
     its own: every GEMM and attention in bf16, LayerNorm statistics and softmax in fp32). On the CPU,
-    bf16 is refused where the CPU has no bf16 units and fp16 always (both would be slower than fp32).
+    bf16 is refused where the CPU has no bf16 units (or oneDNN may not use them: ONEDNN_MAX_CPU_ISA) and
+    fp16 always (both would be slower than fp32).
 
     ``int8=True`` runs the encoder GEMMs in int8 for no-grad CPU inference (bert_fast/model/int8.py:
     per-row activations, per-channel weights), only after checking accuracy: the mean-pooled outputs

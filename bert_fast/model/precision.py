@@ -1,8 +1,9 @@
 """Which precisions this CPU runs fast, and the one message each wrong choice gets.
 
 bf16 is fast on a CPU only with bf16 units: AMX (Intel Sapphire Rapids and later) or AVX-512 BF16
-(Intel Cooper Lake, AMD Zen 4/5). Elsewhere oneDNN still runs bf16 (``_is_mkldnn_bf16_supported``
-says True on any AVX-512 CPU) by converting in software, slower than fp32. fp16 has no fast path on
+(Intel Cooper Lake, AMD Zen 4/5), and only where oneDNN may use them (``ONEDNN_MAX_CPU_ISA`` can cap it
+below). Elsewhere oneDNN still runs bf16 (``_is_mkldnn_bf16_supported`` says True on any AVX-512 CPU)
+by converting in software, slower than fp32. fp16 has no fast path on
 x86 CPUs without AMX-FP16. int8 GEMMs use VNNI / AMX-INT8. The flags come from /proc/cpuinfo
 (Linux); elsewhere the capability is unknown and nothing is refused.
 """
@@ -34,11 +35,32 @@ def cpu_flags() -> Optional[FrozenSet[str]]:
 
 
 def has_bf16_units() -> Optional[bool]:
-    """True/False where known: the CPU has bf16 GEMM units (AMX-BF16 or AVX-512 BF16)."""
+    """True/False where known: the CPU has bf16 GEMM units (AMX-BF16 or AVX-512 BF16) and oneDNN may
+    use them here. ``ONEDNN_MAX_CPU_ISA`` (AVX2, say) caps oneDNN below them: bf16 would then run
+    without them, as on a CPU that lacks them."""
     flags = cpu_flags()
     if flags is None:
         return None
-    return any(f in flags for f in BF16_FLAGS)
+    return any(f in flags for f in BF16_FLAGS) and onednn_runs_bf16()
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_runs_bf16() -> bool:
+    """oneDNN runs bf16 natively in this process: AVX-512 or wider allowed (``ONEDNN_MAX_CPU_ISA``, read
+    once per process by oneDNN too). Necessary for fast bf16, not sufficient: it also says True on
+    AVX-512 CPUs without bf16 units, where oneDNN converts in software."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001 - a torch build without oneDNN: no native bf16 GEMM either
+        return False
+
+
+def no_bf16_reason() -> str:
+    """Why has_bf16_units() is False here, for the messages that refuse or warn."""
+    flags = cpu_flags() or frozenset()
+    if any(f in flags for f in BF16_FLAGS):
+        return "the CPU has bf16 units but oneDNN may not use them in this process (ONEDNN_MAX_CPU_ISA caps it)"
+    return "this CPU has no bf16 units (neither AMX-BF16 nor AVX-512 BF16 in /proc/cpuinfo)"
 
 
 def has_int8_units() -> Optional[bool]:
@@ -78,8 +100,8 @@ def check_requested(dtype: torch.dtype, device: torch.device) -> None:
         )
     if dtype == torch.bfloat16 and has_bf16_units() is False:
         raise ValueError(
-            "this CPU has no bf16 units (neither AMX-BF16 nor AVX-512 BF16 in /proc/cpuinfo): bf16 would run "
-            "converted in software, slower than float32. Use dtype=torch.float32 (with freeze=True for inference)"
+            f"{no_bf16_reason()}: bf16 would run converted in software, slower than float32. "
+            "Use dtype=torch.float32 (with freeze=True for inference)"
         )
 
 
@@ -97,8 +119,8 @@ def warn_slow_dtype(dtype: torch.dtype) -> None:
         )
     elif dtype == torch.bfloat16 and has_bf16_units() is False:
         msg = (
-            "bert_fast: bfloat16 weights on a CPU without bf16 units (no AMX-BF16 / AVX-512 BF16): oneDNN "
-            "converts in software, slower than float32; use torch.float32 on this machine"
+            f"bert_fast: bfloat16 weights, but {no_bf16_reason()}: oneDNN converts in software, slower than "
+            "float32; use torch.float32 on this machine"
         )
     else:
         return

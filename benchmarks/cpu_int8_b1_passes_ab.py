@@ -50,21 +50,7 @@ def _old_dequantize(acc, sx, sw, bias, dtype, gelu=None):
     m, n = acc.shape
     if gelu is None or m * n >= 2 * _OLD_MIN_ELEMENTS:
         return _NEW_DEQUANTIZE(acc, sx, sw, bias, dtype, gelu)
-    y = torch.empty((m, n), dtype=dtype)
-    int8_gemm._ext.int8_dequantize(
-        acc.data_ptr(),
-        m,
-        n,
-        sx.data_ptr(),
-        sw.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        int8_gemm._CODES[dtype],
-        1,
-        "",
-        int8_gemm._ACT_CODES[gelu],
-    )
-    return y
+    return _NEW_DEQUANTIZE(acc, sx, sw, bias, dtype, gelu, threads=1)
 
 
 def use(old: bool) -> None:

@@ -40,23 +40,8 @@ ISAS = [
 
 
 def native_dequantize(acc, sx, sw, bias, dtype, threads, isa="", gelu=None):
-    """bert_fast._C's dequantize pass called directly (a given thread count and ISA): y [m, n] of ``dtype``."""
-    m, n = acc.shape
-    y = torch.empty(m, n, dtype=dtype)
-    int8_gemm._ext.int8_dequantize(
-        acc.data_ptr(),
-        m,
-        n,
-        sx.data_ptr(),
-        sw.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        int8_gemm._CODES[dtype],
-        threads,
-        isa,
-        int8_gemm._ACT_CODES[gelu],
-    )
-    return y
+    """bert_fast._C's dequantize pass at a given thread count and ISA: y [m, n] of ``dtype``."""
+    return int8_gemm.dequantize(acc, sx, sw, bias, dtype, gelu, threads=threads, isa=isa)
 
 
 @native

@@ -65,10 +65,20 @@ def quantize_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def dequantize(
-    acc: Tensor, sx: Tensor, sw: Tensor, bias: Optional[Tensor], dtype: torch.dtype, gelu: Optional[str] = None
+    acc: Tensor,
+    sx: Tensor,
+    sw: Tensor,
+    bias: Optional[Tensor],
+    dtype: torch.dtype,
+    gelu: Optional[str] = None,
+    *,
+    threads: Optional[int] = None,
+    isa: str = "",
 ) -> Tensor:
     """act(acc * s_x[:, None] * s_w + b) in ``dtype`` (fp32 or bf16), act = GELU(approximate=``gelu``)
-    or none, computed in fp32 before the cast: one pass where the extension has it."""
+    or none, computed in fp32 before the cast: one pass where the extension has it, on at most
+    ``threads`` (default: torch's count) and the instruction set ``isa`` ("": the widest usable; tests
+    and A/B scripts pin both)."""
     code = _CODES.get(dtype)
     if _ext is None or code is None or acc.device.type != "cpu":
         y = dequantize_torch(acc, sx, sw, bias, torch.float32 if gelu is not None else dtype)
@@ -86,8 +96,8 @@ def dequantize(
         0 if bias is None else bias.data_ptr(),
         y.data_ptr(),
         code,
-        torch.get_num_threads(),
-        "",
+        torch.get_num_threads() if threads is None else threads,
+        isa,
         _ACT_CODES[gelu],
     )
     return y

@@ -524,6 +524,21 @@ def test_returns_cross_attentions_is_what_transformers_returns():
     assert ("cross_attentions" in out.keys()) is compat.returns_cross_attentions(transformers.BertModel)
 
 
+def test_a_swapped_class_records_outputs_without_being_constructed():
+    """register_output_recording: a model whose class is swapped to a bert_fast class (never
+    constructed) returns what transformers' own output capture records (4.x: nothing to do)."""
+    config = tiny_config()
+    compat.set_attention_implementation(config, "eager")
+    hf = transformers.BertModel(config).to(DEVICE).eval()
+    swapped = type("SwappedBert", (transformers.BertModel,), {})  # a class no instance was built of
+    compat.register_output_recording(swapped)
+    hf.__class__ = swapped
+    ids, mask = inputs(config)
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+    assert len(out.attentions) == len(out.hidden_states) - 1 == config.num_hidden_layers
+
+
 @pytest.mark.parametrize(
     "model_cls,config_cls",
     [

@@ -40,6 +40,10 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
     output_attentions=True in 4.x and always in 5.x (``probability_keywords``,
     ``attention_probabilities``); 5.x's BertModel also returns an empty ``cross_attentions`` then
     (``returns_cross_attentions``, from the private ``_can_record_outputs``).
+  * 5.x's output capture (``@capture_outputs``) finds what to record in the private registry
+    ``modeling_utils._CAN_RECORD_REGISTRY`` that only ``PreTrainedModel.__init__`` fills; bert_fast's
+    model classes are entered when they are defined (``register_output_recording``: a dict keyed on
+    str(cls) in 4.56-5.17, a dict subclass taking the model in 5.2x, absent before 4.56).
   * ``config.position_embedding_type``: honoured by 4.x (relative_key adds distance embeddings to
     the self-attention and drops absolute positions), ignored by 5.x (absolute positions, the same
     weights); which one is probed, not read from the version (``reads_position_embedding_type``).
@@ -149,6 +153,33 @@ def returns_cross_attentions(model_class: type) -> bool:
     capture does (an empty tuple for an encoder) for every key of the private
     ``_can_record_outputs``; 4.x leaves it None."""
     return "cross_attentions" in (getattr(model_class, "_can_record_outputs", None) or {})
+
+
+def register_output_recording(model_class: type) -> None:
+    """Make transformers' output capture (5.x, 4.56+) work for ``model_class`` (a bert_fast model
+    class) before any instance of it has been constructed.
+
+    transformers' ``@capture_outputs`` forward looks up what to record (attentions, hidden states)
+    in a private registry keyed by the instance's class, ``_CAN_RECORD_REGISTRY`` (modeling_utils),
+    which only ``PreTrainedModel.__init__`` fills. ``optimize()`` swaps the class of a live model
+    without constructing it, so without this the forwards that run transformers' own code
+    (DistilBERT's output_attentions, a warned fallback) returned attentions=None and
+    hidden_states=None until some instance of the class had been constructed in the process.
+    4.56-5.17 key a plain dict on ``str(cls)``; 5.2x wraps it in a dict whose ``__setitem__``
+    takes the model (a bare, unconstructed instance serves); before 4.56 there is no registry
+    (outputs are passed down as keywords) and nothing is needed."""
+    try:
+        from transformers import modeling_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    registry = getattr(modeling_utils, "_CAN_RECORD_REGISTRY", None)
+    if registry is None:
+        return
+    value = getattr(model_class, "_can_record_outputs", None)
+    if type(registry) is dict:
+        registry[str(model_class)] = value
+    else:
+        registry[object.__new__(model_class)] = value
 
 
 @functools.lru_cache(maxsize=None)

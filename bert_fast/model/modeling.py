@@ -337,6 +337,12 @@ class FastModel:
 
     bert_fast_family: "Family"
 
+    def __init_subclass__(cls, **kwargs):
+        # optimize() swaps a live model's class without constructing ours: transformers' output
+        # capture must know the class beforehand (DistilBERT's output_attentions returned None).
+        super().__init_subclass__(**kwargs)
+        compat.register_output_recording(cls)
+
     def _bert_fast_init(self, padded: bool) -> None:
         # An installed transformers whose model bert_fast does not recognise: warned fallback to
         # transformers' own forward (never a TypeError inside forward or a different answer).

@@ -385,8 +385,8 @@ def test_use_cache_is_ignored_from_keyword_and_config():
 
 def _expected_selection(select, n: int, mode: str):
     """(entries of hidden_states, {entry index: index into the n full states}) for ``select``."""
-    if select is True or (mode == "layers" and isinstance(select, int)):
-        return n, {i: i for i in range(n)}
+    if select is True or mode == "flag" or (mode == "layers" and isinstance(select, int)):
+        return n, {i: i for i in range(n)}  # 4.x: any truthy value is a flag
     picks = [select] if isinstance(select, int) else select
     if mode == "layers":  # transformers 5.17: layer outputs only, literal membership
         return n - 1, {i: i + 1 for i in picks if 0 <= i < n - 1}
@@ -396,9 +396,9 @@ def _expected_selection(select, n: int, mode: str):
 @pytest.mark.parametrize("select", [True, False, [0, 2], [2], -1, [1, -3], [7], []])
 def test_output_hidden_states_selects_layers_as_transformers(select):
     """As the installed transformers reads it (compat.hidden_states_selection, probed): 5.2x has one
-    entry per state, None where not selected; 5.17 one entry per layer output. (4.x reads a list
-    as a truthy flag: we follow 5.2x's meaning there, documented.) On any device: the H200 run had
-    transformers 5.17, whose meaning this once missed."""
+    entry per state, None where not selected; 5.17 one entry per layer output; 4.x reads a list or
+    an index as a truthy flag (every state), and so does bert_fast there. On any device: the H200
+    run had transformers 5.17, whose meaning this once missed."""
     hf, fast = pair()
     ids, mask = inputs(hf.config)
     with torch.no_grad():
@@ -413,17 +413,17 @@ def test_output_hidden_states_selects_layers_as_transformers(select):
     assert len(out) == size and {i for i, h in enumerate(out) if h is not None} == set(want)
     for i, j in want.items():
         torch.testing.assert_close(real(out[i], mask), real(full[j], mask))
-    if compat.hidden_states_selection() != "flag":  # transformers selects too (5.x)
-        assert [h is None for h in ref] == [h is None for h in out]
-        for a, b in zip(out, ref):
-            if a is not None:
-                torch.testing.assert_close(real(a, mask), real(b, mask), atol=2e-5, rtol=1e-5)
+    assert [h is None for h in ref] == [h is None for h in out]
+    for a, b in zip(out, ref):
+        if a is not None:
+            torch.testing.assert_close(real(a, mask), real(b, mask), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["states", "layers"])
+@pytest.mark.parametrize("mode", ["states", "layers", "flag"])
 def test_output_hidden_states_selection_modes(mode, monkeypatch):
-    """Both meanings transformers has given a list output_hidden_states, whichever is installed
-    here: 5.2x's ("states") and 5.17's ("layers", faked by the probe's answer)."""
+    """The three meanings transformers has given a list output_hidden_states, whichever is
+    installed here: 5.2x's ("states"), 5.17's ("layers") and 4.x's ("flag"), faked by the probe's
+    answer."""
     monkeypatch.setattr(compat, "hidden_states_selection", lambda: mode)
     hf, fast = pair()
     ids, mask = inputs(hf.config)

@@ -33,7 +33,13 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
     [B,1,1,S] from get_extended_attention_mask, sdpa [B,1,S,S]; 5.x: [B,1,S,S] float or bool from
     masking_utils); flash_attention_* take the 2-D [B, S] padding mask (5.x). Which one is in use is
     ``config._attn_implementation`` (private: there is no public getter in 4.41-5.24), read by
-    ``attention_implementation``.
+    ``attention_implementation``. 3-D and 4-D masks: what transformers makes of each form is probed
+    per model class and attention (``mask_form_meaning``): 5.x takes any 4-D mask as already
+    prepared, so its eager attention adds a bool one to the scores as 0/1 (pads attended) while
+    sdpa masks with it; 4.41's DistilBERT reads an additive 4-D mask inverted; 5.x refuses the 3-D
+    form, 4.41's BertModel 4-D ones. Forms read otherwise are refused (``check_mask_meaning``).
+  * The return_dict=False tuple: 4.x's BertModel keeps a None pooler_output in it (its heads read
+    the rest at [2:]), 5.x drops Nones (``tuple_keeps_empty_pooler``).
   * output_attentions=True runs exact mode with every layer's self-attention through transformers'
     module, on an eager model only (``answers_output_attentions``): BertSelfAttention and
     BertAttention return (output, probabilities [B, heads, S, S]) when called with
@@ -61,7 +67,8 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
     indexes the num_layers + 1 states (embeddings first; negative indices count from the end; an
     int is an index); 5.17 indexed the layer outputs alone (num_layers entries, no embeddings;
     literal membership, so a negative index selects nothing; an int is a flag); 4.x reads a list
-    as a truthy flag (bert_fast then takes 5.24's meaning, documented in docs/models.md).
+    as a truthy flag, and so does bert_fast there (the differential fuzzer found it taking 5.24's
+    meaning instead).
   * activations.ACT2FN (public), modeling_outputs (public), PreTrainedModel.from_pretrained /
     save_pretrained (public).
   * Building a BertModel with a chosen attention implementation for the benchmark
@@ -273,6 +280,91 @@ def attention_mask_for_modules(keep: torch.Tensor, dtype: torch.dtype, config):
         f"attention mask of attn_implementation={impl!r} ({describe()}): use 'sdpa' or 'eager' for a "
         "model with hooks or custom modules, or remove them so that the model runs fused"
     )
+
+
+def mask_form(mask) -> Optional[str]:
+    """ "3d", "4d_bool" or "4d_additive" for a 3-D / 4-D attention_mask tensor, else None."""
+    import torch
+
+    if not isinstance(mask, torch.Tensor) or mask.dim() not in (3, 4):
+        return None
+    if mask.dim() == 3:
+        return "3d"
+    return "4d_bool" if mask.dtype == torch.bool else "4d_additive"
+
+
+@functools.lru_cache(maxsize=None)
+def mask_form_meaning(model_class: type, impl: str, form: str) -> str:
+    """What the installed transformers' ``model_class`` (BertModel, DistilBertModel, ...) with
+    attention implementation ``impl`` makes of a key-padding attention_mask of ``form``
+    (``mask_form``): "mask" (the answer of the 2-D mask with the same pads), "other" (another
+    answer: 5.x takes any 4-D mask as already prepared and its eager attention adds a bool one to
+    the scores as 0/1; 4.41's DistilBERT reads an additive one inverted) or "error" (5.x refuses
+    the 3-D form inside its mask code; 4.41's BertModel refuses 4-D masks). A feature probe (a
+    1-layer model of width 8 on the CPU, one right pad), not a version compare."""
+    import torch
+
+    small = dict(vocab_size=8, max_position_embeddings=8, pad_token_id=1)
+    if model_class.config_class.model_type == "distilbert":
+        small.update(dim=8, n_layers=1, n_heads=1, hidden_dim=8)
+    else:
+        small.update(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
+        small.update(type_vocab_size=1, embedding_size=8)
+    config = model_class.config_class(**small)
+    set_attention_implementation(config, impl)
+    keep = torch.tensor([[True, True, False]])
+    given = {
+        "3d": keep[:, None, :].expand(1, 3, 3).long(),
+        "4d_bool": keep[:, None, None, :],
+        "4d_additive": torch.zeros(1, 1, 1, 3).masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min),
+    }[form]
+    try:
+        with torch.device("cpu"), torch.no_grad():
+            torch.manual_seed(0)
+            model = model_class(config).eval()
+            ids = torch.tensor([[3, 4, 1]])
+            two = model(ids, attention_mask=keep.long(), return_dict=True)[0][0, :2]
+            other = model(ids, attention_mask=given, return_dict=True)[0][0, :2]
+    except Exception:  # noqa: BLE001 - transformers refuses this form
+        return "error"
+    return "mask" if torch.allclose(two, other, atol=1e-5) else "other"
+
+
+def check_mask_meaning(mask, config, model_class: type) -> None:
+    """Refuse a 3-D / 4-D attention_mask that transformers' ``model_class`` reads otherwise than as
+    the key-padding mask bert_fast takes it for (``mask_form_meaning``): bert_fast would answer
+    differently. Forms transformers answers as a key-padding mask, or refuses, pass."""
+    form = mask_form(mask)
+    if form is None:
+        return
+    impl = attention_implementation(config)
+    if mask_form_meaning(model_class, impl, form) == "other":
+        what = {"3d": "a 3-D", "4d_bool": "a 4-D bool", "4d_additive": "a 4-D additive"}[form]
+        raise ValueError(
+            f"{what} attention_mask on a {model_class.__name__} with attn_implementation={impl!r}: {describe()} "
+            "reads such a mask otherwise than the 2-D mask of the same pads (5.x's eager attention adds a "
+            "4-D bool mask to the scores as 0/1; 4.41's DistilBERT reads an additive one inverted), and "
+            "bert_fast refuses it rather than answer differently; pass the 2-D [batch, seq] mask"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def tuple_keeps_empty_pooler() -> bool:
+    """Whether the installed transformers' BertModel (and RobertaModel, XLMRobertaModel) keeps a
+    None pooler_output in its return_dict=False tuple: 4.x returns (sequence_output, pooled_output)
+    + the rest, None included, and its heads built without a pooler read the rest at [2:]; 5.x
+    returns ModelOutput.to_tuple(), which drops the Nones. A feature probe."""
+    import torch
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8,
+        max_position_embeddings=4, type_vocab_size=1,
+    )  # fmt: skip
+    with torch.device("cpu"), torch.no_grad():
+        model = transformers.BertModel(config, add_pooling_layer=False).eval()
+        out = model(torch.zeros((1, 2), dtype=torch.long), return_dict=False)
+    return len(out) >= 2 and out[1] is None
 
 
 # ----------------------------------------------------------------------------- hooks and checkpoints

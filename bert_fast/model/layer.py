@@ -139,15 +139,23 @@ def embeddings_forward(
         )
     # inputs_embeds: the word vectors are given, so only positions and token types are looked up.
     b, s = inputs_embeds.shape[:2]
-    if position_ids is None:
-        position_ids = torch.arange(s, device=inputs_embeds.device).expand(b, s)
-    if token_type_ids is None:
-        token_type_ids = torch.zeros((b, s), dtype=torch.long, device=inputs_embeds.device)
+    position_ids = _ids_of("position_ids", position_ids, b, s, torch.arange(s, device=inputs_embeds.device))
+    token_type_ids = _ids_of("token_type_ids", token_type_ids, b, s, inputs_embeds.new_zeros((), dtype=torch.long))
     x = inputs_embeds + emb.position_embeddings(position_ids) + emb.token_type_embeddings(token_type_ids)
     if indices is not None:
         x = x.reshape(b * s, -1).index_select(0, indices)
     x = emb.LayerNorm(x)
     return F.dropout(x, p=p, training=training)
+
+
+def _ids_of(name: str, ids, b: int, s: int, default: torch.Tensor) -> torch.Tensor:
+    """``ids`` (else ``default``) broadcast to [b, s], or the op's ValueError (ops.embedding)."""
+    try:
+        return (default if ids is None else ids).expand(b, s)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} must have the shape of input_ids {(b, s)} (or broadcast to it), got {tuple(ids.shape)}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- one layer

@@ -278,7 +278,8 @@ def _selected_hidden_states(flag, count: int, mode: Optional[str] = None) -> Tup
     entry), as the installed transformers reads it (``mode``: compat.hidden_states_selection(),
     probed when a list or an int is given). "states" (transformers 5.2x; also what 4.x users get):
     a bool, or an index or list of indices over the ``count`` states (negative ones count from the
-    end; out-of-range ones select nothing). "layers" (transformers 5.17): a list selects layer
+    end; out-of-range ones select nothing). "flag" (transformers 4.x): an index or a list is a
+    truthy flag, every state. "layers" (transformers 5.17): a list selects layer
     outputs, one entry per layer and none for the embeddings, an index kept when it is literally
     in the list; an int is a flag. A falsy value (False, [], 0) asks for none, as transformers
     reads it."""
@@ -293,6 +294,8 @@ def _selected_hidden_states(flag, count: int, mode: Optional[str] = None) -> Tup
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(f"output_hidden_states must be a bool, an int or a list of ints, got {flag!r}")
     mode = mode or compat.hidden_states_selection()
+    if mode == "flag":  # transformers 4.x: any truthy value asks for every state
+        return frozenset(range(count)), False
     if mode == "layers":
         if isinstance(flag, int):  # not a list: a truthy flag
             return frozenset(range(count)), False
@@ -517,13 +520,18 @@ class FastModel:
         output_attentions = bool(output_attentions)
         if output_attentions:
             self._check_output_attentions()
+        compat.check_mask_meaning(attention_mask, config, fam.hf_model)
         whole = fam.whole_model_exact and self.unfused_pieces()
         if whole or (fam.whole_model_exact and output_attentions):
             # DistilBERT's exact mode: transformers' whole forward (its eager attention returns the
-            # probabilities when output_attentions is asked for).
+            # probabilities when output_attentions is asked for), given the 2-D form of a 3-D / 4-D
+            # mask (the same answer where transformers takes the form, one where it refuses it).
             if whole:
                 self._log_unfused(whole, whole=True)
             given["output_attentions"] = output_attentions or None
+            if compat.mask_form(attention_mask):
+                b, s = attention_mask.shape[0], attention_mask.shape[-1]
+                given["attention_mask"] = key_padding_mask(attention_mask, b, s, attention_mask.device).long()
             return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         if encoder_hidden_states is not None or encoder_attention_mask is not None:
             raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
@@ -658,7 +666,10 @@ class FastModel:
         # transformers 5 returns an encoder's (empty) cross-attentions beside them.
         crossed = () if output_attentions and compat.returns_cross_attentions(fam.hf_model) else None
         if not return_dict:
-            return tuple(v for v in (last, pooled, hidden_states, attentions, crossed) if v is not None)
+            rest = tuple(v for v in (hidden_states, attentions, crossed) if v is not None)
+            if fam.pooler_output and compat.tuple_keeps_empty_pooler():  # 4.x: (last, pooled or None, ...)
+                return (last, pooled) + rest
+            return tuple(v for v in (last, pooled) if v is not None) + rest
         if not fam.pooler_output:
             return BaseModelOutputWithPastAndCrossAttentions(
                 last_hidden_state=last, hidden_states=hidden_states, attentions=attentions, cross_attentions=crossed

@@ -13,6 +13,12 @@
      checked         the model as shipped (walks the module tree at every forward)
      unchecked       the same model with the walk replaced by "nothing found"
    reported as the ratio with its interval: the check is below the noise when it includes 1.00.
+3. What output_attentions=True costs (MiniLM loaded with attn_implementation="eager", optimized,
+   inference, batch 8 x 128):
+     fused             the call without output_attentions
+     output_attentions the same call with output_attentions=True: every layer's self-attention
+                       through transformers' eager module, on the padded layout (the slow path)
+     hf-eager          transformers' own eager model with output_attentions=True
 Timing: bert_fast.bench.timing.measure (interleaved rounds, 95% interval of each median).
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -95,6 +102,26 @@ def check_providers(seq: int):
     return {"checked": fwd(model), "unchecked": fwd(twin)}
 
 
+def attentions_providers(batch: int, seq: int):
+    hf = transformers.BertModel.from_pretrained(minilm_folder(), attn_implementation="eager").eval()
+    fast = bert_fast.optimize(transformers.BertModel.from_pretrained(minilm_folder(), attn_implementation="eager"))
+    ids = torch.randint(1000, 20000, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def fwd(m, **kw):
+        def call():
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the slow-path warning, once per call
+                m(ids, **kw)
+
+        return call
+
+    return {
+        "fused": fwd(fast.eval()),
+        "output_attentions": fwd(fast, output_attentions=True),
+        "hf-eager": fwd(hf, output_attentions=True),
+    }
+
+
 def _report(name, res, pairs):
     out = {
         "timings": {k: v.to_dict() for k, v in res.timings.items()},
@@ -124,19 +151,30 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds per comparison")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cases", default="lora,check,attentions", help="comma-separated: lora, check, attentions")
     args = ap.parse_args(argv)
     threads = timing.fix_threads(args.threads)
     results = {"machine": machine(threads), "cases": {}}
-    res = timing.measure(lora_step_providers(args.batch, args.seq), warmup=2, budget_s=args.budget)
-    results["cases"][f"lora-step-b{args.batch}-s{args.seq}"] = _report(
-        f"LoRA fine-tuning step, MiniLM, b{args.batch} s{args.seq}",
-        res,
-        [("bert_fast-lora", "hf-lora"), ("bert_fast-lora", "bert_fast")],
-    )
-    res = timing.measure(check_providers(args.seq), warmup=5, budget_s=args.budget, max_rounds=2000)
-    results["cases"][f"check-b1-s{args.seq}"] = _report(
-        f"drop-in check, MiniLM inference b1 s{args.seq}", res, [("checked", "unchecked")]
-    )
+    cases = args.cases.split(",")
+    if "lora" in cases:
+        res = timing.measure(lora_step_providers(args.batch, args.seq), warmup=2, budget_s=args.budget)
+        results["cases"][f"lora-step-b{args.batch}-s{args.seq}"] = _report(
+            f"LoRA fine-tuning step, MiniLM, b{args.batch} s{args.seq}",
+            res,
+            [("bert_fast-lora", "hf-lora"), ("bert_fast-lora", "bert_fast")],
+        )
+    if "check" in cases:
+        res = timing.measure(check_providers(args.seq), warmup=5, budget_s=args.budget, max_rounds=2000)
+        results["cases"][f"check-b1-s{args.seq}"] = _report(
+            f"drop-in check, MiniLM inference b1 s{args.seq}", res, [("checked", "unchecked")]
+        )
+    if "attentions" in cases:
+        res = timing.measure(attentions_providers(8, args.seq), warmup=2, budget_s=args.budget)
+        results["cases"][f"output-attentions-b8-s{args.seq}"] = _report(
+            f"output_attentions=True, MiniLM eager, inference b8 s{args.seq}",
+            res,
+            [("output_attentions", "fused"), ("output_attentions", "hf-eager")],
+        )
     write_json(args.json, results)
     return 0
 

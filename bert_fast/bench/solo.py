@@ -1,0 +1,207 @@
+"""Each provider alone in its own process: how ``bert-fast bench`` times CPU inference by default.
+
+Why. A server runs one engine per process. Side by side in one process the engines' thread pools
+slow each other: OpenVINO took 13.4-13.9 ms at MiniLM batch 1 beside torch where alone it takes
+9.8-10.6 ms (issue 43, Zen 4, 2 threads), so an in-process table overstates the lead at batch 1.
+
+How. One worker process per provider for the whole run, forked from a server process that has
+imported torch and transformers and run nothing (multiprocessing's "forkserver": a worker starts in
+a fraction of a second and inherits no OpenMP pool). A worker builds its provider for each case
+from the case's description (the same seeded weights and inputs as the parent's), keeps the first
+call's output for the accuracy columns, and times bursts on request. Only one worker runs at a
+time: the parent asks one for a burst (one untimed call, then ``CALLS_PER_BURST`` calls timed in
+the worker by perf_counter) and waits for its answer before asking the next. measure() interleaves
+the providers' bursts in rotating order, a burst's median being one round's sample, so the
+intervals and the stopping rule are those of the in-process mode. The untimed lead call absorbs
+what the previous worker left in the caches and any spin-wait of its threads; the timed calls then
+run as a server's back-to-back requests do.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+CALLS_PER_BURST = 3
+_PRELOAD = ["torch", "transformers", "transformers.models.bert.modeling_bert"]
+
+
+@dataclass
+class CaseSpec:
+    """What a worker needs to rebuild a case: the parent's seeded weights and inputs come from these."""
+
+    config: Any  # transformers config
+    key: str  # model name (a checkpoint folder loads its weights)
+    seed: int
+    lengths: Sequence[int]
+    seq: int
+    n_inputs: int
+    dtype: Any
+    mode: str
+    cuda_graphs: bool = False
+    dtype_name: Optional[str] = None  # the table's dtype ("fp32", "bf16"), the precision a record defaults to
+
+
+@dataclass
+class Built:
+    """A provider ready to time: its calls, its record's fields and its first output."""
+
+    steps: List[Any]
+    fields: Dict[str, Any]
+    parity: Any  # the last hidden state of the first call (float32, CPU), for the accuracy columns
+
+
+class SoloTimer:
+    """measure()'s timer for worker calls: each call returns the milliseconds its worker measured."""
+
+    method = f"own process per provider: perf_counter in the worker, median of {CALLS_PER_BURST} calls"
+
+    def time_round(self, calls) -> List[float]:
+        return [float(call()) for call in calls]
+
+
+class _WorkerError(Exception):
+    """An exception a worker raised that could not be sent back as itself."""
+
+
+class Worker:
+    """One provider's process."""
+
+    def __init__(self, ctx, provider: str, threads: int):
+        self.provider = provider
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, provider, threads), daemon=True, name=f"bench-{provider}")
+        self.proc.start()
+        child.close()
+
+    def ask(self, *message):
+        self.conn.send(message)
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise payload
+        return payload
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class SoloHost:
+    """The providers of a run, each in its own worker process (started on first use)."""
+
+    isolation = "solo"
+    timer = SoloTimer()
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.workers: Dict[str, Worker] = {}
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(_PRELOAD)
+
+    def build(self, provider: str, spec: CaseSpec, state=None, inputs=None) -> Built:
+        """``provider`` built for the case in its worker (which makes the weights and inputs itself:
+        ``state`` and ``inputs``, the parent's, are not sent)."""
+        worker = self.workers.get(provider)
+        if worker is None or not worker.proc.is_alive():
+            worker = self.workers[provider] = Worker(self.ctx, provider, self.threads)
+        fields, parity = worker.ask("build", spec)
+        steps = [(lambda i=i: worker.ask("burst", i)) for i in range(spec.n_inputs)]
+        return Built(steps, fields, parity)
+
+    def end_case(self) -> None:
+        """Free every provider's model of the case (its process stays for the next case)."""
+        for worker in self.workers.values():
+            if worker.proc.is_alive():
+                worker.ask("drop")
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
+
+
+# ----------------------------------------------------------------------------- in the worker
+def _serve(conn, provider: str, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    steps: Optional[list] = None
+    while True:
+        message = conn.recv()
+        kind = message[0]
+        if kind == "close":
+            return
+        try:
+            if kind == "build":
+                steps = None
+                gc.collect()
+                steps, answer = build_here(provider, message[1])
+            elif kind == "burst":
+                answer = _burst(steps[message[1] % len(steps)])
+            elif kind == "drop":
+                steps, answer = None, None
+                gc.collect()
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+        except Exception as exc:  # noqa: BLE001 - sent to the parent, which records it
+            conn.send(("error", _sendable(exc)))
+            continue
+        conn.send(("ok", answer))
+
+
+def build_here(provider: str, spec: CaseSpec):
+    """(steps, (record fields, first output)) of ``provider`` for the case, built in this process."""
+    import torch
+
+    from bert_fast.bench.model_providers import build_provider_model, hidden_state, make_step, reference_state_dict
+    from bert_fast.bench.model_workload import make_inputs
+
+    t0 = time.perf_counter()
+    state = reference_state_dict(spec.config, spec.key, spec.seed)
+    inputs = make_inputs(spec.config, spec.lengths, spec.seq, "cpu", spec.n_inputs, spec.seed)
+    model, runner, notes = build_provider_model(
+        provider, spec.config, state, "cpu", spec.dtype, spec.mode, False, key=spec.key
+    )
+    del state
+    fields = {"notes": notes, "cuda_graphs": False}
+    fields.update(
+        getattr(runner, "bench_info", None)
+        or {"precision": spec.dtype_name, "provider_threads": torch.get_num_threads()}
+    )
+    steps = [make_step(runner, model, inp, spec.mode) for inp in inputs]
+    out = steps[0]()
+    parity = hidden_state(out).detach().float().cpu().clone()
+    fields["build_seconds"] = time.perf_counter() - t0
+    return steps, (fields, parity)
+
+
+def _burst(step) -> float:
+    step()  # untimed: what the previous worker left in the caches and its threads' spin
+    times = []
+    for _ in range(CALLS_PER_BURST):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles (ProviderUnavailable must arrive as itself), else its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception that does not survive pickling
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return _WorkerError(text)

@@ -116,6 +116,7 @@ class Estimate:
     min_s: float  # what the case costs at the least: first calls, warm-up, min rounds
     expected_s: float  # with the rounds the timing typically takes, within the budget
     calls: int  # calls counted in min_s
+    round_s: float = 0.0  # one timed round of every provider
 
     def describe(self, n_providers: int, rate_tflops: float) -> str:
         fixed = f", plus ~{fmt_duration(self.fixed_s)} of compile/export" if self.fixed_s else ""
@@ -154,12 +155,14 @@ def estimate_case(
     case_dtype: str = "fp32",
     bf16_units: bool = False,
     params_millions: float = 110.0,
+    burst: Optional[Tuple[float, int]] = None,
 ) -> Optional[Estimate]:
     """None without a measured rate (nothing to estimate from). ``flops_per_call``: the padded
     FLOPs; ``real_flops``: the real tokens' (bert_fast's providers skip padding; default: padded);
     ``rates``: measured rates per GEMM kind (default: ``rate_tflops`` for the case's precision);
     ``paid``: providers whose fixed cost (export, conversion, calibration: once per model and
-    process) an earlier case already paid."""
+    process) an earlier case already paid; ``burst``: (lead_below_s, calls) of a solo worker's
+    round (bert_fast.bench.solo: a call shorter than lead_below_s is followed by ``calls`` more)."""
     if not rate_tflops or rate_tflops <= 0:
         return None
     all_rates = {case_dtype: rate_tflops, **{k: v for k, v in (rates or {}).items() if v}}
@@ -184,6 +187,7 @@ def estimate_case(
         max_seconds=max_seconds,
         paid=paid,
         params_millions=params_millions,
+        burst=burst,
     )
 
 
@@ -212,19 +216,29 @@ def estimate_calls(
     max_seconds: Optional[float],
     paid: Sequence[str] = (),
     params_millions: float = 110.0,
+    burst: Optional[Tuple[float, int]] = None,
 ) -> Estimate:
     """``call``: seconds of one call, the same for every provider or per provider. The timed rounds:
     at least ``min_rounds``, then until the medians converge (``TYPICAL_ROUNDS``), ``max_rounds`` or
-    ``max_seconds`` stop them (bert_fast.bench.timing.measure)."""
+    ``max_seconds`` stop them (bert_fast.bench.timing.measure); ``burst``: as for estimate_case."""
     per = {p: (call[p] if isinstance(call, dict) else call) for p in providers}
     fixed = sum(fixed_seconds(name, device_type, params_millions) for name in providers if name not in paid)
-    round_s = sum(per.values())
-    calls = len(providers) * (1 + warmup + min_rounds)
-    min_s = fixed + (1 + warmup + min_rounds) * round_s
+    first_s = sum(per.values())  # the untimed first call of each provider
+    per_round = {p: (1 + burst[1] if burst and c < burst[0] else 1) for p, c in per.items()}
+    round_s = sum(c * per_round[p] for p, c in per.items())
+    calls = len(providers) + (warmup + min_rounds) * sum(per_round.values())
+    min_s = fixed + first_s + (warmup + min_rounds) * round_s
     typical = min(max_rounds, max(min_rounds, TYPICAL_ROUNDS)) * round_s
     rounds_s = max(min_rounds * round_s, typical if max_seconds is None else min(max_seconds, typical))
-    expected = fixed + (1 + warmup) * round_s + rounds_s
-    return Estimate(call_s=max(per.values(), default=0.0), fixed_s=fixed, min_s=min_s, expected_s=expected, calls=calls)
+    expected = fixed + first_s + warmup * round_s + rounds_s
+    return Estimate(
+        call_s=max(per.values(), default=0.0),
+        fixed_s=fixed,
+        min_s=min_s,
+        expected_s=expected,
+        calls=calls,
+        round_s=round_s,
+    )
 
 
 class Progress:

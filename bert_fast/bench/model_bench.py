@@ -45,7 +45,7 @@ from bert_fast.bench.results import (
     speedup_text,
     take_timings,
 )
-from bert_fast.bench.solo import CALLS_PER_BURST, Built, CaseSpec, SoloHost
+from bert_fast.bench.solo import CALLS_PER_BURST, LEAD_BELOW_S, Built, CaseSpec, SoloHost
 from bert_fast.model.facts import PRESETS, step_flops
 
 PROVIDERS = (
@@ -383,7 +383,7 @@ def _case_label(case: Dict[str, Any]) -> str:
 
 
 _ISOLATION = {
-    "solo": f"each provider alone in its own process (a round: one untimed call, then the median of {CALLS_PER_BURST})",
+    "solo": "each provider alone in its own process, one at a time",
     "in-process": "every provider in this one process",
 }
 
@@ -652,6 +652,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the CPU suite's largest case, bert-base 16x256 with three providers, is estimated "
         "at about 6 minutes on a 2-core machine)",
     )
+    p.add_argument(
+        "--total-minutes",
+        type=float,
+        default=None,
+        help="fit the whole run's estimate in this many minutes by shortening each case's timed rounds "
+        f"(never below {MIN_CASE_SECONDS:g} s; wider intervals, which the tables show). Default: 9 for the "
+        "CPU main job (no --model/--batch/--seq/--lengths), none otherwise",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument(
@@ -689,6 +697,12 @@ def resolve_device(name: Optional[str]):
     if dev.type not in ("cuda", "cpu"):
         raise BenchError(f"--device {name}: only cuda and cpu are supported")
     return dev
+
+
+def solo_mode(args, cuda: bool) -> bool:
+    """Whether the providers run each in its own process (bert_fast.bench.solo): CPU inference
+    unless --in-process."""
+    return not cuda and args.mode == "infer" and not args.encode and not args.in_process
 
 
 def apply_defaults(args) -> Tuple[Any, List[str]]:
@@ -742,7 +756,9 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
     if args.encode and args.mode != "infer":
         raise BenchError("--encode times inference (encode()); it takes no --mode train")
     if args.warmup is None:
-        args.warmup = 10 if cuda else 1  # on the CPU the first (untimed) call already warms up
+        # on the CPU the first (untimed) call already warms up; a solo worker's short calls get a
+        # lead call in every round (bert_fast.bench.solo), so a warm-up round adds nothing there
+        args.warmup = 10 if cuda else (0 if solo_mode(args, cuda) else 1)
     if args.min_rounds is None:
         args.min_rounds = 10 if cuda else 6
     if args.max_rounds is None:
@@ -856,6 +872,111 @@ def build_cases(args) -> List[Dict[str, Any]]:
     return cases
 
 
+MIN_CASE_SECONDS = 8.0  # the least budget of timed rounds --total-minutes may leave a case
+MIN_FITTED_ROUNDS = 4  # and the least rounds (a slow case's rounds cost more than its budget)
+
+
+def _estimates(args, cases, by_dtype, ceilings, rates, device, solo: bool, max_seconds) -> List[Optional[Any]]:
+    """Each case's budget.Estimate (None for --encode cases: loaded later, small by nature) with
+    ``max_seconds`` of timed rounds; a model's export / conversion / calibration charged once."""
+    from bert_fast.bench.budget import estimate_case
+
+    out: List[Optional[Any]] = []
+    exported: set = set()  # models whose export / conversion / int8 calibration an earlier case paid
+    for case in cases:
+        if case["mode"] == "encode":
+            out.append(None)
+            continue
+        cfg = case["_config"]
+        params_m = (
+            cfg.num_hidden_layers * (4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size)
+            + cfg.vocab_size * cfg.hidden_size
+        ) / 1e6
+        out.append(
+            estimate_case(
+                args.providers,
+                step_flops(cfg, [case["seq"]] * case["batch"], case["mode"]),
+                by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops"),
+                device.type,
+                warmup=args.warmup,
+                min_rounds=args.min_rounds,
+                max_rounds=args.max_rounds,
+                max_seconds=max_seconds,
+                paid=ONCE_PER_MODEL if case["model"] in exported else (),
+                real_flops=case["flops_per_step"],
+                rates=rates,
+                case_dtype=case.get("dtype") or "fp32",
+                bf16_units=bool((args.cpu or {}).get("bf16")),
+                params_millions=params_m,
+                burst=(LEAD_BELOW_S, CALLS_PER_BURST) if solo else None,
+            )
+        )
+        exported.add(case["model"])
+    return out
+
+
+def _fit_total(args, estimate_with) -> float:
+    """The seconds of timed rounds per case: --max-seconds, or less where the whole run would be
+    estimated over --total-minutes (never below MIN_CASE_SECONDS; the rounds' minimum count still
+    holds). What the fitted budget costs is wider intervals, which the tables show."""
+    if not args.total_minutes:
+        return args.max_seconds
+
+    def total(max_seconds: float) -> float:
+        return sum(e.expected_s for e in estimate_with(max_seconds) if e is not None)
+
+    target = args.total_minutes * 60
+    if total(args.max_seconds) <= target:
+        return args.max_seconds
+    lo, hi = min(MIN_CASE_SECONDS, args.max_seconds), args.max_seconds
+    for _ in range(30):  # bisection: the total grows with the per-case budget
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if total(mid) <= target else (lo, mid)
+    fewer = ""
+    if total(lo) > target and args.min_rounds > MIN_FITTED_ROUNDS:  # the slow cases' minimum rounds
+        fewer = f" and at least {MIN_FITTED_ROUNDS} rounds (not {args.min_rounds})"
+        args.min_rounds = MIN_FITTED_ROUNDS
+    print(
+        f"budget: {lo:.0f} s of timed rounds per case (not {args.max_seconds:g}){fewer}, to fit the run's "
+        f"estimate in --total-minutes {args.total_minutes:g}",
+        file=sys.stderr,
+    )
+    return lo
+
+
+def _skip_oversized(args, cases, ests, by_dtype, ceilings) -> List[Optional[float]]:
+    """Each case's expected seconds for the progress lines; a case whose least cost exceeds
+    --max-minutes is marked skipped (with what it would cost) and gets None."""
+    from bert_fast.bench.budget import fmt_duration
+
+    estimates: List[Optional[float]] = []
+    for case, est in zip(cases, ests):
+        case["estimated_seconds"] = None if est is None else est.expected_s
+        # the rounds' budget, never less than the minimum rounds are estimated to take (a budget
+        # spent before them stops measure(), and one round has no interval)
+        case["_max_seconds"] = max(args.max_seconds, 1.2 * args.min_rounds * est.round_s) if est else args.max_seconds
+        if est is not None and est.min_s > args.max_minutes * 60:
+            rate = by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops")
+            why = (
+                f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
+                f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it"
+            )
+            case["skipped"] = why
+            case["results"] = [dict(new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
+            print(f"skipping {_case_label(case)}: {why}", file=sys.stderr)
+            estimates.append(None)
+        else:
+            estimates.append(case["estimated_seconds"])
+    known = [e for e in estimates if e]
+    if known and not args.no_progress:
+        print(
+            f"estimated total: {fmt_duration(sum(known))} for {len(known)} case(s) "
+            f"(--max-minutes {args.max_minutes:g} per case)",
+            file=sys.stderr,
+        )
+    return estimates
+
+
 def run(args) -> int:
     """``bert-fast bench``."""
     import torch
@@ -867,11 +988,13 @@ def run(args) -> int:
 
     from bert_fast.bench import ceilings as ceil_mod
     from bert_fast.bench import cpu_caps, plots
-    from bert_fast.bench.budget import Progress, estimate_case, fmt_duration
+    from bert_fast.bench.budget import Progress
     from bert_fast.bench.results import close_document, default_plot_path, publish, run_document, write_json
 
     main_job = (args.model, args.batch, args.seq, args.lengths, args.encode) == (None, None, None, None, False)
     device, notes = apply_defaults(args)
+    if main_job and device.type == "cpu" and args.total_minutes is None:
+        args.total_minutes = 9.0  # the main job within 10 minutes, whatever the machine (issue 43)
     if main_job and args.json is None and not args.no_plot:  # the main job keeps its figures and plot
         args.json = time.strftime("bert-fast-bench-%Y%m%d-%H%M%S.json")
         print(f"figures go to {args.json} and the plot beside it (--json PATH, --no-plot)", file=sys.stderr)
@@ -919,57 +1042,18 @@ def run(args) -> int:
     doc["runs"] = cases
     doc["max_minutes"] = args.max_minutes
 
-    # Bounded time: estimate each case before running anything, skip what exceeds the budget.
-    estimates: List[Optional[float]] = []
-    exported: set = set()  # models whose export / conversion / int8 calibration an earlier case paid
-    for case in cases:
-        rate = by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops")
-        if case["mode"] == "encode":  # the model is loaded later: no estimate, it is small by nature
-            estimates.append(None)
-            continue
-        cfg = case["_config"]
-        padded = step_flops(cfg, [case["seq"]] * case["batch"], case["mode"])
-        params_m = (
-            cfg.num_hidden_layers * (4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size)
-            + cfg.vocab_size * cfg.hidden_size
-        ) / 1e6
-        est = estimate_case(
-            args.providers,
-            padded,
-            rate,
-            device.type,
-            warmup=args.warmup,
-            min_rounds=args.min_rounds,
-            max_rounds=args.max_rounds,
-            max_seconds=args.max_seconds,
-            paid=ONCE_PER_MODEL if case["model"] in exported else (),
-            real_flops=case["flops_per_step"],
-            rates={**kind_rates, **{k: v.get("matmul_tflops") for k, v in by_dtype.items()}},
-            case_dtype=case.get("dtype") or "fp32",
-            bf16_units=bool((args.cpu or {}).get("bf16")),
-            params_millions=params_m,
-        )
-        exported.add(case["model"])
-        case["estimated_seconds"] = None if est is None else est.expected_s
-        if est is not None and est.min_s > args.max_minutes * 60:
-            why = (
-                f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
-                f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it"
-            )
-            case["skipped"] = why
-            case["results"] = [dict(new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
-            print(f"skipping {_case_label(case)}: {why}", file=sys.stderr)
-            estimates.append(None)
-        else:
-            estimates.append(case["estimated_seconds"])
+    # Bounded time: estimate each case before running anything, fit the rounds' budget to
+    # --total-minutes, skip what exceeds --max-minutes.
+    solo = solo_mode(args, device.type == "cuda")
+    rates = {**kind_rates, **{k: v.get("matmul_tflops") for k, v in by_dtype.items()}}
+
+    def estimate_with(max_seconds):
+        return _estimates(args, cases, by_dtype, ceilings, rates, device, solo, max_seconds)
+
+    args.max_seconds = _fit_total(args, estimate_with)
+    doc["max_seconds"] = args.max_seconds
+    estimates = _skip_oversized(args, cases, estimate_with(args.max_seconds), by_dtype, ceilings)
     progress = Progress(estimates, enabled=not args.no_progress)
-    known = [e for e in estimates if e]
-    if known and not args.no_progress:
-        print(
-            f"estimated total: {fmt_duration(sum(known))} for {len(known)} case(s) "
-            f"(--max-minutes {args.max_minutes:g} per case)",
-            file=sys.stderr,
-        )
 
     def public() -> Dict[str, Any]:
         return {**doc, "runs": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cases]}
@@ -980,7 +1064,6 @@ def run(args) -> int:
 
     interrupted = False
     t0 = time.perf_counter()
-    solo = device.type == "cpu" and args.mode == "infer" and not args.encode and not args.in_process
     host = SoloHost(args.threads) if solo else InProcessHost(device)
     doc["isolation"] = host.isolation
     print(
@@ -1022,7 +1105,7 @@ def run(args) -> int:
                     seed=args.seed,
                     progress=not args.no_progress,
                     ceilings=by_dtype.get(case["dtype"], ceilings),
-                    max_seconds=args.max_seconds,
+                    max_seconds=case.get("_max_seconds", args.max_seconds),
                     on_result=save,
                     on_round=lambda _m, n: progress.on_round(n),
                     host=host,

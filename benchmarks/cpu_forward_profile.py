@@ -105,11 +105,20 @@ def torch_split(fn: Callable, n: int):
     return dict(split), top
 
 
-def openvino_split(config, state, key, feeds, n: int):
+def openvino_split(config, state, key, feeds, n: int, variant: str = "default"):
+    """OpenVINO's wall ms and per-node split; ``variant``: "default" precision, "f32", or "int8"
+    (NNCF's quantization, as the bench's openvino-int8 provider)."""
     import openvino as ov
 
     props = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERF_COUNT": "YES"}
-    compiled = ov.Core().compile_model(model_providers.convert_openvino(config, state, key), "CPU", props)
+    if variant == "f32":
+        props["INFERENCE_PRECISION_HINT"] = "f32"
+    model = (
+        model_providers.quantize_openvino(config, state, key)
+        if variant == "int8"
+        else model_providers.convert_openvino(config, state, key)
+    )
+    compiled = ov.Core().compile_model(model, "CPU", props)
     req = compiled.create_infer_request()
     ms = wall_ms(lambda: req.infer(feeds), n)
     split: Dict[str, float] = defaultdict(float)
@@ -118,7 +127,7 @@ def openvino_split(config, state, key, feeds, n: int):
         for node in req.get_profiling_info():
             split[category(node.node_type, OV_CATEGORIES)] += node.real_time.total_seconds() * 1e3 / 3
     precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").rstrip("'>")
-    return ms, dict(split), precision
+    return ms, dict(split), "nncf int8 + " + precision if variant == "int8" else precision
 
 
 def main() -> int:
@@ -126,6 +135,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forwards", type=int, default=20, help="timed forwards per provider and case")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (sequence 128)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     caps = cpu_caps.capabilities()
@@ -156,7 +166,7 @@ def main() -> int:
     rows, lines = [], list(head)
     for name, hf in models.items():
         state = {k: v.clone() for k, v in hf.state_dict().items()}
-        for b, s in ((1, 128), (8, 128)):
+        for b, s in ((int(b), 128) for b in args.batches.split(",")):
             g = torch.Generator().manual_seed(b)
             ids = torch.randint(1000, 20000, (b, s), generator=g)
             x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -180,14 +190,16 @@ def main() -> int:
                         {"model": name, "batch": b, "seq": s, "provider": label, "ms": ms, "split_ms": split}
                         | {"largest_other_ops_ms": top_other}
                     )
-            try:
-                ms, split, prec = openvino_split(hf.config, state, name, feeds, args.forwards)
+            for ov_variant in ("default", "f32", "int8"):
+                try:
+                    ms, split, prec = openvino_split(hf.config, state, name, feeds, args.forwards, ov_variant)
+                except ImportError as exc:
+                    lines.append(f"openvino {ov_variant} not profiled: {exc}")
+                    continue
                 split["runtime"] = max(0.0, ms - sum(split.values()))
                 rows.append(
                     {"model": name, "batch": b, "seq": s, "provider": f"openvino ({prec})", "ms": ms, "split_ms": split}
                 )
-            except ImportError as exc:
-                lines.append(f"openvino not installed: {exc}")
             for r in rows:
                 if r["model"] == name and r["batch"] == b and "printed" not in r:
                     r["printed"] = True

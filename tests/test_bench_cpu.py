@@ -342,7 +342,8 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
     threads = torch.get_num_threads()
     for run in doc["runs"]:
         res = {r["provider"]: r for r in run["results"]}
-        assert list(res) == ALL_CPU
+        later = run["dtype"] == "bf16"  # the own-precision engines are timed in the first (fp32) table only
+        assert list(res) == [p for p in ALL_CPU if not (later and p in model_bench.FIRST_TABLE_ONLY)]
         if not int8_fast:  # refused by optimize(int8=True)'s speed check, with both rates, not timed
             r = res.pop("bert_fast-int8")
             assert r["status"] != "ok" and "speed check" in r["error"] and "TOPS" in r["error"], r
@@ -352,19 +353,21 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
             assert acc["reference"] == "transformers fp32 (sdpa)", name
             assert -1.0 <= acc["min_cosine"] <= 1.0 + 1e-6 and acc["max_abs_diff"] >= 0.0, name
             assert r["provider_threads"] == threads, name
-        own = {p: res[p]["precision"] for p in ("onnxruntime", "onnxruntime-int8", "openvino-f32")}
-        assert own == {"onnxruntime": "fp32", "onnxruntime-int8": "int8", "openvino-f32": "fp32"}
         assert res["openvino"]["precision"] in ("bf16", "fp32", "fp16")
         assert res["bert_fast"]["precision"] == res["hf-sdpa"]["precision"] == run["dtype"]
+        assert res["openvino"]["accuracy"]["min_cosine"] > 0.999
+        for p in ("bert_fast", "bert_fast-frozen", "hf-sdpa"):
+            assert res[p]["accuracy"]["min_cosine"] > (0.99999 if run["dtype"] == "fp32" else 0.999), p
+        if later:
+            continue
+        own = {p: res[p]["precision"] for p in ("onnxruntime", "onnxruntime-int8", "openvino-f32")}
+        assert own == {"onnxruntime": "fp32", "onnxruntime-int8": "int8", "openvino-f32": "fp32"}
+        assert res["openvino-int8"]["precision"] == "int8" and "nncf.quantize" in res["openvino-int8"]["notes"][0]
         # fp32 engines match transformers fp32 closely, int8 / bf16 ones within their precision
         for p in ("onnxruntime", "openvino-f32"):
             assert res[p]["accuracy"]["max_abs_diff"] < 1e-3 and res[p]["accuracy"]["min_cosine"] > 0.99999, p
         assert res["onnxruntime-int8"]["accuracy"]["min_cosine"] > 0.95
-        assert res["openvino"]["accuracy"]["min_cosine"] > 0.999
-        for p in ("bert_fast", "bert_fast-frozen", "hf-sdpa"):
-            assert res[p]["accuracy"]["min_cosine"] > (0.99999 if run["dtype"] == "fp32" else 0.999), p
-        if run["dtype"] == "fp32":
-            assert res["hf-sdpa"]["accuracy"]["max_abs_diff"] == 0.0  # it is the reference
+        assert res["hf-sdpa"]["accuracy"]["max_abs_diff"] == 0.0  # it is the reference
         int8_note = " ".join(res["onnxruntime-int8"]["notes"])
         assert "quantize_dynamic" in int8_note and ("MatMulInteger x" in int8_note or "QAttention x" in int8_note)
         assert f"INFERENCE_NUM_THREADS={threads}" in res["openvino"]["notes"][0]

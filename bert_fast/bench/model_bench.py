@@ -81,6 +81,9 @@ CPU_PROVIDERS = [
 OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32", "openvino-int8")
 # providers whose fixed cost (export, conversion, int8 calibration) is paid once per model and process
 ONCE_PER_MODEL = OWN_PRECISION + ("bert_fast-int8",)
+# Own-precision providers whose figures would repeat themselves in every dtype's table: timed in the
+# run's first table only (OpenVINO's default precision stays in each: bf16 against bf16).
+FIRST_TABLE_ONLY = ("onnxruntime", "onnxruntime-int8", "openvino-f32", "openvino-int8")
 MODES = ("infer", "train", "train-mlm")  # train-mlm: bert_fast.bench.train_bench
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
@@ -828,8 +831,10 @@ def build_cases(args) -> List[Dict[str, Any]]:
     dtypes = getattr(args, "dtypes", None) or [args.dtype]
     from bert_fast.bench.ceilings import parse_dtype
 
+    providers = list(getattr(args, "providers", None) or [])
     for dtype_name, m, (b, s, spec) in ((d, m, sh) for d in dtypes for m in models for sh in shapes):
         cfg = configs[m]
+        later = dtype_name != dtypes[0]
         if s > cfg.max_position_embeddings:
             raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
         lengths = parse_lengths(spec, b, s, args.seed)
@@ -858,6 +863,7 @@ def build_cases(args) -> List[Dict[str, Any]]:
                 "padded_tokens": b * s,
                 "mode": args.mode,
                 "dtype": dtype_name,
+                "providers": [p for p in providers if not (later and p in FIRST_TABLE_ONLY)],
                 "cuda_graphs": False,
                 "cuda_graphs_requested": bool(args.cuda_graphs),
                 "flops_per_step": step_flops(cfg, lengths, args.mode),
@@ -894,7 +900,7 @@ def _estimates(args, cases, by_dtype, ceilings, rates, device, solo: bool, max_s
         ) / 1e6
         out.append(
             estimate_case(
-                args.providers,
+                case["providers"],
                 step_flops(cfg, [case["seq"]] * case["batch"], case["mode"]),
                 by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops"),
                 device.type,
@@ -958,11 +964,11 @@ def _skip_oversized(args, cases, ests, by_dtype, ceilings) -> List[Optional[floa
         if est is not None and est.min_s > args.max_minutes * 60:
             rate = by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops")
             why = (
-                f"estimated {est.describe(len(args.providers), rate)}, over the budget of "
+                f"estimated {est.describe(len(case['providers']), rate)}, over the budget of "
                 f"--max-minutes {args.max_minutes:g}; raise --max-minutes to run it"
             )
             case["skipped"] = why
-            case["results"] = [dict(new_record(p), status="skipped", error=f"case {why}") for p in args.providers]
+            case["results"] = [dict(new_record(p), status="skipped", error=f"case {why}") for p in case["providers"]]
             print(f"skipping {_case_label(case)}: {why}", file=sys.stderr)
             estimates.append(None)
         else:
@@ -1094,7 +1100,7 @@ def run(args) -> int:
             else:
                 run_case(
                     case,
-                    args.providers,
+                    case["providers"],
                     device,
                     dtype,
                     warmup=args.warmup,

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from bert_fast.bench.model_workload import BenchError
 from bert_fast.model import compat
@@ -114,6 +114,32 @@ def _bert_fast_model(config, state, device, dtype):
 
 # ----------------------------------------------------------------------------- ONNX Runtime
 _ORT_CACHE: Dict[Any, Any] = {}  # (model key, config) -> (TemporaryDirectory, optimized path, fused ops)
+# A directory shared by a run's worker processes (bench/solo.py sets it in each worker): the ONNX
+# exports, their int8 quantization and OpenVINO's conversions are written there once and read by the
+# other workers of the run (in one process the in-memory caches do that). None: in-memory only.
+ARTIFACTS: Optional[str] = None
+
+
+def _artifact(key: str, config, name: str) -> Optional[str]:
+    """Where the run's workers share ``name`` for this model (None without ARTIFACTS)."""
+    if ARTIFACTS is None:
+        return None
+    import hashlib
+
+    digest = hashlib.sha1(f"{key}\n{config.to_json_string()}".encode()).hexdigest()[:16]
+    return os.path.join(ARTIFACTS, f"{digest}-{name}")
+
+
+def _read_info(path: str) -> Optional[Dict[str, Any]]:
+    import json
+
+    return json.loads(Path(path).read_text()) if os.path.exists(path) else None
+
+
+def _write_info(path: str, info: Dict[str, Any]) -> None:
+    import json
+
+    Path(path).write_text(json.dumps(info))
 
 
 class _OrtOutput:
@@ -150,12 +176,18 @@ def export_onnxruntime(config, state, key) -> tuple:
     ckey = (key, config.to_json_string())
     if ckey in _ORT_CACHE:
         return _ORT_CACHE[ckey][1:]
+    shared = _artifact(key, config, "ort")
+    if shared and _read_info(shared + ".json") is not None:  # another worker of the run exported it
+        _ORT_CACHE[ckey] = (None, os.path.join(shared, "model.opt.onnx"), _read_info(shared + ".json"))
+        return _ORT_CACHE[ckey][1:]
     from onnxruntime.transformers.optimizer import optimize_model
 
     tmp = tempfile.TemporaryDirectory(prefix="bert_fast_ort_")
+    if shared:
+        os.makedirs(shared, exist_ok=True)
     hf = compat.hf_bert_model(config, "eager").eval()
     hf.load_state_dict(state, strict=True)
-    raw, fused_path = os.path.join(tmp.name, "model.onnx"), os.path.join(tmp.name, "model.opt.onnx")
+    raw, fused_path = os.path.join(tmp.name, "model.onnx"), os.path.join(shared or tmp.name, "model.opt.onnx")
     ids = torch.ones(2, 8, dtype=torch.long)
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0
@@ -182,6 +214,8 @@ def export_onnxruntime(config, state, key) -> tuple:
     opt.save_model_to_file(fused_path)
     fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
     del hf, opt
+    if shared:
+        _write_info(shared + ".json", fused)  # last: its presence says the model is complete
     _ORT_CACHE[ckey] = (tmp, fused_path, fused)
     return fused_path, fused
 
@@ -235,11 +269,15 @@ def quantize_onnxruntime(config, state, key) -> tuple:
     ckey = (key, config.to_json_string(), "int8")
     if ckey in _ORT_CACHE:
         return _ORT_CACHE[ckey][1:]
+    shared = _artifact(key, config, "ort-int8.onnx")
+    if shared and _read_info(shared + ".json") is not None:
+        _ORT_CACHE[ckey] = (None, shared, _read_info(shared + ".json"))
+        return _ORT_CACHE[ckey][1:]
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     fused_path, _ = export_onnxruntime(config, state, key)
     tmp = tempfile.TemporaryDirectory(prefix="bert_fast_ort_int8_")
-    out = os.path.join(tmp.name, "model.opt.int8.onnx")
+    out = shared or os.path.join(tmp.name, "model.opt.int8.onnx")
     ops = _ort_int8_ops()
     import logging
 
@@ -272,6 +310,8 @@ def quantize_onnxruntime(config, state, key) -> tuple:
         "activations": "QUInt8 dynamic",
         "quantized_nodes": counts,
     }
+    if shared:
+        _write_info(shared + ".json", info)
     _ORT_CACHE[ckey] = (tmp, out, info)
     return out, info
 
@@ -348,6 +388,10 @@ def convert_openvino(config, state, key):
     ckey = (key, config.to_json_string())
     if ckey in _OV_CACHE:
         return _OV_CACHE[ckey]
+    shared = _artifact(key, config, "ov.xml")
+    if shared and os.path.exists(shared + ".done"):
+        _OV_CACHE[ckey] = ov.Core().read_model(shared)
+        return _OV_CACHE[ckey]
     hf = compat.hf_bert_model(config, "sdpa").eval()
     hf.load_state_dict(state, strict=True)
     ids = torch.ones(2, 8, dtype=torch.long)
@@ -358,8 +402,19 @@ def convert_openvino(config, state, key):
         warnings.simplefilter("ignore")  # tracer warnings about Python branches on shapes
         model = ov.convert_model(hf, example_input=example)
     del hf
+    _save_openvino(model, shared)
     _OV_CACHE[ckey] = model
     return model
+
+
+def _save_openvino(model, shared: Optional[str]) -> None:
+    """Share ``model`` with the run's other workers (weights kept fp32: save_model's default would
+    compress them to fp16)."""
+    if shared:
+        import openvino as ov
+
+        ov.save_model(model, shared, compress_to_fp16=False)
+        Path(shared + ".done").write_text("")
 
 
 def quantize_openvino(config, state, key):
@@ -375,8 +430,13 @@ def quantize_openvino(config, state, key):
         return _OV_CACHE[ckey]
     try:
         import nncf
+        import openvino as ov
     except ImportError as exc:
         raise ProviderUnavailable(f"nncf is not installed (pip install nncf): {exc}") from None
+    shared = _artifact(key, config, "ov-nncf-int8.xml")
+    if shared and os.path.exists(shared + ".done"):
+        _OV_CACHE[ckey] = ov.Core().read_model(shared)
+        return _OV_CACHE[ckey]
     cal = calibration_inputs(config)
     n = cal["input_ids"].shape[0]
     samples = [
@@ -396,6 +456,7 @@ def quantize_openvino(config, state, key):
         )
     finally:
         logging.getLogger("nncf").setLevel(quiet)
+    _save_openvino(model, shared)
     _OV_CACHE[ckey] = model
     return model
 
@@ -451,6 +512,7 @@ def openvino_runner(config, state, key, device, mode, variant: str = "default"):
 
 
 INT8 = "bert_fast-int8"  # bert_fast.optimize(model, int8=True): int8 GEMMs behind the accuracy guard
+_INT8_CACHE: Dict[Any, Any] = {}  # (model key, config, dtype, device, mode) -> (quantized model, its note)
 
 
 def calibration_inputs(config) -> Dict[str, Any]:
@@ -525,9 +587,13 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
             raise ProviderUnavailable(f"this torch/CPU cannot pack {dtype} weights for oneDNN")
         model = _bert_fast_model(config, state, device, dtype)
         notes.append(f"BertModel.freeze(): packed copies {model.freeze() / 2**20:,.0f} MiB")
-    elif provider == INT8:
-        model = _bert_fast_model(config, state, device, dtype)
-        notes.append(quantize_int8(model, config, device, mode))
+    elif provider == INT8:  # calibrated once per model and process: the cases of a model share it
+        ckey = (key, config.to_json_string(), str(dtype), str(device), mode)
+        if ckey not in _INT8_CACHE:
+            model = _bert_fast_model(config, state, device, dtype)
+            _INT8_CACHE[ckey] = (model, quantize_int8(model, config, device, mode))
+        model, note = _INT8_CACHE[ckey]
+        notes.append(note)
     else:  # validated earlier
         raise BenchError(f"unknown provider {provider!r}")
     if not provider.startswith("bert_fast"):

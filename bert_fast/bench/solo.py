@@ -19,9 +19,11 @@ and any spin-wait of its threads, so short calls are timed as a server's back-to
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing
 import statistics
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ class CaseSpec:
     mode: str
     cuda_graphs: bool = False
     dtype_name: Optional[str] = None  # the table's dtype ("fp32", "bf16"), the precision a record defaults to
+    artifacts: Optional[str] = None  # the run's shared directory of exported models (model_providers.ARTIFACTS)
 
 
 @dataclass
@@ -110,6 +113,8 @@ class SoloHost:
     def __init__(self, threads: int):
         self.threads = threads
         self.workers: Dict[str, Worker] = {}
+        # ONNX exports and OpenVINO conversions, made once by one worker and read by the others
+        self.artifacts = tempfile.TemporaryDirectory(prefix="bert_fast_bench_artifacts_")
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(_PRELOAD)
 
@@ -119,7 +124,7 @@ class SoloHost:
         worker = self.workers.get(provider)
         if worker is None or not worker.proc.is_alive():
             worker = self.workers[provider] = Worker(self.ctx, provider, self.threads)
-        fields, parity = worker.ask("build", spec)
+        fields, parity = worker.ask("build", dataclasses.replace(spec, artifacts=self.artifacts.name))
         steps = [(lambda i=i: worker.ask("burst", i)) for i in range(spec.n_inputs)]
         return Built(steps, fields, parity)
 
@@ -133,6 +138,7 @@ class SoloHost:
         for worker in self.workers.values():
             worker.close()
         self.workers.clear()
+        self.artifacts.cleanup()
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -168,9 +174,11 @@ def build_here(provider: str, spec: CaseSpec):
     """(steps, (record fields, first output)) of ``provider`` for the case, built in this process."""
     import torch
 
+    from bert_fast.bench import model_providers
     from bert_fast.bench.model_providers import build_provider_model, hidden_state, make_step, reference_state_dict
     from bert_fast.bench.model_workload import make_inputs
 
+    model_providers.ARTIFACTS = spec.artifacts
     t0 = time.perf_counter()
     state = reference_state_dict(spec.config, spec.key, spec.seed)
     inputs = make_inputs(spec.config, spec.lengths, spec.seq, "cpu", spec.n_inputs, spec.seed)

@@ -162,7 +162,9 @@ def summary_table(runs: List[Dict[str, Any]], short: bool = False, less: bool = 
 
 # ----------------------------------------------------------------------------- the CPU
 def _command(doc: Dict[str, Any], json_name: str) -> str:
-    """The command that wrote ``doc``, from the arguments it recorded."""
+    """The command that wrote ``doc``: as typed where it recorded it, else from its arguments."""
+    if doc.get("argv"):
+        return " ".join(["bert-fast", *doc["argv"]])
     a = doc.get("arguments") or {}
     parts = ["bert-fast bench"]
     if a.get("encode"):

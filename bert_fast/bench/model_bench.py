@@ -81,9 +81,10 @@ CPU_PROVIDERS = [
 OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32", "openvino-int8")
 # providers whose fixed cost (export, conversion, int8 calibration) is paid once per model and process
 ONCE_PER_MODEL = OWN_PRECISION + ("bert_fast-int8",)
-# Own-precision providers whose figures would repeat themselves in every dtype's table: timed in the
-# run's first table only (OpenVINO's default precision stays in each: bf16 against bf16).
-FIRST_TABLE_ONLY = ("onnxruntime", "onnxruntime-int8", "openvino-f32", "openvino-int8")
+# The fp32-only engines, whose figures would repeat themselves in every dtype's table: timed in the
+# run's first table only. In a bf16 table they can never be the summary's rival: OpenVINO's default
+# (bf16) is faster and as accurate; the int8 engines stay in every table, int8 against int8.
+FIRST_TABLE_ONLY = ("onnxruntime", "openvino-f32")
 MODES = ("infer", "train", "train-mlm")  # train-mlm: bert_fast.bench.train_bench
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
 
@@ -961,6 +962,8 @@ def _skip_oversized(args, cases, ests, by_dtype, ceilings) -> List[Optional[floa
         # the rounds' budget, never less than the minimum rounds are estimated to take (a budget
         # spent before them stops measure(), and one round has no interval)
         case["_max_seconds"] = max(args.max_seconds, 1.2 * args.min_rounds * est.round_s) if est else args.max_seconds
+        if est and args.total_minutes and case["_max_seconds"] > args.max_seconds:
+            case["_max_rounds"] = args.min_rounds  # a fitted run's slow case: its minimum rounds, no more
         if est is not None and est.min_s > args.max_minutes * 60:
             rate = by_dtype.get(case.get("dtype"), ceilings).get("matmul_tflops")
             why = (
@@ -1036,6 +1039,7 @@ def run(args) -> int:
         print(f"  GEMM rates for the time estimate (GFLOP/s, GOP/s for int8, 1024x3072x768): {shown}", file=sys.stderr)
 
     doc = run_document("model", device, args, ceilings, notes)
+    doc["argv"] = sys.argv[1:] if Path(sys.argv[0]).name.startswith("bert-fast") else None  # as typed
     doc["ceilings_by_dtype"] = by_dtype
     if kind_rates:
         doc["gemm_rates_for_estimate"] = kind_rates
@@ -1105,7 +1109,7 @@ def run(args) -> int:
                     dtype,
                     warmup=args.warmup,
                     min_rounds=args.min_rounds,
-                    max_rounds=args.max_rounds,
+                    max_rounds=case.get("_max_rounds", args.max_rounds),
                     target=args.target,
                     n_inputs=args.n_inputs,
                     seed=args.seed,

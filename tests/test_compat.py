@@ -649,3 +649,18 @@ def test_fsdp2_wrapped_layers_stay_fused():
         env={**os.environ, "TRITON_INTERPRET": "0"},
     )
     assert proc.returncode == 0 and "FUSED-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_probes_a_forward_may_run_leave_the_callers_rng_alone():
+    """The feature probes build small transformers models on first use, inside a user's forward:
+    they must not move the global RNG (a training step's dropout masks would change)."""
+    probes = (compat.tuple_keeps_empty_pooler, compat.hidden_states_selection, compat.mask_form_meaning)
+    for probe in probes:
+        probe.cache_clear()
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    compat.tuple_keeps_empty_pooler()
+    compat.hidden_states_selection()
+    compat.mask_form_meaning(transformers.BertModel, "eager", "4d_bool")
+    assert torch.equal(torch.rand(4), want)

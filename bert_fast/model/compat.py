@@ -216,7 +216,7 @@ def hidden_states_selection() -> str:
             type_vocab_size=1,
         )
         set_attention_implementation(config, "eager")
-        with torch.device("cpu"), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():  # the caller's RNG untouched
             model = transformers.BertModel(config, add_pooling_layer=False).eval()
             out = model(torch.zeros((1, 2), dtype=torch.long), output_hidden_states=[0], return_dict=True)
         got = [h is None for h in out.hidden_states]
@@ -318,8 +318,8 @@ def mask_form_meaning(model_class: type, impl: str, form: str) -> str:
         "4d_bool": keep[:, None, None, :],
         "4d_additive": torch.zeros(1, 1, 1, 3).masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min),
     }[form]
-    try:
-        with torch.device("cpu"), torch.no_grad():
+    try:  # its own RNG stream: a forward must not move the caller's (dropout masks, sampling)
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
             torch.manual_seed(0)
             model = model_class(config).eval()
             ids = torch.tensor([[3, 4, 1]])
@@ -361,7 +361,7 @@ def tuple_keeps_empty_pooler() -> bool:
         vocab_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8,
         max_position_embeddings=4, type_vocab_size=1,
     )  # fmt: skip
-    with torch.device("cpu"), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():  # the caller's RNG untouched
         model = transformers.BertModel(config, add_pooling_layer=False).eval()
         out = model(torch.zeros((1, 2), dtype=torch.long), return_dict=False)
     return len(out) >= 2 and out[1] is None

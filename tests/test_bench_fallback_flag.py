@@ -14,10 +14,10 @@ from bert_fast.ops import _verify
 
 def test_fallback_is_flagged_in_json_table_and_summary(tmp_path, monkeypatch, capsys, fake_ceilings):
     from bert_fast import cli
-    from bert_fast.bench import model_bench
+    from bert_fast.bench import model_providers
 
     _verify.reset()
-    real_build = model_bench.build_provider_model
+    real_build = model_providers.build_provider_model
 
     def build(provider, *a, **k):
         model, runner, notes = real_build(provider, *a, **k)
@@ -30,7 +30,7 @@ def test_fallback_is_flagged_in_json_table_and_summary(tmp_path, monkeypatch, ca
 
         return model, falling_back, notes
 
-    monkeypatch.setattr(model_bench, "build_provider_model", build)
+    monkeypatch.setattr(model_providers, "build_provider_model", build)
     out_json = tmp_path / "b.json"
     rc = cli.main(
         ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--providers", "bert_fast,hf-sdpa",

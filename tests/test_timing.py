@@ -385,12 +385,14 @@ def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys, fake_ce
     import json
 
     from bert_fast import cli
-    from bert_fast.bench import model_bench
+    from bert_fast.bench import model_providers
 
     built = []
-    real_build = model_bench.build_provider_model
+    real_build = model_providers.build_provider_model
     monkeypatch.setattr(
-        model_bench, "build_provider_model", lambda *a, **k: (built.append(a[1].hidden_size), real_build(*a, **k))[1]
+        model_providers,
+        "build_provider_model",
+        lambda *a, **k: (built.append(a[1].hidden_size), real_build(*a, **k))[1],
     )
     out_json = tmp_path / "b.json"
     rc = cli.main(

@@ -164,7 +164,7 @@ def estimate_case(
     ``rates``: measured rates per GEMM kind (default: ``rate_tflops`` for the case's precision);
     ``paid``: providers whose fixed cost (export, conversion, calibration: once per model and
     process) an earlier case already paid; ``burst``: (lead_below_s, calls) of a solo worker's
-    round (bert_fast.bench.solo: a call shorter than lead_below_s is followed by ``calls`` more)."""
+    round (bert_fast.bench.hosts: a call shorter than lead_below_s is followed by ``calls`` more)."""
     if not rate_tflops or rate_tflops <= 0:
         return None
     all_rates = {case_dtype: rate_tflops, **{k: v for k, v in (rates or {}).items() if v}}

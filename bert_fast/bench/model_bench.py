@@ -25,13 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from bert_fast.bench.hosts import CALLS_PER_BURST, LEAD_BELOW_S, CaseSpec, InProcessHost, SoloHost
 from bert_fast.bench.model_providers import (
     bert_fast_model_class,
-    build_provider_model,
     checkpoint_has_weights,
-    hidden_state,
-    make_optimizer,
-    make_step,
     reference_state_dict,
 )
 from bert_fast.bench.model_workload import BenchError, load_config, local_minilm, make_inputs, parse_lengths
@@ -45,7 +42,6 @@ from bert_fast.bench.results import (
     speedup_text,
     take_timings,
 )
-from bert_fast.bench.solo import CALLS_PER_BURST, LEAD_BELOW_S, Built, CaseSpec, SoloHost
 from bert_fast.model.facts import PRESETS, step_flops
 
 PROVIDERS = (
@@ -146,71 +142,6 @@ def _parity(reference_out, bf_out, mask) -> Dict[str, Any]:
     }
 
 
-class InProcessHost:
-    """The providers of a case built and timed in this process (``--in-process``; training, GPUs
-    and the encode bench always run this way). Keeps each built model until the case ends."""
-
-    isolation = "in-process"
-
-    def __init__(self, device, timer=None):
-        self.device = device
-        self.timer = timer  # None: measure()'s default (perf_counter on the CPU, CUDA events on a GPU)
-        self.built: Dict[str, Any] = {}  # provider -> (model, runner, optimizer): alive while timed
-
-    def build(self, provider: str, spec: CaseSpec, state, inputs) -> Built:
-        import torch
-
-        from bert_fast.bench.timing import allocated_memory, peak_memory, reset_peak_memory, synchronize
-        from bert_fast.ops._verify import fallback_counts
-
-        device = self.device
-        base = allocated_memory(device)
-        reset_peak_memory(device)
-        fell_back_before = fallback_counts()
-        t_build = time.perf_counter()
-        model, runner, notes = build_provider_model(
-            provider, spec.config, state, device, spec.dtype, spec.mode, spec.cuda_graphs, key=spec.key
-        )
-        fields: Dict[str, Any] = {"notes": notes}
-        fields.update(
-            getattr(runner, "bench_info", None)
-            or {"precision": spec.dtype_name, "provider_threads": torch.get_num_threads()}
-        )
-        optimizer = make_optimizer(model, device) if spec.mode == "train" else None
-        self.built[provider] = (model, runner, optimizer)
-        steps = [make_step(runner, model, inp, spec.mode, optimizer) for inp in inputs]
-        parity = None
-        if spec.mode == "infer":  # the first call, on the first input set, is kept for the accuracy checks
-            with torch.no_grad():
-                parity = hidden_state(runner(**inputs[0])).detach().float().cpu()
-        else:
-            steps[0]()
-        synchronize(device)
-        # build + first call (compile, export, calibration): what budget.py's estimate charges
-        fields["build_seconds"] = time.perf_counter() - t_build
-        # kernels that failed their first-use check (or carry a kept "fail") ran the torch
-        # implementation here: the figure is not the kernels' and the flags column says so
-        before = fell_back_before
-        fell_back = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
-        if fell_back:
-            fields["kernel_fallbacks"] = sorted(fell_back)
-        peak = peak_memory(device)
-        if peak is not None and base is not None:
-            fields["peak_mem_bytes"] = max(0, peak - base)
-            fields["peak_mem_mb"] = fields["peak_mem_bytes"] / 2**20
-        # graphs ran: asked for, on CUDA, a provider with a graph path, built and captured
-        fields["cuda_graphs"] = bool(
-            spec.cuda_graphs and torch.device(device).type == "cuda" and provider in ("bert_fast", "hf-compile")
-        )
-        return Built(steps, fields, parity)
-
-    def end_case(self) -> None:
-        self.built.clear()
-
-    def close(self) -> None:
-        self.built.clear()
-
-
 def run_case(
     case: Dict[str, Any],
     providers: Sequence[str],
@@ -233,8 +164,8 @@ def run_case(
 ) -> Dict[str, Any]:
     """Run every provider on one (model, batch, seq, lengths, mode) case; fills ``case['results']``.
 
-    Every provider is built first by ``host`` (solo.SoloHost: each in its own process, the CPU
-    inference default; InProcessHost: here), with one untimed call each: it compiles, autotunes,
+    Every provider is built first by ``host`` (hosts.SoloHost: each in its own process, the CPU
+    inference default; hosts.InProcessHost: here), with one untimed call each: it compiles, autotunes,
     gives the output for the accuracy checks and, on CUDA, the peak memory of the provider. Then
     bert_fast.bench.timing.measure times them side by side in interleaved rounds until each median
     is known to +-``target`` or ``max_seconds`` is spent. ``timer``: measure()'s, in-process only.
@@ -704,7 +635,7 @@ def resolve_device(name: Optional[str]):
 
 
 def solo_mode(args, cuda: bool) -> bool:
-    """Whether the providers run each in its own process (bert_fast.bench.solo): CPU inference
+    """Whether the providers run each in its own process (bert_fast.bench.hosts): CPU inference
     unless --in-process."""
     return not cuda and args.mode == "infer" and not args.encode and not args.in_process
 
@@ -761,7 +692,7 @@ def apply_defaults(args) -> Tuple[Any, List[str]]:
         raise BenchError("--encode times inference (encode()); it takes no --mode train")
     if args.warmup is None:
         # on the CPU the first (untimed) call already warms up; a solo worker's short calls get a
-        # lead call in every round (bert_fast.bench.solo), so a warm-up round adds nothing there
+        # lead call in every round (bert_fast.bench.hosts), so a warm-up round adds nothing there
         args.warmup = 10 if cuda else (0 if solo_mode(args, cuda) else 1)
     if args.min_rounds is None:
         args.min_rounds = 10 if cuda else 6

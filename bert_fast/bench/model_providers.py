@@ -114,7 +114,7 @@ def _bert_fast_model(config, state, device, dtype):
 
 # ----------------------------------------------------------------------------- ONNX Runtime
 _ORT_CACHE: Dict[Any, Any] = {}  # (model key, config) -> (TemporaryDirectory, optimized path, fused ops)
-# A directory shared by a run's worker processes (bench/solo.py sets it in each worker): the ONNX
+# A directory shared by a run's worker processes (bench/hosts.py sets it in each worker): the ONNX
 # exports, their int8 quantization and OpenVINO's conversions are written there once and read by the
 # other workers of the run (in one process the in-memory caches do that). None: in-memory only.
 ARTIFACTS: Optional[str] = None

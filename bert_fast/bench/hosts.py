@@ -1,4 +1,6 @@
-"""Each provider alone in its own process: how ``bert-fast bench`` times CPU inference by default.
+"""Where ``bert-fast bench`` builds and times its providers: each alone in its own process
+(``SoloHost``, the CPU inference default) or all in this one (``InProcessHost``: ``--in-process``,
+training, GPUs, ``--encode``).
 
 Why. A server runs one engine per process. Side by side in one process the engines' thread pools
 slow each other: OpenVINO took 13.4-13.9 ms at MiniLM batch 1 beside torch where alone it takes
@@ -139,6 +141,73 @@ class SoloHost:
             worker.close()
         self.workers.clear()
         self.artifacts.cleanup()
+
+
+class InProcessHost:
+    """The providers of a case built and timed in this process (``--in-process``; training, GPUs
+    and the encode bench always run this way). Keeps each built model until the case ends."""
+
+    isolation = "in-process"
+
+    def __init__(self, device, timer=None):
+        self.device = device
+        self.timer = timer  # None: measure()'s default (perf_counter on the CPU, CUDA events on a GPU)
+        self.built: Dict[str, Any] = {}  # provider -> (model, runner, optimizer): alive while timed
+
+    def build(self, provider: str, spec: CaseSpec, state, inputs) -> Built:
+        import torch
+
+        from bert_fast.bench.timing import allocated_memory, peak_memory, reset_peak_memory, synchronize
+        from bert_fast.ops._verify import fallback_counts
+
+        device = self.device
+        base = allocated_memory(device)
+        reset_peak_memory(device)
+        fell_back_before = fallback_counts()
+        t_build = time.perf_counter()
+        from bert_fast.bench.model_providers import build_provider_model, hidden_state, make_optimizer, make_step
+
+        model, runner, notes = build_provider_model(
+            provider, spec.config, state, device, spec.dtype, spec.mode, spec.cuda_graphs, key=spec.key
+        )
+        fields: Dict[str, Any] = {"notes": notes}
+        fields.update(
+            getattr(runner, "bench_info", None)
+            or {"precision": spec.dtype_name, "provider_threads": torch.get_num_threads()}
+        )
+        optimizer = make_optimizer(model, device) if spec.mode == "train" else None
+        self.built[provider] = (model, runner, optimizer)
+        steps = [make_step(runner, model, inp, spec.mode, optimizer) for inp in inputs]
+        parity = None
+        if spec.mode == "infer":  # the first call, on the first input set, is kept for the accuracy checks
+            with torch.no_grad():
+                parity = hidden_state(runner(**inputs[0])).detach().float().cpu()
+        else:
+            steps[0]()
+        synchronize(device)
+        # build + first call (compile, export, calibration): what budget.py's estimate charges
+        fields["build_seconds"] = time.perf_counter() - t_build
+        # kernels that failed their first-use check (or carry a kept "fail") ran the torch
+        # implementation here: the figure is not the kernels' and the flags column says so
+        before = fell_back_before
+        fell_back = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
+        if fell_back:
+            fields["kernel_fallbacks"] = sorted(fell_back)
+        peak = peak_memory(device)
+        if peak is not None and base is not None:
+            fields["peak_mem_bytes"] = max(0, peak - base)
+            fields["peak_mem_mb"] = fields["peak_mem_bytes"] / 2**20
+        # graphs ran: asked for, on CUDA, a provider with a graph path, built and captured
+        fields["cuda_graphs"] = bool(
+            spec.cuda_graphs and torch.device(device).type == "cuda" and provider in ("bert_fast", "hf-compile")
+        )
+        return Built(steps, fields, parity)
+
+    def end_case(self) -> None:
+        self.built.clear()
+
+    def close(self) -> None:
+        self.built.clear()
 
 
 # ----------------------------------------------------------------------------- in the worker

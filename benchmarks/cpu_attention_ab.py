@@ -4,7 +4,7 @@ whole bf16 frozen forwards (one process, interleaved, switched by BERT_FAST_CPU_
 
     python benchmarks/cpu_attention_ab.py > benchmarks/results/cpu-attention/attention_bf16.txt
 
-Analysis: benchmarks/NOTES.md, "CPU attention in bf16". Timing rules: a quiet machine, 2 threads.
+Analysis: benchmarks/notes/2026-11-26-cpu-attention-bf16.md. Timing rules: a quiet machine, 2 threads.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ timing.measure, 95% intervals).
 
     python benchmarks/cpu_fp32_gemm_ab.py [--threads 2] [--rounds 7]
 
-Prints the CPU model and what the automatic choice picked first (benchmarks/NOTES.md, "The plain
-fp32 path on oneDNN").
+Prints the CPU model and what the automatic choice picked first (benchmarks/notes/2026-11-27-cpu-inference-32.md,
+"The plain fp32 path on oneDNN").
 """
 
 from __future__ import annotations

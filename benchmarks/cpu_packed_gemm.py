@@ -1,4 +1,4 @@
-"""Per-GEMM figures behind BertModel.freeze() (benchmarks/NOTES.md, "Frozen inference weights"):
+"""Per-GEMM figures behind BertModel.freeze() (benchmarks/notes/2026-11-24-cpu-masks-freeze-targets.md):
 F.linear (+ GELU for the FFN up) against oneDNN's linear on a weight packed once
 (mkldnn._reorder_linear_weight; GELU fused), MiniLM and bert-base shapes, fp32 and bf16, 128 and
 1024 rows, interleaved, medians of 7 rounds.

@@ -1,4 +1,4 @@
-"""CPU path measurements behind benchmarks/NOTES.md, section "CPU path".
+"""CPU path measurements behind benchmarks/notes/2026-11-24-cpu-path.md.
 
     python benchmarks/cpu_path.py ceilings            # GEMM rate (fp32, bf16) at BERT shapes, copy bandwidth
     python benchmarks/cpu_path.py ops [--dtype fp32|bf16] [--case NAME]   # torch impl vs reference, per op

@@ -28,7 +28,7 @@
 # to more than the budget on purpose; a stage gets min(its cap, what is left).
 #   8. merge       benchmarks/results/<date>-<gpu>-<commit>.json: device, driver, versions, commit,
 #                  pytest passed/failed/skipped, stages, every figure; plots and logs beside it in
-#                  benchmarks/results/<date>-<gpu>-<commit>/; then the README Performance section.
+#                  benchmarks/results/<date>-<gpu>-<commit>/ (logs git-ignored); then the README Performance section.
 #
 # Plans (BERT_FAST_CHECK_PLAN): "full" runs the stages above; "lease" fits a lease of ~15 minutes of
 # device time in all (start included), i.e. ONE command of under 10 minutes: the extension built for

@@ -14,8 +14,8 @@ growth from forward 500 to the end, and writes JSON to benchmarks/results/soak/.
     python benchmarks/soak_memory.py --bucket 64                        # lengths up to a multiple of 64, batch to 2^k
 
 Providers: ``plain`` = bert_fast.optimize(model), ``frozen`` = bert_fast.optimize(model, freeze=True),
-``transformers`` = transformers' BertModel with SDPA attention. The analysis is in benchmarks/NOTES.md,
-"Memory under load (#25)".
+``transformers`` = transformers' BertModel with SDPA attention. The analysis is in
+benchmarks/notes/2026-11-25-memory-25.md and benchmarks/notes/2026-11-27-memory-32.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Resident memory of a CPU inference server (issue 25, item 7; benchmarks/NOTES.md, "Memory under
-load (#25)").
+"""Resident memory of a CPU inference server (issue 25, item 7; benchmarks/notes/2026-11-25-memory-25.md,
+"Memory under load (#25)").
 
 Why RSS grows under a stream of random shapes: glibc malloc, not a cache. With varying shapes every
 forward frees and allocates tensors of new sizes; glibc's mmap threshold rises to 32 MiB after the
@@ -11,7 +11,7 @@ within the first few hundred shapes.
 
 The default since #32 item 7 (bert_fast/onednn_caches.py): oneDNN's and ideep's caches, keyed by the
 token count, are bounded at import; their entries were what kept the holes from merging, and with them
-bounded RSS stays flat (benchmarks/NOTES.md, "Flat memory by default"). What is below is for a process
+bounded RSS stays flat (benchmarks/notes/2026-11-27-memory-32.md). What is below is for a process
 that needs less still, or that ran oneDNN before importing bert_fast.
 
 Two remedies, each measured by benchmarks/soak_memory.py:
@@ -26,7 +26,7 @@ Two remedies, each measured by benchmarks/soak_memory.py:
 
 ``bucket()`` rounds a batch's shape (length up to a multiple, batch up to a power of two): fewer
 distinct padded shapes. bert_fast's unpadded path skips pads, so bucketing costs it little, but its
-GEMMs see the real token count, which still varies: see NOTES for what it did on the soak.
+GEMMs see the real token count, which still varies: see the #25 note above for what it did on the soak.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bound oneDNN's shape-keyed caches before their first use (#32 item 7: resident memory flat by default).
 
-Why (benchmarks/NOTES.md, "Flat memory by default"): oneDNN keeps every
+Why (benchmarks/notes/2026-11-27-memory-32.md): oneDNN keeps every
 primitive it builds in an LRU cache of 1024 entries (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), and torch's
 ideep layer keeps its own of 1024 (``LRU_CACHE_CAPACITY``). Their keys include the row count of each
 GEMM (and eltwise op), which on bert_fast's unpadded path is the batch's real token count: a new key at

@@ -69,7 +69,7 @@ def _dropout_keep(seed, bh, q_pos, k0, dropout_p, BLOCK_N: tl.constexpr):
 
     One Philox call serves 4 consecutive keys (its 4 output words), a quarter of the integer work of
     one call per score element (~40 SASS, 20 of them half-rate IMAD.WIDE: at d = 64 that alone would
-    take ~5x the forward's tensor-core time; benchmarks/NOTES.md, Attention). tl.join appends a
+    take ~5x the forward's tensor-core time; benchmarks/notes/2026-11-21-gpu-kernels.md). tl.join appends a
     trailing axis and tl.reshape is row-major, so join(join(w0, w2), join(w1, w3)) flattens to
     w0, w1, w2, w3: key 4g + j gets word j."""
     zero = q_pos[:, None] * 0
@@ -947,7 +947,7 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device, 
 
 
 # Autotune space on CUDA for fp16/bf16: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel kind. It
-# contains _configs' big-shared-memory choices plus the tiles benchmarks/NOTES.md (Attention) names
+# contains _configs' big-shared-memory choices plus the tiles benchmarks/notes/2026-11-21-gpu-kernels.md names
 # as the candidates: BLOCK_M = 64 for short sequences (more CTAs), BLOCK_N = 128 keys, 2-3 stages; and
 # for dK/dV the 32 x 128 / 8-warp tile, the one that compiles without spills on sm_90 with dropout
 # (64 x 128 sits at 255 registers). Tiles that do not fit the device (head dim 128) are pruned by

@@ -4,7 +4,7 @@ move through the tensor memory accelerator (TMA) and one program per SM walks ma
 Why a second kernel. The pointer kernel in linear.py compiles to wgmma on sm_90, but its operands
 arrive through cp.async: every thread computes addresses and masks for its share of each tile, and
 each program computes exactly one output tile, so the epilogue's stores of one tile cannot overlap
-the main loop of the next (benchmarks/NOTES.md predicts it at ~65-85% of cuBLAS on H100, below
+the main loop of the next (benchmarks/notes/2026-11-21-gpu-kernels.md predicts it at ~65-85% of cuBLAS on H100, below
 issue #3's 95% target for the fused QKV GEMM). Here
   * operands are loaded by TMA from host-built descriptors (one instruction per tile, bounds
     handled by the hardware: out-of-range rows / columns / K read as zero, so no masks at all);

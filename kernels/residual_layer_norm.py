@@ -17,7 +17,7 @@ Dropout random stream (Philox4x32-10, one call per 4 elements):
 0, 0) and the 64-bit key ``seed`` (triton/language/random.py), so every group of 4 elements has
 its own counter, also past 2^32 groups: no int32 wrap-around, no repeated masks for big tensors.
 Using all four output words costs a quarter of ``tl.rand``'s one Philox per element (~40 SASS
-instructions, 20 of them half-rate IMAD.WIDE), which benchmarks/NOTES.md predicted would make the
+instructions, 20 of them half-rate IMAD.WIDE), which benchmarks/notes/2026-11-21-gpu-kernels.md predicted would make the
 dropout LN compute-bound at BERT shapes. The four words
 are interleaved back into columns with ``tl.join`` + ``tl.reshape`` (tiles start at a multiple of
 4 columns and have BLOCK_N >= 4, a power of 2). The mask depends only on

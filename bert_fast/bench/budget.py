@@ -16,7 +16,7 @@ real tokens' FLOPs, the others the padded ones. The first estimate of the main j
 packed fp32 run 2-5x faster than F.linear's fp32 there. ``MODEL_EFFICIENCY`` (of the kind's rate,
 for what a forward runs besides GEMMs) and ``TYPICAL_ROUNDS`` (how many interleaved rounds the
 timing takes to converge to +-3% when the budget does not stop it first) were read off that run's
-per-case records (benchmarks/NOTES.md).
+per-case records (benchmarks/notes/2026-11-27-cpu-inference-32.md, "The bench's time estimate").
 
 While cases run, ``Progress`` prints one line per case and, at most every few seconds, the round
 count and an ETA for the rest of the run: the remaining estimates, scaled by how the finished

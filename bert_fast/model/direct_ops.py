@@ -89,7 +89,7 @@ def dense_self_attention(
 
     Three GEMMs instead of one over cat(Wq, Wk, Wv): at batch 1 x 128 the per-call weight
     concatenation (~3 H^2 elements copied per layer) costs more than the fused GEMM saves
-    (measured: benchmarks/NOTES.md, "CPU path: model level"), and with q, k, v apart the flash CPU
+    (measured: benchmarks/notes/2026-11-24-cpu-path.md, "CPU path, model level"), and with q, k, v apart the flash CPU
     kernel reads them as strided [B, heads, S, d] views: no packed qkv, no copy."""
     t, hidden = h.shape
     d = hidden // heads

@@ -12,7 +12,7 @@ fused GEMM (``linear_terms``), with peft's semantics (scaling, lora_dropout, sev
 disabled or merged adapters).
 
 Cost: one walk over the module tree per forward (~100 modules for MiniLM), a type lookup and four
-dict truth tests each; measured in benchmarks/NOTES.md ("drop-in check").
+dict truth tests each; measured in benchmarks/notes/2026-11-24-cpu-path.md ("Drop-in check and LoRA").
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ oneDNN, and no-grad eval forwards on the CPU run the layers on them (opt-in).
 Why. On the CPU the encoder is GEMM-bound, and a GEMM through F.linear re-lays out its weight at
 every call. oneDNN's prepacked weight (``mkldnn._reorder_linear_weight``: blocked for the CPU's
 vector width, the same size as the weight, usable for any number of rows) skips that, and the
-FFN-up GEMM takes its GELU in the same call. Measured at 2 threads (benchmarks/NOTES.md, "Frozen
-inference weights"): bf16 1.5-2.2x per GEMM at 128 rows and 1.1-1.3x at 1024; fp32 1.05-1.16x.
+FFN-up GEMM takes its GELU in the same call. Measured at 2 threads: bf16 1.5-2.2x per GEMM at 128 rows and
+1.1-1.3x at 1024; fp32 1.05-1.16x (benchmarks/notes/2026-11-24-cpu-masks-freeze-targets.md, "Frozen inference weights").
 The QKV projection runs as one GEMM over the concatenated weight, built once here instead of at
 every call (which is why the unfrozen path runs three GEMMs on dense batches).
 

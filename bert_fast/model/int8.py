@@ -10,7 +10,7 @@ with W_q int8 per output channel (symmetric, s_w [N]), quantized once here. Why 
 and per-channel weights: on all-MiniLM-L6-v2 (64 shipped sentences, min cosine of mean-pooled
 embeddings to fp32), per-tensor dynamic int8 of every Linear (torch.ao's quantize_dynamic, what
 most CPU int8 recipes do) gave 0.902, per-channel weights 0.967, per-row activations and
-per-channel weights 0.9965 (benchmarks/NOTES.md, "int8 on the CPU"). LayerNorm and the residual
+per-channel weights 0.9965 (benchmarks/notes/2026-11-25-cpu-low-precision-25.md). LayerNorm and the residual
 stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
 
 Attention. Where our AVX-512 BF16 attention kernel runs (bert_fast.ops.cpu_attention), an int8 fp32

@@ -3,8 +3,8 @@ fp32 (csrc/attention_f32_cpu.cpp, AVX-512 or AVX2, #32 item 3).
 
 Inference only (no log-sum-exp, no gradient): bert_fast/model/direct_ops.py calls it in place of
 torch's flash CPU kernel, which runs bf16 attention at a sixth of the bf16 GEMM rate on CPUs
-without AMX (benchmarks/NOTES.md, "CPU attention in bf16") and spends most of an fp32 BERT-sized
-problem in fixed per-block costs ("fp32 attention on our own kernel"). One call serves a padded
+without AMX (benchmarks/notes/2026-11-26-cpu-attention-bf16.md) and spends most of an fp32 BERT-sized
+problem in fixed per-block costs (benchmarks/notes/2026-11-27-cpu-attention-32.md). One call serves a padded
 batch with a key mask, packed varlen sequences (cu_seqlens: no grouping by length, no gather or
 scatter), and q, k, v from three separate GEMMs, because the kernels read every operand through
 one row stride.

@@ -4,7 +4,7 @@ plain weight: no packed copy, nothing cached) or aten's ``F.linear``, chosen by 
 Why. ``F.linear`` in fp32 goes to MKL (or OpenBLAS), and MKL takes its AVX-512 code on Intel CPUs
 only: on an AMD Zen 5 with AVX-512 it ran the AVX2 sgemm at 0.19-0.22 TFLOP/s (2 threads), while
 oneDNN's fp32 linear on the same plain weight ran 2.2-2.3x faster at every BERT GEMM shape (128 and
-1024 rows; benchmarks/NOTES.md, "The plain fp32 path on oneDNN"), and fuses the FFN's GELU. On
+1024 rows; benchmarks/notes/2026-11-27-cpu-inference-32.md, "The plain fp32 path on oneDNN"), and fuses the GELU. On
 Intel the two tie or MKL wins; on a CPU without AVX-512 either may win. So the first fp32 CPU
 linear of a process times both on one BERT-sized GEMM (~30 ms, once per thread count) and oneDNN
 is taken only where it is at least ``MARGIN`` faster.

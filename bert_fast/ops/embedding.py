@@ -17,7 +17,7 @@ Dispatch (the rule of ops/_dispatch.py; ``_backend`` maps it to this op's four i
     extension                          -> "torch": bert_fast.ops.torch_impl (index_select gathers,
     in-place sum, aten native_layer_norm; backward native_layer_norm_backward + index_add_).
     Measured 1.4-3x faster than the twin on the 2-core CPU (the twin is single-threaded and
-    scalar; benchmarks/NOTES.md, CPU path), so it is the production CPU path.
+    scalar; benchmarks/notes/2026-11-24-cpu-path.md), so it is the production CPU path.
   * ``BERT_FAST_BACKEND=reference``    -> "reference": bert_fast.reference.embedding_layer_norm
     (plain torch autograd; dropout mask from _dispatch.reference_dropout_mask)
 The torch path draws its dropout mask with ``_dispatch.reference_dropout_mask`` (the reference's

@@ -10,7 +10,7 @@ Why not torch.rand(generator=...) >= p, which this replaced: torch's CPU generat
 sequential, ~3.7 ns an element on one thread; a BERT-base training step draws ~75 M mask elements
 (every dropout, forward and backward), which made the masks a fifth of a CPU training step.
 bert_fast._C.keep_mask_cpu draws the same bits vectorized (AVX-512/AVX2) and threaded, ~0.3 ns an
-element on the 2-core machine (benchmarks/NOTES.md, "Dropout keep-masks on the CPU").
+element on the 2-core machine (benchmarks/notes/2026-11-24-cpu-masks-freeze-targets.md).
 
 Masks for CUDA tensors are drawn on the host and copied (this is the fallback's path, not the
 kernels'): the bits do not depend on the device. Without the compiled module (bert_fast._C not

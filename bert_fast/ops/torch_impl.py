@@ -3,7 +3,7 @@
 It is the production CPU path (oneDNN / MKL GEMMs, aten's vectorized GELU and LayerNorm, the SDPA
 flash CPU kernel) and, on CUDA, the fallback a user selects with ``BERT_FAST_BACKEND=torch``
 (cuBLAS, the same aten ops). Dispatch: bert_fast/ops/_dispatch.py. Measurements and the roofline
-behind each choice: benchmarks/NOTES.md, section "CPU path" (``python benchmarks/cpu_path.py``).
+behind each choice: benchmarks/notes/2026-11-24-cpu-path.md (``python benchmarks/cpu_path.py``).
 
 Every function here has the signature and the outputs of the matching custom op's implementation
 in bert_fast/ops/<op>.py (same shapes, dtypes, fp32 statistics and log-sum-exp), so the op module
@@ -18,7 +18,7 @@ scaled by 1/(1-p). Every function with dropout also takes ``keep=``, a mask to a
 kernel's own Philox mask, when this implementation checks a kernel or stands in for one whose
 forward already ran (bert_fast/ops/_verify.py).
 
-What each op does (and why; figures in NOTES.md):
+What each op does (and why; figures in that note):
   * linear: F.linear (MKL sgemm in fp32, oneDNN in bf16) + GELU. Inference in bf16 on the CPU runs
     oneDNN's linear with the GELU fused (mkldnn._linear_pointwise: 1.2-1.3x over linear + gelu).
     Backward: aten.gelu_backward, then two mm; db summed in fp32.
@@ -362,7 +362,7 @@ def _dropout_scale(keep: Tensor, dropout_p: float, dtype: torch.dtype) -> Tensor
 # The materialized path streams the batch in chunks whose [chunk, h, S, S] score tensor fits in a
 # core's L2 (2 MB on the measured CPU): its half-dozen elementwise passes over the scores then run
 # from cache. One batched call over the whole batch (6 MB of scores at MiniLM b8 s128) was 1.3x
-# slower than the reference's loop over single sequences (benchmarks/NOTES.md, CPU path).
+# slower than the reference's loop over single sequences (benchmarks/notes/2026-11-24-cpu-path.md).
 MATH_CHUNK_BYTES = 1 << 20
 
 
@@ -531,7 +531,7 @@ def attention_bwd(
 # Grouping: sequences of one length run as one batched call (a view of qkv when they are all of
 # them, in order). GROUP_WASTE_PER_CALL lets near-equal lengths share a call, padded to the group's
 # longest with a key mask, while padding wastes at most that many (pairs x heads x d) multiply-adds
-# per sequence. Measured on the CPU (benchmarks/NOTES.md, CPU path), padding never paid: exact
+# per sequence. Measured on the CPU (benchmarks/notes/2026-11-24-cpu-path.md), padding never paid: exact
 # groups were fastest at every threshold tried (b16 s256 ragged: 16 groups 4.5 ms, 7 padded groups
 # 5.5 ms, one padded call 9.5 ms; b128 s128: 73 groups 18.6 ms, 17 groups 20.4 ms), because a call
 # costs only ~20-40 us and the flash kernel pays for every masked score. So the default is 0; the

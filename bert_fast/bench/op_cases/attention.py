@@ -15,7 +15,7 @@ Dense cases (every sequence full): providers
   * "bert_fast-dq-separate": bert_fast with the atomics-free dQ kernel (BERT_FAST_ATTN_DQ=separate,
     the deterministic path) instead of the atomic one, to choose the default by measurement;
   * "bert_fast-dropout": bert_fast with attention dropout 0.1 (as in BERT training), to measure
-    what the Philox draw costs (benchmarks/NOTES.md, Attention; the FLOPs counted are the same).
+    what the Philox draw costs (benchmarks/notes/2026-11-21-gpu-kernels.md, Attention; same FLOPs).
 Padded case (lengths uniform in [0.2, 1.0] x S, fixed seed): "bert_fast" runs varlen on the real
 tokens only, "bert_fast-padded" our padded kernel with the key-padding mask, "torch-sdpa-efficient"
 SDPA with a bool key mask [B, 1, 1, S] (the flash backend takes no mask).

@@ -249,6 +249,21 @@ def save_checkpoint(
     rank's write fails (e.g. a full disk); the previous checkpoints stay valid."""
     root = Path(output_dir) / "checkpoints"
     final = checkpoint_dir(output_dir, step)
+    tmp = _make_tmp_dir(root, final, info)
+    error = _write_files(tmp, model, optimizer, scheduler, scaler, info, unwrapped, tokenizer, run_args)
+    _fail_on_any_rank(tmp, final, error, info)
+    state = dict(trainer_state, step=step, world_size=info.world_size)
+    error = _commit(tmp, final, state, output_dir) if info.is_main else None
+    _fail_on_any_rank(tmp, final, error, info)
+    if info.is_main and keep and keep > 0:
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(info)
+    return final
+
+
+def _make_tmp_dir(root: Path, final: Path, info: DistInfo) -> Path:
+    """Rank 0 makes the checkpoint's temporary directory (removing stale ones); all ranks get its path."""
     tmp = root / f"{final.name}.tmp-{os.getpid() if info.is_main else 0}"
     # Every rank must know rank 0's pid: broadcast the temp name.
     name = [tmp.name]
@@ -264,10 +279,15 @@ def save_checkpoint(
             tmp.mkdir()
         except OSError as exc:
             error = exc
-    if any_rank(error is not None, info):
-        _fail(tmp, final, error, info)
+    _fail_on_any_rank(tmp, final, error, info)
     barrier(info)
+    return tmp
 
+
+def _write_files(
+    tmp: Path, model, optimizer, scheduler, scaler, info: DistInfo, unwrapped, tokenizer, run_args
+) -> Optional[BaseException]:
+    """This rank's files (all ranks call it: gathering the full state dicts is collective); any write error."""
     model_sd = full_model_state_dict(model)
     optim_sd = full_optimizer_state_dict(model, optimizer)
     try:
@@ -283,38 +303,36 @@ def save_checkpoint(
         del model_sd, optim_sd
         atomic_torch_save(rng_state(), tmp / f"rng_rank{info.rank}.pt")
     except Exception as exc:  # noqa: BLE001 - torch.save turns a failed write into RuntimeError
-        error = exc
-    if any_rank(error is not None, info):
-        _fail(tmp, final, error, info)
-    if info.is_main:
-        try:
-            state = dict(trainer_state, step=step, world_size=info.world_size)
-            atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=2, default=str))
-            _fsync_tree(tmp)
-            _write_manifest(tmp)  # the completion marker: written last
-            _fsync_dir(tmp)
-            trash = None
-            if final.exists():  # a re-save of the same step (e.g. SIGTERM right after a periodic save)
-                trash = final.with_name(f"{final.name}.tmp-old-{os.getpid()}")
-                os.replace(final, trash)
-            os.replace(tmp, final)
-            _fsync_dir(root)
-            atomic_write_text(Path(output_dir) / LATEST, final.name + "\n")
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True)
-        except OSError as exc:
-            error = exc
-    if any_rank(error is not None, info):
-        _fail(tmp, final, error, info)
-    if info.is_main and keep and keep > 0:
-        for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(info)
-    return final
+        return exc
+    return None
 
 
-def _fail(tmp: Path, final: Path, error: Optional[BaseException], info: DistInfo):
-    """Remove the partial checkpoint and raise CheckpointError (on every rank)."""
+def _commit(tmp: Path, final: Path, state: dict, output_dir: os.PathLike) -> Optional[OSError]:
+    """Rank 0: the trainer state, COMPLETE last, the rename to ``final`` and ``latest``; the error of a failed write."""
+    try:
+        atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=2, default=str))
+        _fsync_tree(tmp)
+        _write_manifest(tmp)  # the completion marker: written last
+        _fsync_dir(tmp)
+        trash = None
+        if final.exists():  # a re-save of the same step (e.g. SIGTERM right after a periodic save)
+            trash = final.with_name(f"{final.name}.tmp-old-{os.getpid()}")
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        atomic_write_text(Path(output_dir) / LATEST, final.name + "\n")
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _fail_on_any_rank(tmp: Path, final: Path, error: Optional[BaseException], info: DistInfo) -> None:
+    """When a write failed on any rank (all ranks call this, and agree): remove the partial
+    checkpoint and raise CheckpointError on every rank."""
+    if not any_rank(error is not None, info):
+        return
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     prev = list_checkpoints(final.parent.parent)

@@ -23,7 +23,17 @@ PROG = "bert-fast train"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = p.add_argument_group("data")
+    """The flags of ``bert-fast train``, one argument group each (the order of ``--help``)."""
+    _data_arguments(p.add_argument_group("data"))
+    _model_arguments(p.add_argument_group("model"))
+    _optimisation_arguments(p.add_argument_group("optimisation"))
+    _distributed_arguments(p.add_argument_group("distributed / device"))
+    _output_arguments(p.add_argument_group("checkpoints and logging"))
+    return p
+
+
+def _data_arguments(g) -> None:
+    """The corpus, its tokenizer and how sequences are made and batched."""
     g.add_argument(
         "--data",
         default=None,
@@ -68,9 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pad-to-multiple-of", type=int, default=None)
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     g.add_argument(
-        "--text-column",
-        default="text",
-        help="CSV/TSV data (.csv, .tsv): the column with the text (default: text)",
+        "--text-column", default="text", help="CSV/TSV data (.csv, .tsv): the column with the text (default: text)"
     )
     g.add_argument(
         "--text-pair-column",
@@ -83,7 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="CSV/TSV data: the column with the class label, a name or an integer id (default: label)",
     )
 
-    g = p.add_argument_group("model")
+
+def _model_arguments(g) -> None:
+    """Which encoder is trained, fresh or from a checkpoint."""
     g.add_argument("--model-size", default="tiny", help="tiny | mini | small | base | large (fresh weights)")
     g.add_argument("--init-from", default=None, help="local HF checkpoint directory (config.json + weights)")
     g.add_argument(
@@ -101,7 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--grad-checkpointing", action="store_true")
 
-    g = p.add_argument_group("optimisation")
+
+def _optimisation_arguments(g) -> None:
+    """Batch sizes, schedule, AdamW and precision."""
     g.add_argument("--micro-batch-size", type=int, default=32, help="sequences per rank per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: --epochs worth)")
@@ -123,7 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0)
 
-    g = p.add_argument_group("distributed / device")
+
+def _distributed_arguments(g) -> None:
+    """Where it runs: the device and, under torchrun, DDP or FSDP2."""
     g.add_argument(
         "--strategy",
         choices=("ddp", "fsdp"),
@@ -141,7 +155,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
 
-    g = p.add_argument_group("checkpoints and logging")
+
+def _output_arguments(g) -> None:
+    """What the run writes: checkpoints, evaluation, metrics and progress."""
     g.add_argument("--output-dir", default=None, help="checkpoints, metrics.jsonl, tokenizer, summary.json")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--no-save-final", dest="save_final", action="store_false")
@@ -187,7 +203,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="MFU denominator per GPU (e.g. 989 for H100 SXM dense bf16); default: measured GEMM rate",
     )
-    return p
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -322,357 +323,440 @@ def _log(info, msg: str) -> None:
 
 
 def _train(args, info: dist_mod.DistInfo, stop: StopFlag) -> dict:
-    from tqdm.auto import tqdm
+    """train() inside its process group and signal handlers."""
+    run = _Run(args, info, stop)
+    run.setup()
+    run.train()
+    return run.finish()
 
-    if args.precision not in PRECISIONS:
-        raise TrainError(f"--precision must be one of {PRECISIONS}, got {args.precision!r}")
-    device = info.device
-    world, rank = info.world_size, info.rank
-    micro = args.micro_batch_size
-    accum = args.grad_accum
-    global_batch = micro * accum * world
-    out_dir = Path(args.output_dir) if args.output_dir else None
-    # run safety and self-contained checkpoints (checkpoint.py): a non-empty --output-dir needs
-    # --resume or --overwrite; --init-from a checkpoint without --tokenizer uses its tokenizer
-    ckpt.prepare_output_dir(out_dir, args.resume, getattr(args, "overwrite", False), info)
-    ckpt.default_tokenizer_to_init_from(args)
-    if getattr(args, "tensorboard", False):
-        try:
-            eval_mod.check_tensorboard()
-        except eval_mod.TensorBoardMissing as exc:
-            raise TrainError(str(exc)) from None
 
-    tokenizer, dataset, collate, task, num_labels, label_map = build_data(args, info)
-    nsp = task == "mlm" and args.nsp
+def _grad_scaler(precision: str, kind: str, device: torch.device):
+    """fp16's loss scaler (None for the other precisions)."""
+    if precision != "fp16":
+        return None
+    if kind == "fsdp1":
+        # FSDP1's flat-parameter shards are plain tensors: its scaler all-reduces found_inf.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed % 2**32)
-    import random as _random
+        return ShardedGradScaler(device.type)
+    # DDP: every rank holds the averaged gradient. FSDP2: gradients are DTensors, and
+    # DTensor's _amp_foreach_non_finite_check_and_unscale_ already reduces found_inf over
+    # the mesh, so the plain GradScaler is the one upstream pairs with fully_shard.
+    return torch.amp.GradScaler(device.type)
 
-    _random.seed(args.seed)
-    model = build_model(args, tokenizer, task, num_labels)
-    n_params = count_params(model)
-    cfg = model.config
-    ckpt.describe_config(cfg, model, label_map if task == "cls" else None)  # architectures, id2label
-    if args.init_from:
-        ckpt.check_tokenizer(tokenizer, cfg, args.init_from, what="--init-from")
-    if args.precision == "bf16-pure":
-        model = model.to(torch.bfloat16)
-    model = model.to(device)
-    unwrapped = model
-    model, kind = dist_mod.wrap_model(
-        model,
-        args.strategy,
-        info,
-        precision=args.precision,
-        reshard_after_forward=getattr(args, "fsdp_reshard_after_forward", True),
-    )
-    optimizer = build_optimizer(model, args, device)
 
-    steps_per_epoch = len(
-        coll.epoch_batches(dataset.lengths, global_batch, args.seed, 0, shuffle=args.shuffle, bucket=args.bucket)
-    )
-    if steps_per_epoch == 0:
-        raise TrainError(
-            f"the dataset has {len(dataset)} examples, fewer than one global batch of "
-            f"{global_batch} (micro {micro} x accum {accum} x world {world})"
+class _Run:
+    """One training run: the state its steps share (model, optimizer, data position, logs).
+
+    Every rank builds one and calls the same methods in the same order, so the ranks make the same
+    collective calls (all-reduces, barriers, checkpoint gathers) in the same order."""
+
+    def __init__(self, args, info: dist_mod.DistInfo, stop: StopFlag):
+        if args.precision not in PRECISIONS:
+            raise TrainError(f"--precision must be one of {PRECISIONS}, got {args.precision!r}")
+        self.args, self.info, self.stop = args, info, stop
+        self.device = info.device
+        self.world, self.rank = info.world_size, info.rank
+        self.micro, self.accum = args.micro_batch_size, args.grad_accum
+        self.global_batch = self.micro * self.accum * self.world
+        self.out_dir = Path(args.output_dir) if args.output_dir else None
+        # run safety and self-contained checkpoints (checkpoint.py): a non-empty --output-dir needs
+        # --resume or --overwrite; --init-from a checkpoint without --tokenizer uses its tokenizer
+        ckpt.prepare_output_dir(self.out_dir, args.resume, getattr(args, "overwrite", False), info)
+        ckpt.default_tokenizer_to_init_from(args)
+        if getattr(args, "tensorboard", False):
+            try:
+                eval_mod.check_tensorboard()
+            except eval_mod.TensorBoardMissing as exc:
+                raise TrainError(str(exc)) from None
+
+    def log(self, msg: str) -> None:
+        """A line on stderr, rank 0 only."""
+        _log(self.info, msg)
+
+    # ---- setup: everything before the first step
+    def setup(self) -> None:
+        """Everything before the first step, in the order the RNG streams and the logs expect."""
+        self._build()
+        self._schedule()
+        self._resume()
+        self._open_outputs()
+        self._start()
+
+    def _build(self) -> None:
+        """Data, model (seeded, wrapped for DDP/FSDP) and optimizer."""
+        args = self.args
+        self.tokenizer, self.dataset, self.collate, self.task, num_labels, label_map = build_data(args, self.info)
+        self.num_labels, self.label_map = num_labels, label_map
+        self.nsp = self.task == "mlm" and args.nsp
+        torch.manual_seed(args.seed)
+        np.random.seed(args.seed % 2**32)
+        random.seed(args.seed)
+        model = build_model(args, self.tokenizer, self.task, num_labels)
+        self.n_params = count_params(model)
+        self.cfg = model.config
+        ckpt.describe_config(self.cfg, model, label_map if self.task == "cls" else None)  # architectures, id2label
+        if args.init_from:
+            ckpt.check_tokenizer(self.tokenizer, self.cfg, args.init_from, what="--init-from")
+        if args.precision == "bf16-pure":
+            model = model.to(torch.bfloat16)
+        self.unwrapped = model.to(self.device)
+        self.model, self.kind = dist_mod.wrap_model(
+            self.unwrapped,
+            args.strategy,
+            self.info,
+            precision=args.precision,
+            reshard_after_forward=getattr(args, "fsdp_reshard_after_forward", True),
         )
-    total_steps = args.max_steps if args.max_steps else steps_per_epoch * args.epochs
-    warmup = args.warmup_steps if args.warmup_steps is not None else int(round(args.warmup_ratio * total_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, total_steps))
+        self.optimizer = build_optimizer(self.model, args, self.device)
 
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    scaler = None
-    if args.precision == "fp16":
-        if kind == "fsdp1":
-            # FSDP1's flat-parameter shards are plain tensors: its scaler all-reduces found_inf.
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler = ShardedGradScaler(device.type)
-        else:
-            # DDP: every rank holds the averaged gradient. FSDP2: gradients are DTensors, and
-            # DTensor's _amp_foreach_non_finite_check_and_unscale_ already reduces found_inf over
-            # the mesh, so the plain GradScaler is the one upstream pairs with fully_shard.
-            scaler = torch.amp.GradScaler(device.type)
-
-    def autocast():
-        if amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=amp_dtype)
-
-    # ---- resume
-    epoch, step_in_epoch, global_step, tokens_seen = 0, 0, 0, 0
-    if args.resume:
-        if out_dir is None and args.resume == "latest":
-            raise TrainError("--resume latest needs --output-dir")
-        path = ckpt.resolve(args.resume, out_dir)
-        ckpt.check_tokenizer(tokenizer, cfg, path, what="--resume")
-        state = ckpt.load_checkpoint(path, model, optimizer, scheduler, scaler, info)
-        epoch, step_in_epoch = int(state["epoch"]), data_mod.restore_data_position(dataset, state, global_batch, path)
-        global_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
-        if int(state.get("global_batch", global_batch)) != global_batch:
-            _log(
-                info,
-                f"warning: resuming with global batch {global_batch}, the checkpoint used "
-                f"{state.get('global_batch')}: the data position is kept in steps",
+    def _schedule(self) -> None:
+        """Steps, LR schedule, autocast dtype and fp16's loss scaler."""
+        args, global_batch = self.args, self.global_batch
+        steps_per_epoch = len(self._plan(0))
+        if steps_per_epoch == 0:
+            raise TrainError(
+                f"the dataset has {len(self.dataset)} examples, fewer than one global batch of "
+                f"{global_batch} (micro {self.micro} x accum {self.accum} x world {self.world})"
             )
-        _log(info, f"resumed from {path} at step {global_step} (epoch {epoch}, step {step_in_epoch} of the epoch)")
+        self.total_steps = total = args.max_steps if args.max_steps else steps_per_epoch * args.epochs
+        warmup = args.warmup_steps if args.warmup_steps is not None else int(round(args.warmup_ratio * total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_schedule(warmup, total))
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+        self.scaler = _grad_scaler(args.precision, self.kind, self.device)
 
-    if out_dir is not None and info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if not (out_dir / "tokenizer").exists():
-            tokenizer.save_pretrained(str(out_dir / "tokenizer"))
-    # metrics.jsonl (+ TensorBoard); a resumed run drops the rows after its checkpoint's step
-    logger = eval_mod.MetricsLogger(
-        out_dir, info.is_main, global_step if args.resume else None, getattr(args, "tensorboard", False)
-    )
-    evaluator = None
-    if getattr(args, "eval_data", None):
-        evaluator = eval_mod.Evaluator.build(args.eval_data, args, tokenizer, task, nsp, label_map, num_labels, info)
-        _log(info, f"evaluation: {evaluator.n_examples} examples of {args.eval_data}")
-
-    peak = args.peak_tflops
-    if not peak:
-        peak = measure_peak_tflops(
-            device, amp_dtype or (torch.bfloat16 if args.precision == "bf16-pure" else torch.float32)
-        )
-    if info.is_main:
-        _log(
-            info,
-            f"bert-fast train: task={task}{'+nsp' if nsp else ''} impl={args.impl} model={n_params / 1e6:.2f}M params "
-            f"(L={cfg.num_hidden_layers}, H={cfg.hidden_size}) examples={len(dataset)} "
-            f"global_batch={global_batch} (micro {micro} x accum {accum} x world {world}) steps={total_steps} "
-            f"strategy={kind} precision={args.precision} device={device} peak={peak:.3g} TFLOP/s "
-            f"({'given' if args.peak_tflops else 'measured'})",
-        )
-
-    def trainer_state():
-        return {
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "data_position": data_mod.data_position(dataset, epoch, step_in_epoch, global_batch),
-            "tokens_seen": tokens_seen,
-            "global_batch": global_batch,
-            "total_steps": total_steps,
-            "seed": args.seed,
-            "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
-        }
-
-    def save(step):
-        if out_dir is None:
-            return None
-        path = ckpt.save_checkpoint(
-            out_dir,
-            step,
-            model,
-            optimizer,
-            scheduler,
-            scaler,
-            trainer_state(),
-            info,
-            unwrapped,
-            keep=args.keep_checkpoints,
-            tokenizer=tokenizer,
-            run_args=args,
-        )
-        _log(info, f"saved checkpoint {path}")
-        return path
-
-    model.train()
-    pbar = tqdm(
-        total=total_steps,
-        initial=global_step,
-        disable=not info.is_main or args.no_progress,
-        desc="train",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
-    losses: List[float] = []
-    pending: List[torch.Tensor] = []  # per-step local loss sums since the last log
-    pending_counts: List[float] = []  # per-step global target counts
-    window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
-    last_tok_s, last_mfu = 0.0, 0.0
-    stopped_on_signal = False
-    last_saved = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def lr_of_step(s: int) -> float:
-        """The learning rate optimizer step s (1-based) used: LambdaLR's factor before its s-th step."""
-        lambdas = getattr(scheduler, "lr_lambdas", None)
-        if lambdas:
-            return float(scheduler.base_lrs[0] * lambdas[0](s - 1))
-        return float(scheduler.get_last_lr()[0])
-
-    def flush_logs(extra=None):
-        nonlocal window_tokens, window_flops, window_t0, last_tok_s, last_mfu
-        if not pending:
+    def _resume(self) -> None:
+        """The data position, step and states of --resume's checkpoint (zeros for a fresh run)."""
+        self.epoch, self.step_in_epoch, self.global_step, self.tokens_seen = 0, 0, 0, 0
+        args, global_batch = self.args, self.global_batch
+        if not args.resume:
             return
-        sums = torch.stack(pending).to(torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(sums)
-        step_losses = (sums.cpu() / torch.tensor(pending_counts, dtype=torch.float64).clamp_min(1)).tolist()
-        tok_window = dist_mod.all_reduce_sum([window_tokens, window_flops], info)
-        elapsed = time.perf_counter() - window_t0
-        last_tok_s = tok_window[0] / max(elapsed, 1e-9)
-        last_mfu = tok_window[1] / max(elapsed, 1e-9) / (peak * 1e12 * world)
-        first = global_step - len(step_losses) + 1
-        lr = lr_of_step(global_step)
-        for i, l in enumerate(step_losses):
-            losses.append(l)
-            row = {
-                "step": first + i,
-                "loss": l,
-                "lr": lr_of_step(first + i),
-                "tokens_per_s": last_tok_s,
-                "mfu": last_mfu,
-                "tokens_seen": tokens_seen,
-            }
-            if extra and first + i == global_step:
-                row.update(extra)
-            logger.log(row)
-        logger.flush()
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        pbar.set_postfix(
-            loss=f"{step_losses[-1]:.4f}",
-            tok_s=f"{last_tok_s:,.0f}",
-            mfu=f"{100 * last_mfu:.1f}%",
-            **({"mem": f"{mem:.1f}G"} if mem else {}),
-        )
-        if args.log_lines:
-            _log(
-                info,
-                f"step {global_step}/{total_steps} loss {step_losses[-1]:.4f} lr {lr:.3e} "
-                f"tok/s {last_tok_s:,.0f} MFU {100 * last_mfu:.1f}%",
+        if self.out_dir is None and args.resume == "latest":
+            raise TrainError("--resume latest needs --output-dir")
+        path = ckpt.resolve(args.resume, self.out_dir)
+        ckpt.check_tokenizer(self.tokenizer, self.cfg, path, what="--resume")
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.scaler, self.info)
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = data_mod.restore_data_position(self.dataset, state, global_batch, path)
+        self.global_step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+        if int(state.get("global_batch", global_batch)) != global_batch:
+            self.log(
+                f"warning: resuming with global batch {global_batch}, the checkpoint used "
+                f"{state.get('global_batch')}: the data position is kept in steps"
             )
-        pending.clear()
-        pending_counts.clear()
-        window_tokens, window_flops, window_t0 = 0, 0.0, time.perf_counter()
+        where = f"step {self.global_step} (epoch {self.epoch}, step {self.step_in_epoch} of the epoch)"
+        self.log(f"resumed from {path} at {where}")
 
-    def run_eval(step: int) -> dict:
-        res = evaluator.run(model, device, info, autocast)
-        _log(info, f"eval step {step}: " + " ".join(f"{k[5:]} {v:.4f}" for k, v in res.items()))
-        eval_history.append(dict(res, step=step))
-        return res
-
-    eval_history: List[dict] = []
-    stop_at = args.stop_at_step or 0
-    done = global_step >= total_steps
-    while not done:
-        plan = coll.epoch_batches(
-            dataset.lengths, global_batch, args.seed, epoch, shuffle=args.shuffle, bucket=args.bucket
+    def _open_outputs(self) -> None:
+        """The tokenizer's copy, metrics log, evaluator and MFU peak; the run's opening line."""
+        args, info, out_dir = self.args, self.info, self.out_dir
+        if out_dir is not None and info.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if not (out_dir / "tokenizer").exists():
+                self.tokenizer.save_pretrained(str(out_dir / "tokenizer"))
+        # metrics.jsonl (+ TensorBoard); a resumed run drops the rows after its checkpoint's step
+        self.logger = eval_mod.MetricsLogger(
+            out_dir, info.is_main, self.global_step if args.resume else None, getattr(args, "tensorboard", False)
         )
-        sampler = coll.StepBatchSampler(plan, epoch, world, rank, accum, start_step=step_in_epoch)
+        self.evaluator = None
+        if getattr(args, "eval_data", None):
+            self.evaluator = eval_mod.Evaluator.build(
+                args.eval_data, args, self.tokenizer, self.task, self.nsp, self.label_map, self.num_labels, info
+            )
+            self.log(f"evaluation: {self.evaluator.n_examples} examples of {args.eval_data}")
+        self.peak = args.peak_tflops
+        if not self.peak:
+            dtype = self.amp_dtype or (torch.bfloat16 if args.precision == "bf16-pure" else torch.float32)
+            self.peak = measure_peak_tflops(self.device, dtype)
+        if info.is_main:
+            cfg = self.cfg
+            self.log(
+                f"bert-fast train: task={self.task}{'+nsp' if self.nsp else ''} impl={args.impl} "
+                f"model={self.n_params / 1e6:.2f}M params (L={cfg.num_hidden_layers}, H={cfg.hidden_size}) "
+                f"examples={len(self.dataset)} global_batch={self.global_batch} (micro {self.micro} x accum "
+                f"{self.accum} x world {self.world}) steps={self.total_steps} strategy={self.kind} "
+                f"precision={args.precision} device={self.device} peak={self.peak:.3g} TFLOP/s "
+                f"({'given' if args.peak_tflops else 'measured'})"
+            )
+
+    def _start(self) -> None:
+        """Training mode, the progress bar and the empty logs window."""
+        from tqdm.auto import tqdm
+
+        self.model.train()
+        self.pbar = tqdm(
+            total=self.total_steps,
+            initial=self.global_step,
+            disable=not self.info.is_main or self.args.no_progress,
+            desc="train",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        self.losses: List[float] = []
+        self.pending: List[torch.Tensor] = []  # per-step local loss sums since the last log
+        self.pending_counts: List[float] = []  # per-step global target counts
+        self.window_tokens, self.window_flops, self.window_t0 = 0, 0.0, time.perf_counter()
+        self.last_tok_s, self.last_mfu = 0.0, 0.0
+        self.stopped_on_signal = False
+        self.last_saved = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.eval_history: List[dict] = []
+        self.stop_at = self.args.stop_at_step or 0
+
+    # ---- the loop
+    def train(self) -> None:
+        """Steps until --max-steps / the epochs, --stop-at-step or a stop signal."""
+        done = self.global_step >= self.total_steps
+        while not done:
+            done = self._epoch()
+
+    def _epoch(self) -> bool:
+        """Steps from the data position to the end of its epoch; True when training is over."""
+        args, plan = self.args, self._plan(self.epoch)
+        sampler = coll.StepBatchSampler(
+            plan, self.epoch, self.world, self.rank, self.accum, start_step=self.step_in_epoch
+        )
         loader = torch.utils.data.DataLoader(
-            dataset,
+            self.dataset,
             batch_sampler=sampler,
-            collate_fn=collate,
+            collate_fn=self.collate,
             num_workers=args.num_workers,
-            pin_memory=device.type == "cuda",
+            pin_memory=self.device.type == "cuda",
             persistent_workers=False,
             # its own generator: creating the iterator draws a base seed,
             # which must not shift the global stream (dropout) on resume
-            generator=torch.Generator().manual_seed(args.seed * 1000 + epoch),
+            generator=torch.Generator().manual_seed(args.seed * 1000 + self.epoch),
         )
         it = iter(loader)
-        while step_in_epoch < len(plan):
-            micro_batches = [next(it) for _ in range(accum)]
-            local = [
-                sum(b["num_targets"] for b in micro_batches),
-                sum(b.get("num_sequences", 0) for b in micro_batches),
-                1.0 if stop.requested else 0.0,
-            ]
-            g = dist_mod.all_reduce_sum(local, info)
-            counts = {"targets": g[0], "sequences": g[1]}
-            stop_now = g[2] > 0
-            step_sum = None
-            for a, batch in enumerate(micro_batches):
-                with dist_mod.no_sync(model, kind, sync=(a == accum - 1)):
-                    with autocast():
-                        loss, total = micro_loss(model, batch, task, nsp, device, counts, world)
-                    if scaler is not None:
-                        scaler.scale(loss).backward()
-                    else:
-                        loss.backward()
-                step_sum = total if step_sum is None else step_sum + total
-                n_tok = int(batch["num_tokens"])
-                lens = batch["attention_mask"].sum(dim=1).double()
-                window_tokens += n_tok
-                window_flops += train_flops(cfg, n_tok, float((lens * lens).sum()))
-                tokens_seen += n_tok * world
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if args.max_grad_norm and args.max_grad_norm > 0:
-                if kind == "fsdp1":
-                    model.clip_grad_norm_(args.max_grad_norm)
-                else:
-                    torch.nn.utils.clip_grad_norm_(
-                        [p for p in model.parameters() if p.grad is not None], args.max_grad_norm
-                    )
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            global_step += 1
-            step_in_epoch += 1
-            pending.append(step_sum.float())
-            pending_counts.append(counts["targets"])
-            pbar.update(1)
-            epoch_over = step_in_epoch >= len(plan)
+        while self.step_in_epoch < len(plan):
+            stop_now = self.step([next(it) for _ in range(self.accum)])
+            epoch_over = self.step_in_epoch >= len(plan)
             if epoch_over:
-                epoch, step_in_epoch = epoch + 1, 0
-            finished = global_step >= total_steps
-            eval_now = (
-                evaluator is not None
-                and not stop_now
-                and (finished or global_step == stop_at or (args.eval_every and global_step % args.eval_every == 0))
-            )
-            if eval_now or global_step % args.log_every == 0 or finished or stop_now or global_step == stop_at:
-                flush_logs(run_eval(global_step) if eval_now else None)
-            if stop_now:
-                _log(info, f"SIGTERM: stopping at step {global_step}, saving a checkpoint")
-                last_saved = save(global_step)
-                stopped_on_signal = True
-                done = True
-                break
-            if finished or global_step == stop_at:
-                done = True
-                break
-            if args.save_every and global_step % args.save_every == 0:
-                last_saved = save(global_step)
+                self.epoch, self.step_in_epoch = self.epoch + 1, 0
+            if self._after_step(stop_now):
+                return True
             if epoch_over:
-                break  # next epoch: a new plan and loader
-        del it, loader
-    flush_logs()
-    pbar.close()
-    if not stopped_on_signal and (args.save_final or global_step == stop_at) and out_dir is not None:
-        if last_saved is None or last_saved.name != ckpt.checkpoint_dir(out_dir, global_step).name:
-            last_saved = save(global_step)
-    logger.close()
-    summary = {
-        "steps": global_step,
-        "losses": losses,
-        "tokens_per_s": last_tok_s,
-        "mfu": last_mfu,
-        "peak_tflops": peak,
-        "params": n_params,
-        "checkpoint": str(last_saved) if last_saved else None,
-        "eval": eval_history,
-        "stopped_on_signal": stopped_on_signal,
-        "strategy": kind,
-        "world_size": world,
-        "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None),
-    }
-    if info.is_main:
-        _log(
-            info,
-            f"done: {global_step} steps, final loss {losses[-1] if losses else float('nan'):.4f}, "
-            f"{last_tok_s:,.0f} tokens/s, MFU {100 * last_mfu:.1f}%"
-            + (f", checkpoint {last_saved}" if last_saved else ""),
+                return False  # next epoch: a new plan and loader
+        return False
+
+    def _plan(self, epoch: int) -> list:
+        """The epoch's global batches: the same on every rank (seeded by --seed and the epoch)."""
+        a = self.args
+        return coll.epoch_batches(
+            self.dataset.lengths, self.global_batch, a.seed, epoch, shuffle=a.shuffle, bucket=a.bucket
         )
-        if out_dir is not None:
-            ckpt.atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
-    return summary
+
+    def step(self, micro_batches: List[dict]) -> bool:
+        """One optimizer step over the global batch; True when a rank was asked to stop (SIGTERM)."""
+        local = [
+            sum(b["num_targets"] for b in micro_batches),
+            sum(b.get("num_sequences", 0) for b in micro_batches),
+            1.0 if self.stop.requested else 0.0,
+        ]
+        g = dist_mod.all_reduce_sum(local, self.info)
+        counts = {"targets": g[0], "sequences": g[1]}
+        step_sum = self._forward_backward(micro_batches, counts)
+        self._optimizer_step()
+        self.global_step += 1
+        self.step_in_epoch += 1
+        self.pending.append(step_sum.float())
+        self.pending_counts.append(counts["targets"])
+        self.pbar.update(1)
+        return g[2] > 0
+
+    def _forward_backward(self, micro_batches: List[dict], counts: dict) -> torch.Tensor:
+        """Accumulate the micro-batches' gradients (synced on the last); their local loss sum."""
+        model, world, step_sum = self.model, self.world, None
+        for a, batch in enumerate(micro_batches):
+            with dist_mod.no_sync(model, self.kind, sync=(a == self.accum - 1)):
+                with self.autocast():
+                    loss, total = micro_loss(model, batch, self.task, self.nsp, self.device, counts, world)
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            step_sum = total if step_sum is None else step_sum + total
+            n_tok = int(batch["num_tokens"])
+            lens = batch["attention_mask"].sum(dim=1).double()
+            self.window_tokens += n_tok
+            self.window_flops += train_flops(self.cfg, n_tok, float((lens * lens).sum()))
+            self.tokens_seen += n_tok * world
+        return step_sum
+
+    def _optimizer_step(self) -> None:
+        """Unscale, clip, step the optimizer and the schedule."""
+        args, model, optimizer, scaler = self.args, self.model, self.optimizer, self.scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            if self.kind == "fsdp1":
+                model.clip_grad_norm_(args.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in model.parameters() if p.grad is not None], args.max_grad_norm
+                )
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _after_step(self, stop_now: bool) -> bool:
+        """Evaluate, log, save or stop as the step asks; True when training is over."""
+        args, step = self.args, self.global_step
+        finished = step >= self.total_steps
+        eval_now = (
+            self.evaluator is not None
+            and not stop_now
+            and (finished or step == self.stop_at or (args.eval_every and step % args.eval_every == 0))
+        )
+        if eval_now or step % args.log_every == 0 or finished or stop_now or step == self.stop_at:
+            self.flush_logs(self.evaluate(step) if eval_now else None)
+        if stop_now:
+            self.log(f"SIGTERM: stopping at step {step}, saving a checkpoint")
+            self.last_saved = self.save(step)
+            self.stopped_on_signal = True
+            return True
+        if finished or step == self.stop_at:
+            return True
+        if args.save_every and step % args.save_every == 0:
+            self.last_saved = self.save(step)
+        return False
+
+    def autocast(self):
+        """The forward's autocast context (a no-op for fp32 and bf16-pure)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # ---- evaluation, logs, checkpoints
+    def evaluate(self, step: int) -> dict:
+        """Evaluate on --eval-data (every rank: the metrics are reduced over ranks); the eval_* metrics."""
+        res = self.evaluator.run(self.model, self.device, self.info, self.autocast)
+        self.log(f"eval step {step}: " + " ".join(f"{k[5:]} {v:.4f}" for k, v in res.items()))
+        self.eval_history.append(dict(res, step=step))
+        return res
+
+    def lr_of_step(self, s: int) -> float:
+        """The learning rate optimizer step s (1-based) used: LambdaLR's factor before its s-th step."""
+        lambdas = getattr(self.scheduler, "lr_lambdas", None)
+        if lambdas:
+            return float(self.scheduler.base_lrs[0] * lambdas[0](s - 1))
+        return float(self.scheduler.get_last_lr()[0])
+
+    def flush_logs(self, extra=None) -> None:
+        """Log the steps since the last flush (a row each; ``extra`` joins the last step's row)."""
+        if not self.pending:
+            return
+        step_losses = self._reduce_window()
+        step, tok_s, mfu = self.global_step, self.last_tok_s, self.last_mfu
+        first = step - len(step_losses) + 1
+        lr = self.lr_of_step(step)
+        for i, l in enumerate(step_losses):
+            self.losses.append(l)
+            row = {"step": first + i, "loss": l, "lr": self.lr_of_step(first + i)}
+            row.update(tokens_per_s=tok_s, mfu=mfu, tokens_seen=self.tokens_seen)
+            if extra and first + i == step:
+                row.update(extra)
+            self.logger.log(row)
+        self.logger.flush()
+        mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+        self.pbar.set_postfix(
+            loss=f"{step_losses[-1]:.4f}",
+            tok_s=f"{tok_s:,.0f}",
+            mfu=f"{100 * mfu:.1f}%",
+            **({"mem": f"{mem:.1f}G"} if mem else {}),
+        )
+        if self.args.log_lines:
+            self.log(
+                f"step {step}/{self.total_steps} loss {step_losses[-1]:.4f} lr {lr:.3e} "
+                f"tok/s {tok_s:,.0f} MFU {100 * mfu:.1f}%"
+            )
+        self.pending.clear()
+        self.pending_counts.clear()
+        self.window_tokens, self.window_flops, self.window_t0 = 0, 0.0, time.perf_counter()
+
+    def _reduce_window(self) -> List[float]:
+        """The pending steps' global losses, and the window's tokens/s and MFU (two all-reduces)."""
+        sums = torch.stack(self.pending).to(torch.float64)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        counts = torch.tensor(self.pending_counts, dtype=torch.float64).clamp_min(1)
+        step_losses = (sums.cpu() / counts).tolist()
+        tok_window = dist_mod.all_reduce_sum([self.window_tokens, self.window_flops], self.info)
+        elapsed = time.perf_counter() - self.window_t0
+        self.last_tok_s = tok_window[0] / max(elapsed, 1e-9)
+        self.last_mfu = tok_window[1] / max(elapsed, 1e-9) / (self.peak * 1e12 * self.world)
+        return step_losses
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint needs to resume: the data position and the run's arguments."""
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "data_position": data_mod.data_position(self.dataset, self.epoch, self.step_in_epoch, self.global_batch),
+            "tokens_seen": self.tokens_seen,
+            "global_batch": self.global_batch,
+            "total_steps": self.total_steps,
+            "seed": self.args.seed,
+            "args": {k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        }
+
+    def save(self, step: int) -> Optional[Path]:
+        """Write the checkpoint of ``step`` (every rank); its path, None without --output-dir."""
+        if self.out_dir is None:
+            return None
+        path = ckpt.save_checkpoint(
+            self.out_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.trainer_state(),
+            self.info,
+            self.unwrapped,
+            keep=self.args.keep_checkpoints,
+            tokenizer=self.tokenizer,
+            run_args=self.args,
+        )
+        self.log(f"saved checkpoint {path}")
+        return path
+
+    # ---- the end
+    def finish(self) -> dict:
+        """Last logs and checkpoint; the summary (also written to summary.json)."""
+        args, out_dir, step = self.args, self.out_dir, self.global_step
+        self.flush_logs()
+        self.pbar.close()
+        if not self.stopped_on_signal and (args.save_final or step == self.stop_at) and out_dir is not None:
+            if self.last_saved is None or self.last_saved.name != ckpt.checkpoint_dir(out_dir, step).name:
+                self.last_saved = self.save(step)
+        self.logger.close()
+        cuda = self.device.type == "cuda"
+        summary = {
+            "steps": step,
+            "losses": self.losses,
+            "tokens_per_s": self.last_tok_s,
+            "mfu": self.last_mfu,
+            "peak_tflops": self.peak,
+            "params": self.n_params,
+            "checkpoint": str(self.last_saved) if self.last_saved else None,
+            "eval": self.eval_history,
+            "stopped_on_signal": self.stopped_on_signal,
+            "strategy": self.kind,
+            "world_size": self.world,
+            "peak_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None),
+        }
+        if self.info.is_main:
+            last = self.losses[-1] if self.losses else float("nan")
+            self.log(
+                f"done: {step} steps, final loss {last:.4f}, {self.last_tok_s:,.0f} tokens/s, "
+                f"MFU {100 * self.last_mfu:.1f}%" + (f", checkpoint {self.last_saved}" if self.last_saved else "")
+            )
+            if out_dir is not None:
+                ckpt.atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
+        return summary

@@ -317,32 +317,13 @@ def prepare(
     paths = _expand(inputs)
     tasks = plan_chunks(paths, max(1, int(chunk_mb * (1 << 20))), text_field, docs, split)
     _prepare_output(out, overwrite)
-    build = tokenizer == "build" or (tokenizer in (None, "", "auto") and not data_mod.minilm_tokenizer_dir())
-    texts = _sample_texts(tasks, text_field) if build else []
-    if build and not any(t.strip() for t in texts):
-        raise data_mod.DataError(f"the corpus {', '.join(map(str, paths))} holds no text (only blank lines)")
-    tok = data_mod.load_tokenizer(tokenizer, texts)
-    data_mod.require_special_tokens(tok)
-    tok_dir = out / ts.TOKENIZER_DIR
-    tok.save_pretrained(str(tok_dir))
-    tok = _worker_tokenizer(str(tok_dir))  # what training loads: hash and ids from the saved copy
+    tok, tok_dir = _save_tokenizer(out, tokenizer, tasks, paths, text_field)
     vocab = len(tok)
     dtype = ts.token_dtype(vocab)
     body = max_len - 2
     jobs = [(k, task, str(tok_dir), str(out), text_field, dtype, body) for k, task in enumerate(tasks)]
     log(f"{PROG}: {len(paths)} input(s), {len(jobs)} chunk(s), {min(workers, len(jobs))} worker(s) -> {out}")
-    if workers == 1 or len(jobs) == 1:
-        records = [_work(j) for j in jobs]
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        # fork where there is one: workers start at once with the tokenizer already loaded (tokenizers
-        # turns its own thread pool off in forked children); spawn elsewhere
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-            records = list(pool.map(_work, jobs))
+    records = _run_jobs(jobs, workers)
     if not any(r["docs"] for r in records):
         for r in records:
             for f in (out / r["bin"], out / r["idx"]):
@@ -361,10 +342,55 @@ def prepare(
         text_field=text_field,
     )
     index = ts.write_index(out, meta, records)
+    stats = _stats(index, records, body, text_tokens, truncate_keep, dtype, vocab, t0)
+    log(
+        f"{PROG}: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({dtype}, vocab {vocab:,}), "
+        f"{stats['shards']} shard(s) in {stats['seconds']:.1f} s\n"
+        f"  at --max-len {max_len}: {stats['sequences']:,} sequences; tokens reaching a sequence: "
+        f"{stats['tokens_reaching']:,} of {stats['tokens']:,} ({100 * stats['coverage']:.2f}%) "
+        f"[one sequence per document, truncated, would keep {100 * stats['truncate_coverage']:.2f}%]\n"
+        f"  train with: bert-fast train --data {out} --max-len {max_len}"
+    )
+    return dict(index=index, stats=stats)
+
+
+def _save_tokenizer(out: Path, tokenizer: Optional[str], tasks: List[tuple], paths: List[Path], text_field: str):
+    """(tokenizer, its directory under ``out``): loaded, or built from the corpus' first chunks, and saved."""
+    from bert_fast.training import data as data_mod
+    from bert_fast.training import token_shards as ts
+
+    build = tokenizer == "build" or (tokenizer in (None, "", "auto") and not data_mod.minilm_tokenizer_dir())
+    texts = _sample_texts(tasks, text_field) if build else []
+    if build and not any(t.strip() for t in texts):
+        raise data_mod.DataError(f"the corpus {', '.join(map(str, paths))} holds no text (only blank lines)")
+    tok = data_mod.load_tokenizer(tokenizer, texts)
+    data_mod.require_special_tokens(tok)
+    tok_dir = out / ts.TOKENIZER_DIR
+    tok.save_pretrained(str(tok_dir))
+    return _worker_tokenizer(str(tok_dir)), tok_dir  # what training loads: hash and ids from the saved copy
+
+
+def _run_jobs(jobs: List[tuple], workers: int) -> List[dict]:
+    """The shard record of every chunk, tokenized in this process or in ``workers`` processes."""
+    if workers == 1 or len(jobs) == 1:
+        return [_work(j) for j in jobs]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    # fork where there is one: workers start at once with the tokenizer already loaded (tokenizers
+    # turns its own thread pool off in forked children); spawn elsewhere
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+        return list(pool.map(_work, jobs))
+
+
+def _stats(index: dict, records: List[dict], body: int, text_tokens, truncate_keep, dtype, vocab, t0) -> dict:
+    """The printed statistics: how many tokens training at --max-len (``body`` + 2 specials) reaches."""
     # sequences at --max-len: the stream of a shard (its last separator dropped) cut every body tokens
     seqs = sum(-(-max(r["stream_len"] - 1, 0) // body) for r in records)
     reach = sum(max(r["stream_len"] - 1, 0) for r in records) - sum(max(r["docs"] - 1, 0) for r in records)
-    stats = dict(
+    return dict(
         documents=index["num_docs"],
         tokens=index["num_tokens"],
         text_tokens=text_tokens,
@@ -377,15 +403,6 @@ def prepare(
         vocab_size=vocab,
         seconds=time.perf_counter() - t0,
     )
-    log(
-        f"{PROG}: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({dtype}, vocab {vocab:,}), "
-        f"{stats['shards']} shard(s) in {stats['seconds']:.1f} s\n"
-        f"  at --max-len {max_len}: {seqs:,} sequences; tokens reaching a sequence: {reach:,} of "
-        f"{stats['tokens']:,} ({100 * stats['coverage']:.2f}%) "
-        f"[one sequence per document, truncated, would keep {100 * stats['truncate_coverage']:.2f}%]\n"
-        f"  train with: bert-fast train --data {out} --max-len {max_len}"
-    )
-    return dict(index=index, stats=stats)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -17,76 +17,28 @@ import pytest
 import torch
 
 from bert_fast import cli
-from bert_fast.bench import model_bench, model_workload, op_backends, ops_bench
+from bert_fast.bench import model_bench, model_workload, op_backends, ops_bench, results
 from bert_fast.bench.op_case import OpCase
 from bert_fast.model import facts
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# The documented JSON schema (bert_fast/bench/results.py docstring).
-TOP_KEYS = {"schema", "kind", "created", "status", "environment", "arguments", "ceilings", "notes"}
-ENV_KEYS = {
-    "device",
-    "device_type",
-    "device_name",
-    "driver_version",
-    "python",
-    "torch",
-    "triton",
-    "transformers",
-    "bert_fast",
-    "git_commit",
-    "build_info",
-}
+# The JSON schema is declared once, in bert_fast/bench/results.py (its key constants and
+# new_record): a file written here must hold every key it declares. READ_BY_DOCS pins the keys that
+# readers outside the package take (benchmarks/make_docs_results.py, make_readme_performance.py,
+# make_readme_cpu_performance.py): the declaration must keep them.
 CEILING_KEYS = {"copy_bandwidth_gbs", "matmul_tflops", "matmul_dtype", "matmul_shape"}
-RUN_KEYS = {
-    "model",
-    "config",
-    "batch",
-    "seq",
-    "lengths",
-    "real_tokens",
-    "padded_tokens",
-    "mode",
-    "dtype",
-    "cuda_graphs",
-    "flops_per_token",
-    "flops_per_step",
-    "parity",
-    "results",
-}
-RESULT_KEYS = {
-    "provider",
-    "status",
-    "error",
-    "median_ms",
-    "p20_ms",
-    "p80_ms",
-    "tokens_per_s",
-    "tflops",
-    "mfu",
-    "peak_mem_bytes",
-    "peak_mem_mb",
-    "speedup_of_bert_fast",
-    "iters",
-    "method",
-}
-OPS_CASE_KEYS = {"name", "op", "label", "direction", "bound", "flops", "bytes", "params", "dtype", "results"}
-OPS_RESULT_KEYS = {
-    "provider",
-    "status",
-    "error",
-    "median_ms",
-    "p20_ms",
-    "p80_ms",
-    "gbs",
-    "tflops",
-    "pct_of_ceiling",
-    "peak_mem_bytes",
+READ_BY_DOCS = {
+    "run": {"model", "mode", "batch", "seq", "lengths", "dtype", "cuda_graphs", "results"},
+    "model result": {"provider", "status", "error", "median_ms", "unstable", "speedup_of_bert_fast", "speedup_ci"}
+    | {"speedup_unstable", "tokens_per_s", "tflops", "mfu", "peak_mem_mb"},
+    "ops case": {"op", "label", "direction", "bound", "results"},
+    "ops result": {"provider", "status", "error", "median_ms", "gbs", "tflops", "pct_of_ceiling"},
 }
 
 FAST = ["--device", "cpu", "--warmup", "1", "--iters", "2", "--inputs", "2", "--no-progress"]
+QUICK = "--device cpu --warmup 0 --inputs 1 --no-progress".split()
 
 
 @pytest.fixture(scope="module")
@@ -183,22 +135,7 @@ def test_bench_ops_default_providers_exit_0_on_the_cpu(tmp_path, monkeypatch, ca
         for name, value in values.items():
             monkeypatch.setattr(mod, name, value)
     out_json = tmp_path / "ops.json"
-    rc = cli.main(
-        [
-            "bench-ops",
-            "--device",
-            "cpu",
-            "--warmup",
-            "0",
-            "--max-rounds",
-            "6",
-            "--inputs",
-            "1",
-            "--no-progress",
-            "--json",
-            str(out_json),
-        ]
-    )
+    rc = cli.main(["bench-ops", *QUICK, "--max-rounds", "6", "--json", str(out_json)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-3000:]
     doc = json.loads(out_json.read_text())
@@ -362,7 +299,7 @@ def test_info_output(capsys, tmp_path):
     info = json.loads(out_json.read_text())
     assert set(info["kernels"]) == {"embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"}
     assert set(info["kernels"]["linear"]) == {"fp32", "fp16", "bf16"}
-    assert ENV_KEYS <= set(info["environment"])
+    _has_keys(info["environment"], results.ENV_KEYS)
 
 
 def test_op_backend_reference_forced(monkeypatch):
@@ -386,18 +323,25 @@ def test_op_backend_embedding_cpu_says_what_runs(monkeypatch, interpret):
 
 
 # ----------------------------------------------------------------------------- bench
+def _has_keys(d, keys):
+    """Assert that dict ``d`` holds every one of ``keys``, naming the missing ones."""
+    missing = set(keys) - set(d)
+    assert not missing, missing
+
+
 def _check_model_doc(doc, providers):
-    assert TOP_KEYS <= set(doc), TOP_KEYS - set(doc)
+    _has_keys(doc, results.TOP_KEYS)
     assert doc["schema"] == "bert_fast.bench/1" and doc["kind"] == "model" and doc["status"] == "complete"
-    assert ENV_KEYS <= set(doc["environment"]), ENV_KEYS - set(doc["environment"])
-    assert CEILING_KEYS <= set(doc["ceilings"]) and doc["ceilings"]["copy_bandwidth_gbs"] > 0
+    _has_keys(doc["environment"], results.ENV_KEYS)
+    _has_keys(doc["ceilings"], CEILING_KEYS)
+    assert doc["ceilings"]["copy_bandwidth_gbs"] > 0
     assert doc["ceilings"]["matmul_tflops"] > 0
     assert doc["arguments"]["providers"] == providers
     for run in doc["runs"]:
-        assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
+        _has_keys(run, results.MODEL_RUN_KEYS)
         assert [r["provider"] for r in run["results"]] == providers
         for r in run["results"]:
-            assert RESULT_KEYS <= set(r), RESULT_KEYS - set(r)
+            _has_keys(r, results.new_record(r["provider"]))  # every declared figure, iters and method too
             assert r["status"] == "ok", r["error"]
             assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
             assert r["tokens_per_s"] > 0 and r["mfu"] > 0
@@ -405,27 +349,8 @@ def _check_model_doc(doc, providers):
 
 def test_bench_hf_eager_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            "tiny",
-            "--batch",
-            "2",
-            "--seq",
-            "16,32",
-            "--lengths",
-            "random:0.5",
-            "--providers",
-            "hf-eager,hf-sdpa",
-            *FAST,
-            "--json",
-            str(out_json),
-            "--plot",
-            str(out_png),
-        ]
-    )
-    assert rc == 0
+    argv = "bench --model tiny --batch 2 --seq 16,32 --lengths random:0.5 --providers hf-eager,hf-sdpa".split()
+    assert cli.main([*argv, *FAST, "--json", str(out_json), "--plot", str(out_png)]) == 0
     out = capsys.readouterr().out
     assert "hf-eager" in out and "median ms" in out and "This measures the CPU path" in out
     doc = json.loads(out_json.read_text())
@@ -437,27 +362,8 @@ def test_bench_hf_eager_json_and_plot(tmp_path, capsys):
 
 def test_bench_train_mode(tmp_path, tiny_ckpt):
     out_json = tmp_path / "train.json"
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--model",
-                str(tiny_ckpt),
-                "--batch",
-                "2",
-                "--seq",
-                "8",
-                "--mode",
-                "train",
-                "--providers",
-                "hf-sdpa",
-                *FAST,
-                "--json",
-                str(out_json),
-            ]
-        )
-        == 0
-    )
+    argv = "--batch 2 --seq 8 --mode train --providers hf-sdpa".split()
+    assert cli.main(["bench", "--model", str(tiny_ckpt), *argv, *FAST, "--json", str(out_json)]) == 0
     doc = json.loads(out_json.read_text())
     _check_model_doc(doc, ["hf-sdpa"])
     run = doc["runs"][0]
@@ -468,35 +374,8 @@ def test_bench_bert_fast_provider(tmp_path, tiny_ckpt):
     # No skip: bert_fast.BertModel must run here (a skip on any exception, as this test once had,
     # hid every failure of the model behind "not runnable yet").
     out_json = tmp_path / "bf.json"
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--model",
-                str(tiny_ckpt),
-                "--batch",
-                "2",
-                "--seq",
-                "8",
-                "--lengths",
-                "random:0.5",
-                "--providers",
-                "bert_fast,hf-eager",
-                "--device",
-                "cpu",
-                "--warmup",
-                "0",
-                "--iters",
-                "1",
-                "--inputs",
-                "1",
-                "--no-progress",
-                "--json",
-                str(out_json),
-            ]
-        )
-        == 0
-    )
+    argv = "--batch 2 --seq 8 --lengths random:0.5 --providers bert_fast,hf-eager".split()
+    assert cli.main(["bench", "--model", str(tiny_ckpt), *argv, *QUICK, "--iters", "1", "--json", str(out_json)]) == 0
     doc = json.loads(out_json.read_text())
     _check_model_doc(doc, ["bert_fast", "hf-eager"])
     run = doc["runs"][0]
@@ -545,34 +424,19 @@ def test_bench_ops_tiny_cases(tmp_path, monkeypatch, capsys):
     fake = types.SimpleNamespace(cases=_tiny_cases)
     monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: ({"toy": fake}, {}))
     out_json, out_png = tmp_path / "ops.json", tmp_path / "ops.png"
-    rc = cli.main(
-        [
-            "bench-ops",
-            "--device",
-            "cpu",
-            "--max-cases",
-            "5",
-            "--warmup",
-            "1",
-            "--iters",
-            "3",
-            "--no-progress",
-            "--json",
-            str(out_json),
-            "--plot",
-            str(out_png),
-        ]
-    )
+    argv = "bench-ops --device cpu --max-cases 5 --warmup 1 --iters 3 --no-progress".split()
+    rc = cli.main([*argv, "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 1  # the broken provider is reported, not hidden
     captured = capsys.readouterr()
     assert "kernel exploded" in captured.err + captured.out and "This measures the CPU path" in captured.out
     doc = json.loads(out_json.read_text())
-    assert TOP_KEYS <= set(doc) and doc["kind"] == "ops"
+    _has_keys(doc, results.TOP_KEYS)
+    assert doc["kind"] == "ops"
     assert len(doc["cases"]) == 2
     for case in doc["cases"]:
-        assert OPS_CASE_KEYS <= set(case)
+        _has_keys(case, results.OPS_CASE_KEYS)
         for r in case["results"]:
-            assert OPS_RESULT_KEYS <= set(r)
+            _has_keys(r, results.new_record(r["provider"], "ops"))
     mem, comp = doc["cases"]
     assert all(r["status"] == "ok" and r["gbs"] > 0 and r["pct_of_ceiling"] > 0 for r in mem["results"])
     assert comp["results"][0]["tflops"] > 0 and comp["results"][0]["ceiling"] == "matmul_tflops"
@@ -666,30 +530,21 @@ def _load_script(name):
     return mod
 
 
-def test_merge_and_readme(tmp_path):
-    from bert_fast.bench import results
+def test_the_keys_the_docs_read_are_declared():
+    assert READ_BY_DOCS["run"] <= set(results.MODEL_RUN_KEYS)
+    assert READ_BY_DOCS["model result"] <= set(results.new_record("p", "model"))
+    assert READ_BY_DOCS["ops case"] <= set(results.OPS_CASE_KEYS)
+    assert READ_BY_DOCS["ops result"] <= set(results.new_record("p", "ops"))
+    # the declared result keys are among those of the record every provider starts from
+    assert set(results.MODEL_RESULT_KEYS) <= set(results.new_record("p", "model"))
+    assert set(results.OPS_RESULT_KEYS) <= set(results.new_record("p", "ops"))
 
+
+def test_merge_and_readme(tmp_path):
     run_dir = tmp_path / "results" / "run"
     run_dir.mkdir(parents=True)
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--model",
-                "tiny",
-                "--batch",
-                "1",
-                "--seq",
-                "8",
-                "--providers",
-                "hf-eager",
-                *FAST,
-                "--json",
-                str(run_dir / "model-a.json"),
-            ]
-        )
-        == 0
-    )
+    argv = "bench --model tiny --batch 1 --seq 8 --providers hf-eager".split()
+    assert cli.main([*argv, *FAST, "--json", str(run_dir / "model-a.json")]) == 0
     (run_dir / "pytest.log").write_text("....s\n=== 4 passed, 1 skipped, 2 failed in 3.2s ===\n")
     (run_dir / "stages.tsv").write_text("tests\t1\t3.5\tfailed\nbench\t0\t9.0\tok\n")
     out = tmp_path / "results" / "20250101-000000-h100-abc.json"

@@ -6,12 +6,17 @@ live in benchmarks, never in tests), so each runs in milliseconds.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
 import pytest
 
+from bert_fast import cli
 from bert_fast.bench import timing
+
+# A run of the command as quick as the CPU allows: no warm-up, one input set, no progress bar.
+QUICK = "--device cpu --warmup 0 --inputs 1 --no-progress".split()
 
 
 class FakeClock:
@@ -212,41 +217,13 @@ def _figure_texts(plot_fn, doc, monkeypatch):
 
 
 def test_noisy_timer_flags_unstable_in_table_json_and_plot(tmp_path, monkeypatch, capsys):
-    import json
-
-    from bert_fast import cli
     from bert_fast.bench import plots
 
     monkeypatch.setattr(timing, "default_timer", lambda device, flush_l2=False: NoisyTimer())
     out_json = tmp_path / "b.json"
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            "tiny",
-            "--batch",
-            "1",
-            "--seq",
-            "8",
-            "--providers",
-            "hf-eager,hf-sdpa",
-            "--in-process",  # the monkeypatch must reach the timer / the builds
-            "--device",
-            "cpu",
-            "--warmup",
-            "0",
-            "--min-rounds",
-            "6",
-            "--max-rounds",
-            "8",
-            "--inputs",
-            "1",
-            "--no-progress",
-            "--json",
-            str(out_json),
-        ]
-    )
-    assert rc == 0
+    argv = "bench --model tiny --batch 1 --seq 8 --providers hf-eager,hf-sdpa --min-rounds 6 --max-rounds 8".split()
+    # --in-process: the monkeypatch must reach the timer / the builds
+    assert cli.main([*argv, "--in-process", *QUICK, "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("tiny infer")]
     assert len(rows) == 2 and all(ln.rstrip().endswith("unstable") for ln in rows), out
@@ -258,69 +235,43 @@ def test_noisy_timer_flags_unstable_in_table_json_and_plot(tmp_path, monkeypatch
     assert "unstable" in _figure_texts(plots.plot_model, doc, monkeypatch)
 
 
-def test_figure_above_its_ceiling_is_flagged(tmp_path, monkeypatch, capsys):
-    """An op measured above 100% of its ceiling (here a ceiling made absurdly low) is never shown
-    bare: the table, the JSON and the plot say "ceiling unstable"."""
-    import json
-    import types
-
+def _copy_case(n, *providers, device="cpu", dtype=None, **extra):
+    """A memory-bound toy op case: ``providers`` each copy ``n`` values (fp32 bytes read + written)."""
     import torch
 
-    from bert_fast import cli
-    from bert_fast.bench import ceilings, ops_bench, plots
     from bert_fast.bench.op_case import OpCase
 
+    def factory():
+        x = torch.randn(n, device=device, dtype=dtype)
+        return lambda: x.clone()
+
+    return OpCase(
+        op="toy",
+        label=f"N={n}",
+        direction="fwd",
+        bound="memory",
+        bytes=8.0 * n,
+        providers=dict.fromkeys(providers, factory),
+        **extra,
+    )
+
+
+def test_figure_above_its_ceiling_is_flagged(tmp_path, monkeypatch, capsys, fake_ceilings):
+    """An op measured above 100% of its ceiling (here a ceiling made absurdly low) is never shown
+    bare: the table, the JSON and the plot say "ceiling unstable"."""
+    import types
+
+    from bert_fast.bench import ops_bench, plots
+
     def cases(device, dtype):
-        def factory():
-            x = torch.randn(256, device=device, dtype=dtype)
-            return lambda: x.clone()
+        return [_copy_case(256, "torch", "bert_fast", device=device, dtype=dtype)]
 
-        return [
-            OpCase(
-                op="toy",
-                label="N=256",
-                direction="fwd",
-                bound="memory",
-                bytes=2048.0,
-                providers={"torch": factory, "bert_fast": factory},
-            )
-        ]
-
-    fake = {
-        "copy_bandwidth_gbs": 1e-6,
-        "copy_bandwidth_ci_gbs": [1e-6, 1e-6],
-        "copy_unstable": False,
-        "matmul_tflops": 1.0,
-        "matmul_tflops_ci": [1.0, 1.0],
-        "matmul_unstable": False,
-        "threads": 1,
-        "rounds": 6,
-        "matmul_dtype": "fp32",
-        "matmul_shape": [1, 1, 1],
-    }
-    monkeypatch.setattr(ceilings, "measure", lambda device, dtype: dict(fake))
+    fake_ceilings.update(copy_bandwidth_gbs=1e-6, copy_bandwidth_ci_gbs=[1e-6, 1e-6], threads=1)
+    fake_ceilings.update(matmul_tflops=1.0, matmul_tflops_ci=[1.0, 1.0], matmul_shape=[1, 1, 1])
     toy = {"toy": types.SimpleNamespace(cases=cases)}
     monkeypatch.setattr(ops_bench, "discover_modules", lambda ops=None: (toy, {}))
     out_json = tmp_path / "ops.json"
-    assert (
-        cli.main(
-            [
-                "bench-ops",
-                "--device",
-                "cpu",
-                "--warmup",
-                "0",
-                "--max-rounds",
-                "6",
-                "--inputs",
-                "1",
-                "--no-progress",
-                "--json",
-                str(out_json),
-            ]
-        )
-        == 0
-    )
+    assert cli.main(["bench-ops", *QUICK, "--max-rounds", "6", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("toy/fwd")]
     assert len(rows) == 2 and all("ceiling unstable" in ln for ln in rows), out
@@ -338,8 +289,6 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
 
     import torch
 
-    from bert_fast.bench.op_case import OpCase
-
     root = Path(__file__).resolve().parents[1] / "benchmarks"
 
     def load(name):
@@ -348,19 +297,7 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
         spec.loader.exec_module(mod)
         return mod
 
-    def factory():
-        x = torch.randn(64)
-        return lambda: x.clone()
-
-    case = OpCase(
-        op="toy",
-        label="N=64",
-        direction="fwd",
-        bound="memory",
-        bytes=512.0,
-        providers={"bert_fast": factory, "torch": factory},
-        unavailable={"cublas": "needs a GPU"},
-    )
+    case = _copy_case(64, "bert_fast", "torch", unavailable={"cublas": "needs a GPU"})
     out = load("bench_ops").measure_case(case, torch.device("cpu"), budget_s=0.2, warmup=1)
     assert set(out["providers"]) == {"bert_fast", "torch"} and out["skipped"] == {"cublas": "needs a GPU"}
     sp = out["speedups"]["torch"]
@@ -382,9 +319,6 @@ def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys, fake_ce
     """The README's old CPU example (bert-large, 16 x 512) ran over 20 minutes with no output. At
     0.1 TFLOP/s it is estimated at about an hour and skipped, with what it would cost, before any
     model is built; the small case beside it still runs."""
-    import json
-
-    from bert_fast import cli
     from bert_fast.bench import model_providers
 
     built = []
@@ -395,36 +329,10 @@ def test_estimate_skips_an_oversized_case(tmp_path, monkeypatch, capsys, fake_ce
         lambda *a, **k: (built.append(a[1].hidden_size), real_build(*a, **k))[1],
     )
     out_json = tmp_path / "b.json"
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            "bert-large,tiny",
-            "--batch",
-            "16",
-            "--seq",
-            "512",
-            "--lengths",
-            "random:0.2",
-            "--providers",
-            "hf-sdpa",
-            "--in-process",  # the monkeypatch must reach the timer / the builds
-            "--device",
-            "cpu",
-            "--max-minutes",
-            "3",
-            "--warmup",
-            "0",
-            "--max-rounds",
-            "2",
-            "--inputs",
-            "1",
-            "--no-progress",
-            "--json",
-            str(out_json),
-        ]
-    )
-    assert rc == 0
+    argv = "bench --model bert-large,tiny --batch 16 --seq 512 --lengths random:0.2 --providers hf-sdpa".split()
+    # --in-process: the monkeypatch must reach the timer / the builds
+    argv += ["--in-process", *QUICK, "--max-minutes", "3", "--max-rounds", "2", "--json", str(out_json)]
+    assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert "skipping bert-large infer B=16 S=512" in err and "over the budget of --max-minutes 3" in err
     assert " min at least" in err and "GFLOP/s" in err
@@ -465,39 +373,9 @@ def test_estimate_and_eta():
 def test_cuda_graphs_on_the_cpu_are_not_labelled_graphs(tmp_path, capsys):
     """--cuda-graphs on a CPU: nothing runs under graphs, so no case says "graphs" (it did), and
     the last column says what it is ("speedup of bert_fast", not "bf speedup")."""
-    import json
-
-    from bert_fast import cli
-
     out_json = tmp_path / "g.json"
-    assert (
-        cli.main(
-            [
-                "bench",
-                "--model",
-                "tiny",
-                "--batch",
-                "1",
-                "--seq",
-                "8",
-                "--cuda-graphs",
-                "--providers",
-                "hf-eager",
-                "--device",
-                "cpu",
-                "--warmup",
-                "0",
-                "--max-rounds",
-                "2",
-                "--inputs",
-                "1",
-                "--no-progress",
-                "--json",
-                str(out_json),
-            ]
-        )
-        == 0
-    )
+    argv = "bench --model tiny --batch 1 --seq 8 --cuda-graphs --providers hf-eager --max-rounds 2".split()
+    assert cli.main([*argv, *QUICK, "--json", str(out_json)]) == 0
     captured = capsys.readouterr()
     rows = [ln for ln in captured.out.splitlines() if ln.startswith("tiny infer")]
     assert rows and not any("graphs" in ln for ln in rows), rows

@@ -147,24 +147,17 @@ def estimate_case(
     rate_tflops: Optional[float],
     device_type: str,
     *,
-    warmup: int,
-    min_rounds: int,
-    max_rounds: int,
-    max_seconds: Optional[float],
-    paid: Sequence[str] = (),
     real_flops: Optional[float] = None,
     rates: Optional[Dict[str, Optional[float]]] = None,
     case_dtype: str = "fp32",
     bf16_units: bool = False,
-    params_millions: float = 110.0,
-    burst: Optional[Tuple[float, int]] = None,
+    **rounds,
 ) -> Optional[Estimate]:
     """None without a measured rate (nothing to estimate from). ``flops_per_call``: the padded
     FLOPs; ``real_flops``: the real tokens' (bert_fast's providers skip padding; default: padded);
     ``rates``: measured rates per GEMM kind (default: ``rate_tflops`` for the case's precision);
-    ``paid``: providers whose fixed cost (export, conversion, calibration: once per model and
-    process) an earlier case already paid; ``burst``: (lead_below_s, calls) of a solo worker's
-    round (bert_fast.bench.hosts: a call shorter than lead_below_s is followed by ``calls`` more)."""
+    ``rounds``: the keywords of estimate_calls (warmup, min_rounds, max_rounds, max_seconds; paid,
+    params_millions, burst)."""
     if not rate_tflops or rate_tflops <= 0:
         return None
     all_rates = {case_dtype: rate_tflops, **{k: v for k, v in (rates or {}).items() if v}}
@@ -179,18 +172,7 @@ def estimate_case(
     )
     if calls is None:
         return None
-    return estimate_calls(
-        providers,
-        calls,
-        device_type,
-        warmup=warmup,
-        min_rounds=min_rounds,
-        max_rounds=max_rounds,
-        max_seconds=max_seconds,
-        paid=paid,
-        params_millions=params_millions,
-        burst=burst,
-    )
+    return estimate_calls(providers, calls, device_type, **rounds)
 
 
 def estimate_op_case(case, providers: Sequence[str], ceilings: Dict, device_type: str, **kw) -> Optional[Estimate]:
@@ -222,7 +204,10 @@ def estimate_calls(
 ) -> Estimate:
     """``call``: seconds of one call, the same for every provider or per provider. The timed rounds:
     at least ``min_rounds``, then until the medians converge (``TYPICAL_ROUNDS``), ``max_rounds`` or
-    ``max_seconds`` stop them (bert_fast.bench.timing.measure); ``burst``: as for estimate_case."""
+    ``max_seconds`` stop them (bert_fast.bench.timing.measure). ``paid``: providers whose fixed cost
+    (export, conversion, calibration: once per model and process) an earlier case already paid;
+    ``burst``: (lead_below_s, calls) of a solo worker's round (bert_fast.bench.hosts: a call shorter
+    than lead_below_s is followed by ``calls`` more)."""
     per = {p: (call[p] if isinstance(call, dict) else call) for p in providers}
     fixed = sum(fixed_seconds(name, device_type, params_millions) for name in providers if name not in paid)
     first_s = sum(per.values())  # the untimed first call of each provider

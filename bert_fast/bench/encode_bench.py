@@ -84,16 +84,44 @@ def run_encode_case(
     timer=None,
     on_round=None,
 ) -> Dict[str, Any]:
+    from bert_fast.bench.timing import measure
+
+    recs: Dict[str, Dict[str, Any]] = {}
+    models, fns = _load_providers(case, device, recs)
+    st = next(iter(models.values()), None)
+    if st is not None:
+        _count_tokens(case, st)
+    _parity(case, _first_calls(fns, recs))
+    if fns:
+        m = measure(
+            fns,
+            device,
+            warmup=warmup,
+            min_rounds=min_rounds,
+            max_rounds=max_rounds,
+            target=target,
+            budget_s=max_seconds,
+            timer=timer,
+            on_round=on_round,
+        )
+        case["timing"] = m.summary(target_rel=target)
+        _fill_rates(case, m, recs, ceilings.get("matmul_tflops"))
+        fill_speedups(case, m, subject=SUBJECT, frozen=FROZEN)
+    models.clear()
+    return case
+
+
+def _load_providers(case: Dict[str, Any], device, recs: Dict[str, Dict[str, Any]]):
+    """(models, encode callables) of the providers that load, each with its record in ``recs`` and
+    case["results"] (FROZEN only on a CPU where this torch packs the weights)."""
     import torch
 
     import bert_fast
-    from bert_fast.bench.timing import measure
+    from bert_fast.model import frozen
 
     sentences = case["_sentences"]
     bs = case["encode_batch_size"]
-    models, fns, recs = {}, {}, {}
-    from bert_fast.model import frozen
-
+    models, fns = {}, {}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(case["dtype"])
     can_freeze = (
         torch.device(device).type == "cpu" and frozen.available() and (dtype is None or frozen.dtype_supported(dtype))
@@ -117,30 +145,46 @@ def run_encode_case(
             raise
         except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the other
             record_failure(rec, exc)
-    # real tokens of one call (after the model's own truncation) and their FLOPs
-    st = next(iter(models.values()), None)
-    if st is not None:
-        # the model's own tokenizer and truncation, as encode() applies them
-        lens = [len(ids) for ids in st.tokenizer(sentences, truncation=True, max_length=st.max_seq_length)["input_ids"]]
-        cfg = st[0].auto_model.config
-        case.update(
-            real_tokens=int(sum(lens)),
-            seq=int(max(lens)),
-            max_seq_length=st.max_seq_length,
-            flops_per_step=float(step_flops(cfg, lens, "infer")),
-            config={
-                k: getattr(cfg, k)
-                for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-            },
-        )
+    return models, fns
+
+
+def _count_tokens(case: Dict[str, Any], st) -> None:
+    """The real tokens of one call (after the model's own truncation), their FLOPs and the config."""
+    sentences = case["_sentences"]
+    # the model's own tokenizer and truncation, as encode() applies them
+    lens = [len(ids) for ids in st.tokenizer(sentences, truncation=True, max_length=st.max_seq_length)["input_ids"]]
+    cfg = st[0].auto_model.config
+    case.update(
+        real_tokens=int(sum(lens)),
+        seq=int(max(lens)),
+        max_seq_length=st.max_seq_length,
+        flops_per_step=float(step_flops(cfg, lens, "infer")),
+        config={
+            k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        },
+    )
+
+
+def _first_calls(fns: Dict[str, Any], recs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Each provider's first call (warm, and its embeddings kept for parity); one that fails is
+    recorded and leaves ``fns``."""
+    import torch
+
     outs = {}
     for provider, fn in list(fns.items()):
         try:
             with torch.no_grad():
-                outs[provider] = fn().float().cpu()  # first call: warm, and kept for parity
+                outs[provider] = fn().float().cpu()
         except Exception as exc:  # noqa: BLE001
             record_failure(recs[provider], exc)
             fns.pop(provider)
+    return outs
+
+
+def _parity(case: Dict[str, Any], outs: Dict[str, Any]) -> None:
+    """case["parity"] (SUBJECT) and case["parity_frozen"] (FROZEN) against BASELINE's embeddings."""
+    import torch
+
     for key, who in (("parity", SUBJECT), ("parity_frozen", FROZEN)):
         if BASELINE in outs and who in outs:
             a, b = outs[BASELINE], outs[who]
@@ -151,27 +195,14 @@ def run_encode_case(
                 "min_cosine": float(cos.min()),
                 "ref_max_abs": float(a.abs().max()),
             }
-    if fns:
-        m = measure(
-            fns,
-            device,
-            warmup=warmup,
-            min_rounds=min_rounds,
-            max_rounds=max_rounds,
-            target=target,
-            budget_s=max_seconds,
-            timer=timer,
-            on_round=on_round,
-        )
-        case["timing"] = m.summary(target_rel=target)
-        rate = ceilings.get("matmul_tflops")
-        for provider in take_timings(m, recs, log=False):
-            rec = recs[provider]
-            sec = rec["median_ms"] * 1e-3
-            rec["tokens_per_s"] = case.get("real_tokens", 0) / sec
-            rec["padded_tokens_per_s"] = None
-            rec["tflops"] = case.get("flops_per_step", 0.0) / sec / 1e12
-            rec["mfu"] = rec["tflops"] / rate if rate else None
-        fill_speedups(case, m, subject=SUBJECT, frozen=FROZEN)
-    models.clear()
-    return case
+
+
+def _fill_rates(case: Dict[str, Any], m, recs: Dict[str, Dict[str, Any]], rate: Optional[float]) -> None:
+    """The timed providers' figures, tokens/s, TFLOP/s and MFU against ``rate`` (the GEMM ceiling)."""
+    for provider in take_timings(m, recs, log=False):
+        rec = recs[provider]
+        sec = rec["median_ms"] * 1e-3
+        rec["tokens_per_s"] = case.get("real_tokens", 0) / sec
+        rec["padded_tokens_per_s"] = None
+        rec["tflops"] = case.get("flops_per_step", 0.0) / sec / 1e12
+        rec["mfu"] = rec["tflops"] / rate if rate else None

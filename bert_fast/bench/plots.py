@@ -119,88 +119,86 @@ def _err(value, ci):
 
 
 def _draw_model(axes, runs) -> bool:
+    """Speedups (top) and throughput (bottom) of every case with a successful record."""
     runs = [c for c in _sorted_runs(runs) if any(r.get("status") == "ok" for r in c.get("results", []))]
     if not runs:
         return False
     ax_sp, ax_tp = axes
-    # the subject of a case's speedups: bert_fast, or "st+optimize" in an --encode case
-    baselines = list(
-        dict.fromkeys(
-            r["provider"]
-            for c in runs
-            for r in c["results"]
-            if r["provider"] != c.get("subject", "bert_fast") and r.get("speedup_of_bert_fast")
-        )
-    )
-    providers = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"] if r.get("status") == "ok"))
     x = list(range(len(runs)))
     labels = [_case_label(c) for c in runs]
-    if baselines:
-        w = 0.8 / len(baselines)
-        lo_all, hi_all = [], []
-        for j, p in enumerate(baselines):
-            first = True
-            for i, c in enumerate(runs):
-                r = next(
-                    (
-                        r
-                        for r in c["results"]
-                        if r["provider"] == p and r.get("speedup_of_bert_fast") and p != c.get("subject", "bert_fast")
-                    ),
-                    None,
-                )
-                if r is None:
-                    continue
-                v, ci = r["speedup_of_bert_fast"], r.get("speedup_ci")
-                unstable = bool(r.get("speedup_unstable") or r.get("unstable"))
-                xi = i + (j - (len(baselines) - 1) / 2) * w
-                if first:  # the legend's entry: a filled marker whatever the first point's flag
-                    ax_sp.plot([], [], "o", ms=7, color=COLORS.get(p), label=f"vs {p}")
-                ax_sp.errorbar(
-                    [xi],
-                    [v],
-                    yerr=_err(v, ci),
-                    fmt="o",
-                    ms=7,
-                    capsize=3,
-                    color=COLORS.get(p),
-                    mfc="white" if unstable else COLORS.get(p),
-                )
-                first = False
-                lo_all.append(ci[0] if ci else v)
-                hi_all.append(ci[1] if ci else v)
-                ax_sp.annotate(
-                    f"{v:.2f}x" + ("\nunstable" if unstable else ""),
-                    (xi, v),
-                    xytext=(4, 4),
-                    textcoords="offset points",
-                    fontsize=7,
-                    color="black",
-                )
-        from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
-
-        ax_sp.set_yscale("log")
-        lo, hi = min(lo_all + [1.0]) / 1.3, max(hi_all + [1.0]) * 1.3
-        ax_sp.set_ylim(lo, hi)
-        # ticks at round ratios inside the range, written as ratios (0.5x, 1x, 2x), not as 10^0
-        ticks = [t for t in _RATIO_TICKS if lo <= t <= hi]
-        if len(ticks) > 9:
-            ticks = [t for t in ticks if math.log2(t) == int(math.log2(t))]
-        ax_sp.yaxis.set_major_locator(FixedLocator(ticks))
-        ax_sp.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x"))
-        ax_sp.yaxis.set_minor_locator(NullLocator())
-        ax_sp.yaxis.set_minor_formatter(NullFormatter())
-        ax_sp.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax_sp.set_ylabel("speedup of bert_fast (x, log scale)")
-        _legend_outside(ax_sp)
-    else:
-        ax_sp.text(
-            0.5, 0.5, "no speedup: bert_fast or baselines missing", ha="center", va="center", transform=ax_sp.transAxes
-        )
+    _draw_speedups(ax_sp, runs)
     ax_sp.set_title("speedup of bert_fast (ratio of medians; bars: 95% interval; hollow: unstable)")
     ax_sp.set_xticks(x)
     ax_sp.set_xticklabels(labels, fontsize=7)
     ax_sp.set_xlim(-0.6, len(runs) - 0.4)
+    _draw_throughput(ax_tp, runs)
+    ax_tp.set_ylabel("k real tokens / s")
+    ax_tp.set_title("throughput on real tokens (bars: 95% interval; hatched: unstable)")
+    ax_tp.set_xticks(x)
+    ax_tp.set_xticklabels(labels, fontsize=7)
+    _legend_outside(ax_tp)
+    return True
+
+
+def _has_speedup(c: Dict[str, Any], r: Dict[str, Any]) -> bool:
+    """Whether record ``r`` of case ``c`` carries a speedup of the case's subject over it."""
+    # the subject of a case's speedups: bert_fast, or "st+optimize" in an --encode case
+    return bool(r.get("speedup_of_bert_fast")) and r["provider"] != c.get("subject", "bert_fast")
+
+
+def _draw_speedups(ax, runs) -> None:
+    """One point per case and baseline: the subject's speedup over it, with its interval."""
+    baselines = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"] if _has_speedup(c, r)))
+    if not baselines:
+        ax.text(
+            0.5, 0.5, "no speedup: bert_fast or baselines missing", ha="center", va="center", transform=ax.transAxes
+        )
+        return
+    w = 0.8 / len(baselines)
+    lo_all, hi_all = [], []
+    for j, p in enumerate(baselines):
+        first = True
+        for i, c in enumerate(runs):
+            r = next((r for r in c["results"] if r["provider"] == p and _has_speedup(c, r)), None)
+            if r is None:
+                continue
+            v, ci = r["speedup_of_bert_fast"], r.get("speedup_ci")
+            unstable = bool(r.get("speedup_unstable") or r.get("unstable"))
+            xi = i + (j - (len(baselines) - 1) / 2) * w
+            if first:  # the legend's entry: a filled marker whatever the first point's flag
+                ax.plot([], [], "o", ms=7, color=COLORS.get(p), label=f"vs {p}")
+            mfc = "white" if unstable else COLORS.get(p)
+            ax.errorbar([xi], [v], yerr=_err(v, ci), fmt="o", ms=7, capsize=3, color=COLORS.get(p), mfc=mfc)
+            first = False
+            lo_all.append(ci[0] if ci else v)
+            hi_all.append(ci[1] if ci else v)
+            text = f"{v:.2f}x" + ("\nunstable" if unstable else "")
+            ax.annotate(text, (xi, v), xytext=(4, 4), textcoords="offset points", fontsize=7, color="black")
+    _ratio_axis(ax, min(lo_all + [1.0]) / 1.3, max(hi_all + [1.0]) * 1.3)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_ylabel("speedup of bert_fast (x, log scale)")
+    _legend_outside(ax)
+
+
+def _ratio_axis(ax, lo: float, hi: float) -> None:
+    """A log y axis from ``lo`` to ``hi`` with ticks at round ratios inside the range, written as
+    ratios (0.5x, 1x, 2x), not as 10^0."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    ticks = [t for t in _RATIO_TICKS if lo <= t <= hi]
+    if len(ticks) > 9:
+        ticks = [t for t in ticks if math.log2(t) == int(math.log2(t))]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}x"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _draw_throughput(ax, runs) -> None:
+    """One bar per case and provider: thousands of real tokens per second, with its interval."""
+    providers = list(dict.fromkeys(r["provider"] for c in runs for r in c["results"] if r.get("status") == "ok"))
     w = 0.8 / max(1, len(providers))
     for j, p in enumerate(providers):
         first = True
@@ -216,8 +214,8 @@ def _draw_model(axes, runs) -> bool:
             unstable = bool(r.get("unstable"))
             xi = i + (j - (len(providers) - 1) / 2) * w
             if first:  # the legend's entry: a plain bar whatever the first bar's flag
-                ax_tp.bar([xi], [0], w, label=p, color=COLORS.get(p))
-            ax_tp.bar(
+                ax.bar([xi], [0], w, label=p, color=COLORS.get(p))
+            ax.bar(
                 [xi],
                 [v],
                 w,
@@ -229,15 +227,9 @@ def _draw_model(axes, runs) -> bool:
             )
             first = False
             if unstable:
-                ax_tp.annotate(
+                ax.annotate(
                     "unstable", (xi, v), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=6, rotation=90
                 )
-    ax_tp.set_ylabel("k real tokens / s")
-    ax_tp.set_title("throughput on real tokens (bars: 95% interval; hatched: unstable)")
-    ax_tp.set_xticks(x)
-    ax_tp.set_xticklabels(labels, fontsize=7)
-    _legend_outside(ax_tp)
-    return True
 
 
 def _draw_ops(ax, cases) -> bool:

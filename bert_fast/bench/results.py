@@ -82,13 +82,12 @@ MODEL_RUN_KEYS = (
     "parity",
     "results",
 )
+# What every provider's record holds, model or ops: its head, its first figures, its last ones.
+_MEDIAN = ("median_ms", "p20_ms", "p80_ms")
+_SPEEDUP = ("speedup_of_bert_fast", "speedup_ci", "speedup_unstable")
+_RESULT_HEAD = ("provider", "status", "error", *_MEDIAN)
 MODEL_RESULT_KEYS = (
-    "provider",
-    "status",
-    "error",
-    "median_ms",
-    "p20_ms",
-    "p80_ms",
+    *_RESULT_HEAD,
     "tokens_per_s",
     "tflops",
     "mfu",
@@ -97,18 +96,7 @@ MODEL_RESULT_KEYS = (
     "speedup_of_bert_fast",
 )
 OPS_CASE_KEYS = ("name", "op", "label", "direction", "bound", "flops", "bytes", "params", "dtype", "results")
-OPS_RESULT_KEYS = (
-    "provider",
-    "status",
-    "error",
-    "median_ms",
-    "p20_ms",
-    "p80_ms",
-    "gbs",
-    "tflops",
-    "pct_of_ceiling",
-    "peak_mem_bytes",
-)
+OPS_RESULT_KEYS = (*_RESULT_HEAD, "gbs", "tflops", "pct_of_ceiling", "peak_mem_bytes")
 TOP_KEYS = ("schema", "kind", "created", "status", "environment", "arguments", "ceilings", "notes")
 ENV_KEYS = (
     "device",
@@ -349,9 +337,7 @@ def read_json(path) -> Dict[str, Any]:
 # The figures of a provider's record, None until measured, by kind of document (the schema above).
 RECORD_FIELDS = {
     "model": (
-        "median_ms",
-        "p20_ms",
-        "p80_ms",
+        *_MEDIAN,
         "mean_ms",
         "min_ms",
         "max_ms",
@@ -370,14 +356,10 @@ RECORD_FIELDS = {
         "mfu",
         "peak_mem_bytes",
         "peak_mem_mb",
-        "speedup_of_bert_fast",
-        "speedup_ci",
-        "speedup_unstable",
+        *_SPEEDUP,
     ),
     "ops": (
-        "median_ms",
-        "p20_ms",
-        "p80_ms",
+        *_MEDIAN,
         "ci_low_ms",
         "ci_high_ms",
         "ci_rel",
@@ -389,9 +371,7 @@ RECORD_FIELDS = {
         "ceiling",
         "ceiling_unstable",
         "peak_mem_bytes",
-        "speedup_of_bert_fast",
-        "speedup_ci",
-        "speedup_unstable",
+        *_SPEEDUP,
     ),
 }
 
@@ -594,7 +574,35 @@ def merge(
     ``doctor_json``: the report of ``bert-fast doctor --json``; its summary and every check that
     did not pass go into the document (the whole report stays in its own file beside it)."""
     run_dir = Path(run_dir)
+    out_dir = Path(out_path).parent  # the document names its files relative to itself
     doc: Dict[str, Any] = {"schema": GPU_CHECK_SCHEMA, "created": now_iso(), "run_dir": str(run_dir)}
+    doc["stages"] = _stages(stages_file)
+    env = None
+    info = _read_part(doc, "info", info_json)
+    if info is not None:
+        env = info.get("environment")
+    doc["tests"] = _test_counts(pytest_log, pytest_xml, out_dir)
+    doctor = _read_part(doc, "doctor", doctor_json, lambda rep: _doctor_entry(rep, doctor_json, out_dir))
+    ops = _read_part(doc, "ops", ops_json)
+    # the environment: of `bert-fast info`, else of the first other file that carries one
+    for part in (doctor, ops):
+        if part is not None:
+            env = env or part.get("environment")
+    doc["model"], env = _model_part(model_jsons, out_dir, env)
+    _read_part(doc, "pytest_benchmark", pytest_bench_json, _pytest_benchmarks)
+    if env is None:
+        try:
+            env = environment()
+        except Exception as exc:  # noqa: BLE001
+            env = {"error": str(exc), "git_commit": git_commit()}
+    doc["environment"] = env
+    doc["plots"] = _plots(doc, plot, run_dir, out_dir)
+    write_json(out_path, doc)
+    return doc
+
+
+def _stages(stages_file) -> List[Dict[str, Any]]:
+    """The stages of gpu_check.sh, one "name<TAB>rc<TAB>seconds[<TAB>status]" line each."""
     stages = []
     if stages_file and Path(stages_file).exists():
         for ln in Path(stages_file).read_text().splitlines():
@@ -608,45 +616,53 @@ def merge(
                         "status": parts[3] if len(parts) > 3 else ("ok" if parts[1] == "0" else "failed"),
                     }
                 )
-    doc["stages"] = stages
-    env = None
-    if info_json and Path(info_json).exists():
-        try:
-            info = read_json(info_json)
-            env = info.get("environment")
-            doc["info"] = info
-        except (OSError, ValueError) as exc:
-            doc["info_error"] = str(exc)
+    return stages
+
+
+def _read_part(doc: Dict[str, Any], key: str, path, entry=None) -> Optional[Any]:
+    """doc[key] = entry(the JSON at ``path``) (the JSON itself without ``entry``) and that JSON,
+    when the file exists; one that cannot be read is noted as doc[key + "_error"], and the merge
+    goes on without it (None)."""
+    if not (path and Path(path).exists()):
+        return None
+    try:
+        part = read_json(path)
+        doc[key] = part if entry is None else entry(part)
+    except (OSError, ValueError) as exc:
+        doc[f"{key}_error"] = str(exc)
+        return None
+    return part
+
+
+def _test_counts(pytest_log, pytest_xml, out_dir: Path) -> Dict[str, Any]:
+    """The pytest counts: from the log's summary line, else from the JUnit XML."""
     tests: Dict[str, Any] = {}
     if pytest_log and Path(pytest_log).exists():
         tests.update(parse_pytest_counts(Path(pytest_log).read_text(errors="replace")))
-        tests["log"] = os.path.relpath(pytest_log, Path(out_path).parent)
+        tests["log"] = os.path.relpath(pytest_log, out_dir)
     if pytest_xml and Path(pytest_xml).exists():
         junit = parse_junit_counts(pytest_xml)
         if junit is not None:
             tests["junit"] = junit
             if not tests.get("summary_found"):
                 tests.update({k: junit[k] for k in ("passed", "failed", "errors", "skipped")})
-    doc["tests"] = tests
-    if doctor_json and Path(doctor_json).exists():
-        try:
-            rep = read_json(doctor_json)
-            doc["doctor"] = {
-                "file": os.path.relpath(doctor_json, Path(out_path).parent),
-                "gpu_verdict": rep.get("gpu_verdict"),
-                "summary": rep.get("summary"),
-                "exit_status": rep.get("exit_status"),
-                "problems": [c for c in rep.get("checks", []) if c.get("verdict") in ("fail", "error", "fault")],
-            }
-            env = env or rep.get("environment")
-        except (OSError, ValueError) as exc:
-            doc["doctor_error"] = str(exc)
-    if ops_json and Path(ops_json).exists():
-        try:
-            doc["ops"] = read_json(ops_json)
-            env = env or doc["ops"].get("environment")
-        except (OSError, ValueError) as exc:
-            doc["ops_error"] = str(exc)
+    return tests
+
+
+def _doctor_entry(rep: Dict[str, Any], doctor_json, out_dir: Path) -> Dict[str, Any]:
+    """What the document keeps of the doctor's report: its verdicts and every check not passed."""
+    return {
+        "file": os.path.relpath(doctor_json, out_dir),
+        "gpu_verdict": rep.get("gpu_verdict"),
+        "summary": rep.get("summary"),
+        "exit_status": rep.get("exit_status"),
+        "problems": [c for c in rep.get("checks", []) if c.get("verdict") in ("fail", "error", "fault")],
+    }
+
+
+def _model_part(model_jsons, out_dir: Path, env):
+    """({"runs": every run of the model files, each with its file's arguments, "files": what each
+    file was}, ``env`` or the first model file's environment)."""
     runs, model_docs = [], []
     for p in model_jsons:
         if not Path(p).exists():
@@ -659,7 +675,7 @@ def merge(
         env = env or d.get("environment")
         model_docs.append(
             {
-                "file": os.path.relpath(p, Path(out_path).parent),
+                "file": os.path.relpath(p, out_dir),
                 "arguments": d.get("arguments"),
                 "status": d.get("status"),
                 "ceilings": d.get("ceilings"),
@@ -668,44 +684,40 @@ def merge(
         )
         for r in d.get("runs", []):
             runs.append(dict(r, arguments=d.get("arguments")))
-    doc["model"] = {"runs": runs, "files": model_docs}
-    if pytest_bench_json and Path(pytest_bench_json).exists():
-        try:
-            pb = read_json(pytest_bench_json)
-            doc["pytest_benchmark"] = [
-                {
-                    "name": b.get("fullname") or b.get("name"),
-                    "median_s": b.get("stats", {}).get("median"),
-                    "iqr_s": b.get("stats", {}).get("iqr"),
-                    "rounds": b.get("stats", {}).get("rounds"),
-                    "extra_info": b.get("extra_info"),
-                }
-                for b in pb.get("benchmarks", [])
-            ]
-        except (OSError, ValueError) as exc:
-            doc["pytest_benchmark_error"] = str(exc)
-    if env is None:
-        try:
-            env = environment()
-        except Exception as exc:  # noqa: BLE001
-            env = {"error": str(exc), "git_commit": git_commit()}
-    doc["environment"] = env
+    return {"runs": runs, "files": model_docs}, env
+
+
+def _pytest_benchmarks(pb: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each pytest-benchmark entry: its name, median and IQR in seconds, rounds, extra info."""
+    return [
+        {
+            "name": b.get("fullname") or b.get("name"),
+            "median_s": b.get("stats", {}).get("median"),
+            "iqr_s": b.get("stats", {}).get("iqr"),
+            "rounds": b.get("stats", {}).get("rounds"),
+            "extra_info": b.get("extra_info"),
+        }
+        for b in pb.get("benchmarks", [])
+    ]
+
+
+def _plots(doc: Dict[str, Any], plot, run_dir: Path, out_dir: Path) -> List[str]:
+    """The combined plot (when asked for) and every PNG of the run directory, relative to the
+    document; a plot that fails is noted as doc["plot_error"]."""
     plots = []
     if plot:
         try:
             from bert_fast.bench.plots import plot_combined
 
             if plot_combined(doc, plot):
-                plots.append(os.path.relpath(plot, Path(out_path).parent))
+                plots.append(os.path.relpath(plot, out_dir))
         except Exception as exc:  # noqa: BLE001 - a plot must never lose the figures
             doc["plot_error"] = f"{type(exc).__name__}: {exc}"
     for extra in sorted(run_dir.glob("*.png")):
-        rel = os.path.relpath(extra, Path(out_path).parent)
+        rel = os.path.relpath(extra, out_dir)
         if rel not in plots:
             plots.append(rel)
-    doc["plots"] = plots
-    write_json(out_path, doc)
-    return doc
+    return plots
 
 
 def _main(argv=None) -> int:

@@ -429,80 +429,119 @@ def measure(
     device = torch.device(device)
     timer = timer or default_timer(device, flush_l2=flush_l2)
     min_rounds = min(min_rounds, max_rounds)
-    fns = {name: _fns(v) for name, v in providers.items()}
-    live = list(fns)
-    res = Measurement(threads=torch.get_num_threads())
+    rounds = _Rounds(providers, device, timer, warmup=warmup, target=target, flush_l2=flush_l2, catch=catch)
     t0 = clock()
+    for i in range(warmup):
+        if not rounds.live:
+            break
+        rounds.warm(i)
+    stop = rounds.timed_until_stop(min_rounds, max_rounds, budget_s, clock, t0, on_round)
+    res = rounds.res
+    res.stop_reason = stop if rounds.live else "failed"
+    res.seconds = clock() - t0
+    rounds.finish()
+    return res
 
-    def drop(name: str, exc: BaseException) -> None:
-        if not catch or isinstance(exc, KeyboardInterrupt):
+
+class _Rounds:
+    """The providers of one ``measure()`` while they run: the input sets of each, those still live
+    (a provider that raised is dropped), and the Measurement their rounds fill."""
+
+    def __init__(self, providers, device, timer, *, warmup, target, flush_l2, catch):
+        self.fns = {name: _fns(v) for name, v in providers.items()}
+        self.live = list(self.fns)
+        self.device, self.timer, self.catch = device, timer, catch
+        self.warmup, self.target, self.flush_l2 = warmup, target, flush_l2
+        self.res = Measurement(threads=torch.get_num_threads())
+
+    def drop(self, name: str, exc: BaseException) -> None:
+        if not self.catch or isinstance(exc, KeyboardInterrupt):
             raise exc
         if isinstance(exc, ProviderUnavailable):
-            res.skipped[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.res.skipped[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         else:
-            res.errors[name] = exc
-        live.remove(name)
+            self.res.errors[name] = exc
+        self.live.remove(name)
 
-    def run_round(i: int, timed: bool) -> Dict[str, float]:
-        orders = round_orders(len(live))
-        order = [live[j] for j in orders[i % len(orders)]]
-        out: Dict[str, float] = {}
-        if not timed:
-            for name in order:
-                try:
-                    f = fns[name]
-                    f[i % len(f)]()
-                except Exception as exc:  # noqa: BLE001 - one provider must not lose the others
-                    drop(name, exc)
-            synchronize(device)
-            return out
+    def _order(self, i: int) -> List[str]:
+        """The live providers in round ``i``'s order of the Williams design."""
+        orders = round_orders(len(self.live))
+        return [self.live[j] for j in orders[i % len(orders)]]
+
+    def _call(self, name: str, i: int) -> Callable[[], Any]:
+        """The provider's callable of round ``i`` (its input sets in turn)."""
+        f = self.fns[name]
+        return f[i % len(f)]
+
+    def warm(self, i: int) -> None:
+        """One untimed round (warm-up)."""
+        for name in self._order(i):
+            try:
+                self._call(name, i)()
+            except Exception as exc:  # noqa: BLE001 - one provider must not lose the others
+                self.drop(name, exc)
+        synchronize(self.device)
+
+    def timed(self, i: int) -> Dict[str, float]:
+        """One timed round: provider -> ms ({} when every provider dropped out)."""
         # Time the round as one batch (one synchronize per round for CUDA events); a provider that
         # raises is dropped and the round is retimed without it.
+        order = self._order(i)
         while order:
-            calls = []
-            for name in order:
-                f = fns[name]
-                calls.append(_guarded(name, f[i % len(f)]))
+            calls = [_guarded(name, self._call(name, i)) for name in order]
             try:
-                times = timer.time_round(calls)
+                times = self.timer.time_round(calls)
             except _ProviderError as err:
-                drop(err.name, err.exc)
-                order = [n for n in order if n in live]
+                self.drop(err.name, err.exc)
+                order = [n for n in order if n in self.live]
                 continue
-            out = dict(zip(order, (float(t) for t in times)))
-            break
-        return out
+            return dict(zip(order, (float(t) for t in times)))
+        return {}
 
-    for i in range(warmup):
-        if not live:
-            break
-        run_round(i, timed=False)
+    def timed_until_stop(self, min_rounds, max_rounds, budget_s, clock, t0, on_round) -> str:
+        """Timed rounds until the stopping rule (the module docstring) holds; returns why they
+        stopped: "converged", "budget" or "max_rounds"."""
+        res = self.res
+        n = 0
+        while self.live and n < max_rounds:
+            times = self.timed(n)
+            if times:
+                res.rounds.append(times)
+            n += 1
+            if on_round is not None:
+                self.finish()
+                on_round(res, n)
+            if n >= min_rounds:
+                self.finish()
+                if res.timings and all(res.timings[p].converged for p in self.live if p in res.timings):
+                    return "converged"
+            if budget_s is not None and clock() - t0 >= budget_s and n >= min(min_rounds, max_rounds):
+                return "budget"
+            if budget_s is not None and clock() - t0 >= 4 * budget_s:
+                return "budget"  # far over budget (calls much slower than expected): stop early
+        return "max_rounds"
 
-    stop = "max_rounds"
-    n = 0
-    while live and n < max_rounds:
-        times = run_round(n, timed=True)
-        if times:
-            res.rounds.append(times)
-        n += 1
-        if on_round is not None:
-            _finish(res, fns, warmup, timer, device, flush_l2, target)
-            on_round(res, n)
-        if n >= min_rounds:
-            _finish(res, fns, warmup, timer, device, flush_l2, target)
-            if res.timings and all(res.timings[p].converged for p in live if p in res.timings):
-                stop = "converged"
-                break
-        if budget_s is not None and clock() - t0 >= budget_s and n >= min(min_rounds, max_rounds):
-            stop = "budget"
-            break
-        if budget_s is not None and clock() - t0 >= 4 * budget_s:
-            stop = "budget"  # far over budget (calls much slower than expected): stop early
-            break
-    res.stop_reason = stop if live else "failed"
-    res.seconds = clock() - t0
-    _finish(res, fns, warmup, timer, device, flush_l2, target)
-    return res
+    def finish(self) -> None:
+        """(Re)compute every provider's Timing from the rounds so far."""
+        res, device = self.res, self.device
+        for name in self.fns:
+            samples = res.samples(name)
+            if not samples:
+                res.timings.pop(name, None)
+                continue
+            stats = summarize(samples)
+            res.timings[name] = Timing(
+                iters=len(samples),
+                warmup=self.warmup,
+                n_inputs=len(self.fns[name]),
+                method=getattr(self.timer, "method", "custom"),
+                l2_flush=bool(self.flush_l2 and device.type == "cuda"),
+                peak_mem_bytes=None,
+                converged=bool(stats["ci_rel"] <= self.target and stats["ci_level"] >= CONFIDENCE - 1e-9),
+                unstable=bool(stats["ci_rel"] > UNSTABLE_REL or stats["ci_level"] < CONFIDENCE - 1e-9),
+                threads=res.threads,
+                **stats,
+            )
 
 
 class _ProviderError(Exception):
@@ -521,28 +560,6 @@ def _guarded(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
             raise _ProviderError(name, exc) from exc
 
     return call
-
-
-def _finish(res: Measurement, fns, warmup, timer, device, flush_l2, target) -> None:
-    """(Re)compute every provider's Timing from the rounds so far."""
-    for name in fns:
-        samples = res.samples(name)
-        if not samples:
-            res.timings.pop(name, None)
-            continue
-        stats = summarize(samples)
-        res.timings[name] = Timing(
-            iters=len(samples),
-            warmup=warmup,
-            n_inputs=len(fns[name]),
-            method=getattr(timer, "method", "custom"),
-            l2_flush=bool(flush_l2 and device.type == "cuda"),
-            peak_mem_bytes=None,
-            converged=bool(stats["ci_rel"] <= target and stats["ci_level"] >= CONFIDENCE - 1e-9),
-            unstable=bool(stats["ci_rel"] > UNSTABLE_REL or stats["ci_level"] < CONFIDENCE - 1e-9),
-            threads=res.threads,
-            **stats,
-        )
 
 
 def method_description(

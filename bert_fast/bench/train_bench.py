@@ -50,14 +50,7 @@ def make_batches(config, batch: int, seq: int, lengths: List[int], n: int, seed:
         pick[torch.arange(batch), torch.zeros(batch, dtype=torch.long)] |= ~pick.any(dim=1)
         labels = torch.where(pick, ids, torch.full_like(ids, -100))
         inputs = torch.where(pick, torch.full_like(ids, mask_id), ids) * attn
-        out.append(
-            {
-                "input_ids": inputs,
-                "attention_mask": attn,
-                "token_type_ids": torch.zeros_like(ids),
-                "labels": labels,
-            }
-        )
+        out.append(dict(input_ids=inputs, attention_mask=attn, token_type_ids=torch.zeros_like(ids), labels=labels))
     return out
 
 
@@ -192,90 +185,98 @@ def v_len(batch: Dict[str, Any]) -> int:
     return int(batch["input_ids"].shape[0])
 
 
-def run(args) -> int:
-    """Run the MLM training-step benchmark for the parsed ``bert-fast bench`` arguments (the first
-    --model, --batch and --seq; --lengths; --dtype; --providers among PROVIDERS; --warmup,
-    --min-rounds, --max-rounds, --max-seconds; --json)."""
+class _Plan:
+    """What one --mode train-mlm run measures: the arguments with their defaults filled (sets
+    args.threads); a BenchError for what it cannot run."""
+
+    def __init__(self, args):
+        import torch
+
+        from bert_fast.bench import timing
+        from bert_fast.bench.model_workload import BenchError, load_config, parse_lengths
+
+        self.device = _device(args.device, BenchError)
+        cuda = self.device.type == "cuda"
+        args.threads = timing.fix_threads(args.threads)
+        self.model = (args.model or "bert-base").split(",")[0]
+        self.batch = (args.batch or [32 if cuda else 8])[0]
+        self.seq = seq = (args.seq or [128])[0]
+        self.dtype_name = args.dtype or ("bf16" if cuda else "fp32")
+        if self.dtype_name == "fp16":
+            raise BenchError("--mode train-mlm runs fp32 or bf16 (autocast); fp16 needs loss scaling")
+        self.providers = [p for p in (args.providers or PROVIDERS) if p in PROVIDERS] or list(PROVIDERS)
+        unknown = [p for p in (args.providers or []) if p not in PROVIDERS]
+        if unknown:
+            raise BenchError(f"--mode train-mlm providers are {', '.join(PROVIDERS)}; got {', '.join(unknown)}")
+        self.config = config = load_config(self.model)
+        if seq > config.max_position_embeddings:
+            raise BenchError(
+                f"--seq {seq} exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+            )
+        self.lengths = parse_lengths(args.lengths or "full", self.batch, seq, args.seed)
+        self.amp_dtype = torch.bfloat16 if self.dtype_name == "bf16" else None  # None: fp32, no autocast
+        self.warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+        self.min_rounds = args.min_rounds or (10 if cuda else 6)
+        self.max_rounds = args.max_rounds or (200 if cuda else 100)
+        self.budget = args.max_seconds if args.max_seconds is not None else (20.0 if cuda else 60.0)
+        self.n_inputs = max(1, getattr(args, "n_inputs", 3))
+
+
+def _peak(device, amp_dtype):
+    """(TFLOP/s the MFU divides by, where it comes from)."""
     import torch
 
     from bert_fast.bench import ceilings as ceil_mod
-    from bert_fast.bench import timing
-    from bert_fast.bench.model_workload import BenchError, load_config, parse_lengths
-    from bert_fast.model.facts import step_flops
 
-    device = _device(args.device, BenchError)
-    cuda = device.type == "cuda"
-    args.threads = timing.fix_threads(args.threads)
-    model = (args.model or "bert-base").split(",")[0]
-    batch = (args.batch or [32 if cuda else 8])[0]
-    seq = (args.seq or [128])[0]
-    dtype_name = args.dtype or ("bf16" if cuda else "fp32")
-    if dtype_name == "fp16":
-        raise BenchError("--mode train-mlm runs fp32 or bf16 (autocast); fp16 needs loss scaling")
-    providers = [p for p in (args.providers or PROVIDERS) if p in PROVIDERS] or list(PROVIDERS)
-    unknown = [p for p in (args.providers or []) if p not in PROVIDERS]
-    if unknown:
-        raise BenchError(f"--mode train-mlm providers are {', '.join(PROVIDERS)}; got {', '.join(unknown)}")
-    config = load_config(model)
-    if seq > config.max_position_embeddings:
-        raise BenchError(f"--seq {seq} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
-    lengths = parse_lengths(args.lengths or "full", batch, seq, args.seed)
-    amp_dtype = torch.bfloat16 if dtype_name == "bf16" else None
-    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
-    min_rounds = args.min_rounds or (10 if cuda else 6)
-    max_rounds = args.max_rounds or (200 if cuda else 100)
-    budget = args.max_seconds if args.max_seconds is not None else (20.0 if cuda else 60.0)
-    n_inputs = max(1, getattr(args, "n_inputs", 3))
-
-    print(
-        f"bert-fast bench --mode train-mlm: {model} B={batch} S={seq} lengths={args.lengths or 'full'} "
-        f"{dtype_name} on {device}, {args.threads} thread(s); providers {', '.join(providers)}",
-        file=sys.stderr,
-    )
     peak_env = os.environ.get("BERT_FAST_PEAK_TFLOPS")  # as benchmarks/bench_train.py: a given peak
     if peak_env:
-        peak, peak_source = float(peak_env), "BERT_FAST_PEAK_TFLOPS"
-    else:
-        gemm_dtype = torch.bfloat16 if amp_dtype is not None else torch.float32
-        peak, peak_source = ceil_mod.measure(device, gemm_dtype)["matmul_tflops"], "measured GEMM rate"
-    batches_cpu = make_batches(config, batch, seq, lengths, n_inputs, args.seed)
-    batches = [{k: v.to(device) for k, v in b.items()} for b in batches_cpu]
-    flops = step_flops(config, lengths, "train")
-    tokens = sum(lengths)
+        return float(peak_env), "BERT_FAST_PEAK_TFLOPS"
+    gemm_dtype = torch.bfloat16 if amp_dtype is not None else torch.float32
+    return ceil_mod.measure(device, gemm_dtype)["matmul_tflops"], "measured GEMM rate"
 
-    fast, make_hf = build_models(config, device, args.seed)
+
+def _time_loops(plan: _Plan, fast, make_hf, batches):
+    """(results, measurement) of the loop providers, timed side by side (None: neither asked for)."""
+    from bert_fast.bench import timing
+
     loop_providers: Dict[str, Any] = {}
-    if "bert_fast" in providers:
-        opt = _optimizer(fast, device)
-        loop_providers["bert_fast"] = [loop_step(fast, opt, b, amp_dtype, device) for b in batches]
-    if "hf-sdpa" in providers:
-        hf = make_hf()
-        opt_hf = _optimizer(hf, device)
-        loop_providers["hf-sdpa"] = [loop_step(hf, opt_hf, b, amp_dtype, device) for b in batches]
+    for name, make_model in (("bert_fast", lambda: fast), ("hf-sdpa", make_hf)):
+        if name in plan.providers:
+            model = make_model()
+            opt = _optimizer(model, plan.device)
+            loop_providers[name] = [loop_step(model, opt, b, plan.amp_dtype, plan.device) for b in batches]
     results: Dict[str, Dict[str, Any]] = {}
-    m = None
-    if loop_providers:
-        m = timing.measure(
-            loop_providers,
-            device,
-            warmup=warmup,
-            min_rounds=min_rounds,
-            max_rounds=max_rounds,
-            budget_s=budget,
+    if not loop_providers:
+        return results, None
+    m = timing.measure(
+        loop_providers,
+        plan.device,
+        warmup=plan.warmup,
+        min_rounds=plan.min_rounds,
+        max_rounds=plan.max_rounds,
+        budget_s=plan.budget,
+    )
+    for name, err in m.errors.items():
+        results[name] = {"error": f"{type(err).__name__}: {err}"}
+    for name, t in m.timings.items():
+        results[name] = {"timing": t.to_dict(), "median_ms": t.median_ms}
+    return results, m
+
+
+def _time_trainer(plan: _Plan, make_hf, batches_cpu, seed: int) -> Dict[str, Any]:
+    """hf-trainer's result: its median step over min_rounds timed steps after warm-up."""
+    steps = plan.min_rounds  # timed Trainer steps after warm-up
+    try:
+        deltas = trainer_step_times(
+            make_hf, batches_cpu, plan.batch, plan.dtype_name, plan.device, max(1, plan.warmup), steps, seed
         )
-        for name, err in m.errors.items():
-            results[name] = {"error": f"{type(err).__name__}: {err}"}
-        for name, t in m.timings.items():
-            results[name] = {"timing": t.to_dict(), "median_ms": t.median_ms}
-    if "hf-trainer" in providers:
-        steps = min_rounds  # timed Trainer steps after warm-up
-        try:
-            deltas = trainer_step_times(
-                make_hf, batches_cpu, batch, dtype_name, device, max(1, warmup), steps, args.seed
-            )
-            results["hf-trainer"] = {"median_ms": 1e3 * statistics.median(deltas), "steps_timed": len(deltas)}
-        except Exception as exc:  # noqa: BLE001 - a broken Trainer install must not hide the other figures
-            results["hf-trainer"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return {"median_ms": 1e3 * statistics.median(deltas), "steps_timed": len(deltas)}
+    except Exception as exc:  # noqa: BLE001 - a broken Trainer install must not hide the other figures
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _add_rates(results: Dict[str, Dict[str, Any]], m, tokens: int, flops: float, peak: float) -> None:
+    """Tokens/s and MFU of every timed provider, and bert_fast's speedup over each other one."""
     for r in results.values():
         if "median_ms" in r:
             s = r["median_ms"] / 1e3
@@ -290,9 +291,14 @@ def run(args) -> int:
                 if sp is not None:
                     r["bert_fast_speedup_ci"] = [sp.ci_low, sp.ci_high]
 
-    print(f"MFU peak ({dtype_name}, {peak_source}): {peak:.3g} TFLOP/s; model FLOPs per step {flops / 1e9:.2f} GFLOP")
+
+def _print_table(plan: _Plan, results, peak: float, peak_source: str, flops: float) -> None:
+    """The MFU peak, then one row per provider: ms per step, tokens/s, MFU, bert_fast's speedup."""
+    print(
+        f"MFU peak ({plan.dtype_name}, {peak_source}): {peak:.3g} TFLOP/s; model FLOPs per step {flops / 1e9:.2f} GFLOP"
+    )
     print(f"{'provider':<12} {'ms/step':>10} {'tokens/s':>12} {'MFU':>7}  bert_fast speedup")
-    for name in providers:
+    for name in plan.providers:
         r = results.get(name, {})
         if "error" in r:
             print(f"{name:<12} error: {r['error']}")
@@ -303,6 +309,36 @@ def run(args) -> int:
         ci = r.get("bert_fast_speedup_ci")
         sp_text = "" if sp is None else f"{sp:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
         print(f"{name:<12} {r['median_ms']:>10.2f} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}%  {sp_text}")
+
+
+def run(args) -> int:
+    """Run the MLM training-step benchmark for the parsed ``bert-fast bench`` arguments (the first
+    --model, --batch and --seq; --lengths; --dtype; --providers among PROVIDERS; --warmup,
+    --min-rounds, --max-rounds, --max-seconds; --json)."""
+    import torch
+
+    from bert_fast.model.facts import step_flops
+
+    plan = _Plan(args)
+    device = plan.device
+    print(
+        f"bert-fast bench --mode train-mlm: {plan.model} B={plan.batch} S={plan.seq} "
+        f"lengths={args.lengths or 'full'} {plan.dtype_name} on {device}, {args.threads} thread(s); "
+        f"providers {', '.join(plan.providers)}",
+        file=sys.stderr,
+    )
+    peak, peak_source = _peak(device, plan.amp_dtype)
+    batches_cpu = make_batches(plan.config, plan.batch, plan.seq, plan.lengths, plan.n_inputs, args.seed)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches_cpu]
+    flops = step_flops(plan.config, plan.lengths, "train")
+    tokens = sum(plan.lengths)
+
+    fast, make_hf = build_models(plan.config, device, args.seed)
+    results, m = _time_loops(plan, fast, make_hf, batches)
+    if "hf-trainer" in plan.providers:
+        results["hf-trainer"] = _time_trainer(plan, make_hf, batches_cpu, args.seed)
+    _add_rates(results, m, tokens, flops, peak)
+    _print_table(plan, results, peak, peak_source, flops)
     if args.json:
         from bert_fast.bench.results import write_json
 
@@ -310,13 +346,13 @@ def run(args) -> int:
             args.json,
             {
                 "kind": "train-mlm",
-                "model": model,
-                "batch": batch,
-                "seq": seq,
-                "lengths": lengths,
-                "dtype": dtype_name,
+                "model": plan.model,
+                "batch": plan.batch,
+                "seq": plan.seq,
+                "lengths": plan.lengths,
+                "dtype": plan.dtype_name,
                 "device": str(device),
-                "device_name": torch.cuda.get_device_name(device) if cuda else "CPU",
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 "threads": args.threads,
                 "peak_tflops": peak,
                 "peak_source": peak_source,

@@ -349,6 +349,28 @@ def test_master_weights_match_torch_adamw_in_fp32():
 
 
 # ----------------------------------------------------------------------------- bench --mode train-mlm
+@pytest.mark.parametrize(
+    "dtype, expect",
+    [("bf16", "bf16"), ("fp32", None), ("fp16", "fp16 needs loss scaling"), ("fp32,bf16", "one --dtype at a time")],
+)
+def test_bench_train_mlm_takes_its_dtype(dtype, expect):
+    """--dtype reaches the training bench (it parses to a list: bf16 silently ran fp32 before)."""
+    import argparse
+
+    from bert_fast.bench import model_bench, train_bench
+    from bert_fast.bench.model_workload import BenchError
+
+    parser = argparse.ArgumentParser()
+    model_bench.add_arguments(parser)
+    args = parser.parse_args(["--mode", "train-mlm", "--model", "tiny", "--device", "cpu", "--dtype", dtype])
+    if expect in (None, "bf16"):
+        plan = train_bench._Plan(args)
+        assert plan.dtype_name == dtype and (plan.amp_dtype is not None) == (dtype == "bf16")
+    else:
+        with pytest.raises(BenchError, match=expect):
+            train_bench._Plan(args)
+
+
 def test_bench_train_mlm_runs_and_reports_tokens_and_mfu(tmp_path, capsys, monkeypatch):
     """`bert-fast bench --mode train-mlm` at a tiny size: every provider (bert_fast and transformers
     through the same loop, transformers.Trainer) gets a time, tokens/s and MFU (no timing claim)."""

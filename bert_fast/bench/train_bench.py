@@ -201,7 +201,11 @@ class _Plan:
         self.model = (args.model or "bert-base").split(",")[0]
         self.batch = (args.batch or [32 if cuda else 8])[0]
         self.seq = seq = (args.seq or [128])[0]
-        self.dtype_name = args.dtype or ("bf16" if cuda else "fp32")
+        # the bench's --dtype parses to a list (a table each for inference); a training run times one
+        dtypes = [args.dtype] if isinstance(args.dtype, str) else list(args.dtype or [])
+        if len(dtypes) > 1:
+            raise BenchError(f"--mode train-mlm times one --dtype at a time; got {','.join(dtypes)}")
+        self.dtype_name = dtypes[0] if dtypes else ("bf16" if cuda else "fp32")
         if self.dtype_name == "fp16":
             raise BenchError("--mode train-mlm runs fp32 or bf16 (autocast); fp16 needs loss scaling")
         self.providers = [p for p in (args.providers or PROVIDERS) if p in PROVIDERS] or list(PROVIDERS)

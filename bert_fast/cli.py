@@ -37,7 +37,7 @@ def gather_info(device_name: Optional[str] = None) -> dict:
     import torch
 
     import bert_fast
-    from bert_fast.bench.model_bench import BenchError, resolve_device
+    from bert_fast.bench.model_options import BenchError, resolve_device
     from bert_fast.bench.op_backends import OP_KERNELS, linear_dispatch, op_backend
     from bert_fast.bench.results import environment
 

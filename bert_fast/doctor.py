@@ -36,6 +36,7 @@ patch kernels while debugging; the tests use it to plant failures).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -45,8 +46,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+from bert_fast.bench.op_cases import attention as attention_cases
+from bert_fast.bench.op_cases import bias_gelu as bias_gelu_cases
+from bert_fast.bench.op_cases import embedding as embedding_cases
+from bert_fast.bench.op_cases import linear as linear_cases
+from bert_fast.bench.op_cases import residual_layer_norm as residual_layer_norm_cases
 from bert_fast.model.facts import kernel_shape
 
 OPS = ("linear", "bias_gelu", "residual_layer_norm", "attention", "embedding")
@@ -67,29 +73,27 @@ EXIT_FAIL = 1
 
 
 # ----------------------------------------------------------------------------- the plan
+def _linear_gemms(h: int, ffn: int) -> Dict[str, tuple]:
+    """The linear checks' (N, K, activation) by case name: the GEMMs of bench.op_cases.linear, the
+    one with GELU named "+gelu"."""
+    return {(name + "+gelu" if act else name): (n, k, act) for name, n, k, act in linear_cases.gemm_shapes(h, ffn)}
+
+
+LINEAR_CASES = tuple(_linear_gemms(1, 4))  # "qkv", "ffn_up+gelu", "ffn_down"
+
+
 def plan(gpu: bool, ops=OPS, dtypes=DTYPES, shapes=tuple(SHAPES), layouts=LAYOUTS) -> List[dict]:
     """Every check, in order: op, case, dtype, shape, layout, dropout, direction (and an id)."""
     checks = []
     for op in ops:
-        cases = ["qkv", "ffn_up+gelu", "ffn_down"] if op == "linear" else [""]
-        for dtype in dtypes:
-            for shape in shapes:
-                for layout in layouts:
-                    for case in cases:
-                        for p in (0.0, DROPOUT_P) if op in DROPOUT_OPS else (0.0,):
-                            for direction in ("fwd", "bwd"):
-                                checks.append(
-                                    dict(
-                                        op=op,
-                                        case=case,
-                                        dtype=dtype,
-                                        shape=shape,
-                                        layout=layout,
-                                        dropout=p,
-                                        direction=direction,
-                                        gpu=gpu,
-                                    )
-                                )
+        cases = LINEAR_CASES if op == "linear" else ("",)
+        dropouts = (0.0, DROPOUT_P) if op in DROPOUT_OPS else (0.0,)
+        for dtype, shape, layout, case, p, direction in itertools.product(
+            dtypes, shapes, layouts, cases, dropouts, ("fwd", "bwd")
+        ):
+            checks.append(
+                dict(op=op, case=case, dtype=dtype, shape=shape, layout=layout, dropout=p, direction=direction, gpu=gpu)
+            )
     for i, c in enumerate(checks):
         c["id"] = i
     return checks
@@ -129,7 +133,9 @@ def _torch_dtype(name: str):
 
 class _Op:
     """One op's check: inputs, the kernel (through the op), the torch implementation and the oracle.
-    ``leaves``: the float inputs gradients flow to; ``reductions``: those summed over rows."""
+    ``leaves``: the float inputs gradients flow to; ``reductions``: those summed over rows. The
+    inputs are the op's ``sample_inputs`` of bert_fast.bench.op_cases (the bench's), at the check's
+    shape, from this check's seeded generator."""
 
     reductions: tuple = ()
 
@@ -154,18 +160,11 @@ class _Linear(_Op):
 
     def setup(self):
         d = self.dims
-        h, f = d["hidden"], d["ffn"]
-        gemms = {"qkv": (3 * h, h, None), "ffn_up+gelu": (f, h, "gelu"), "ffn_down": (h, f, None)}
-        n, k, act = gemms[self.check["case"]]
+        n, k, self.act = _linear_gemms(d["hidden"], d["ffn"])[self.check["case"]]
         if not self.check["gpu"]:
             n, k = min(n, CPU_LIMITS["linear_n"]), min(k, CPU_LIMITS["linear_k"])
-        self.act = act
         self.label = f"M={d['tokens']} N={n} K={k}"
-        self.inputs = {
-            "x": self.randn(d["tokens"], k),
-            "weight": self.randn(n, k, scale=k**-0.5),
-            "bias": self.randn(n, scale=0.1),
-        }
+        self.inputs = linear_cases.sample_inputs(d["tokens"], n, k, self.randn)
 
     def kernel(self, t):
         from bert_fast.ops import linear
@@ -195,7 +194,7 @@ class _BiasGelu(_Op):
     def setup(self):
         d = self.dims
         self.label = f"M={d['tokens']} N={d['ffn']}"
-        self.inputs = {"x": self.randn(d["tokens"], d["ffn"]), "bias": self.randn(d["ffn"], scale=0.1)}
+        self.inputs = bias_gelu_cases.sample_inputs(d["tokens"], d["ffn"], self.randn)
 
     def kernel(self, t):
         from bert_fast.ops import bias_gelu
@@ -223,14 +222,8 @@ class _ResidualLayerNorm(_Op):
 
     def setup(self):
         d = self.dims
-        h = d["hidden"]
-        self.label = f"M={d['tokens']} N={h}"
-        self.inputs = {
-            "x": self.randn(d["tokens"], h),
-            "residual": self.randn(d["tokens"], h),
-            "weight": 1.0 + self.randn(h, scale=0.1),
-            "bias": self.randn(h, scale=0.1),
-        }
+        self.label = f"M={d['tokens']} N={d['hidden']}"
+        self.inputs = residual_layer_norm_cases.sample_inputs(d["tokens"], d["hidden"], self.randn)
 
     def kernel(self, t):
         from bert_fast.ops import residual_layer_norm
@@ -267,26 +260,18 @@ class _ResidualLayerNorm(_Op):
 
 class _Attention(_Op):
     def setup(self):
-        import torch
-
         d = self.dims
         h, hd = d["heads"], d["head_dim"]
         self.scale = hd**-0.5
         self.varlen = self.check["layout"] == "varlen"
-        if self.varlen:
-            cu = [0]
-            for n in d["lengths"]:
-                cu.append(cu[-1] + n)
-            self.cu = torch.tensor(cu, dtype=torch.int32, device=self.device)
-            self.key_mask = None
-            self.inputs = {"qkv": self.randn(d["tokens"], 3, h, hd)}
-        else:  # padded, with a ragged key-padding mask (the last row without keys)
+        lengths = d["lengths"]
+        if not self.varlen:  # padded, with a ragged key-padding mask (the last row without keys)
             b, s = d["batch"], d["seq"]
-            lens = [max(0, s - (i * s) // b) for i in range(b)]
-            lens[-1] = 0
-            self.key_mask = torch.arange(s)[None, :] < torch.tensor(lens)[:, None]
-            self.key_mask = self.key_mask.to(self.device)
-            self.inputs = {"qkv": self.randn(b, s, 3, h, hd)}
+            lengths = [max(0, s - (i * s) // b) for i in range(b)]
+            lengths[-1] = 0
+        qkv, layout = attention_cases.sample_inputs(lengths, d["seq"], h, hd, self.randn, self.device, self.varlen)
+        self.cu, self.key_mask = (layout, None) if self.varlen else (None, layout)
+        self.inputs = {"qkv": qkv}
         self.label = (
             f"T={d['tokens']} max={d['seq']}" if self.varlen else f"B={d['batch']} S={d['seq']}"
         ) + f" h={h} d={hd}"
@@ -336,6 +321,9 @@ class _Attention(_Op):
 
 
 class _Embedding(_Op):
+    """``t``'s values are the op's float inputs in its order (word, position and token-type tables,
+    LayerNorm weight and bias: bench.op_cases.embedding.sample_inputs)."""
+
     reductions = ("word", "position", "token_type", "weight", "bias")
 
     def setup(self):
@@ -344,22 +332,14 @@ class _Embedding(_Op):
         d = self.dims
         h, v = d["hidden"], d["vocab"]
         b, s = d["batch"], d["seq"]
-        self.ids = torch.randint(1, v, (b, s), generator=self.gen).to(self.device)
-        self.ids[:, -1] = 0  # a padding-index token in every row
-        self.tt = torch.randint(0, 2, (b, s), generator=self.gen).to(self.device)
+        self.ids, self.tt = embedding_cases.sample_ids(b, s, v, self.device, self.gen)
         self.indices = None
         if self.check["layout"] == "varlen":  # unpadding fused into the gather
             keep = torch.arange(s)[None, :] < torch.tensor(d["lengths"])[:, None]
             self.indices = keep.reshape(-1).nonzero().reshape(-1).to(self.device)
         self.rows = d["tokens"]
         self.label = f"{'T' if self.indices is not None else 'B x S'}={self.rows} H={h} V={v}"
-        self.inputs = {
-            "word": self.randn(v, h),
-            "position": self.randn(512, h),
-            "token_type": self.randn(2, h),
-            "weight": 1.0 + self.randn(h, scale=0.1),
-            "bias": self.randn(h, scale=0.1),
-        }
+        self.inputs = embedding_cases.sample_inputs(h, v, self.randn)
 
     def kernel(self, t):
         import torch
@@ -368,19 +348,7 @@ class _Embedding(_Op):
 
         state = self.gen.get_state()
         out = embedding_layer_norm(
-            self.ids,
-            None,
-            self.tt,
-            t["word"],
-            t["position"],
-            t["token_type"],
-            t["weight"],
-            t["bias"],
-            1e-12,
-            self.p,
-            padding_idx=0,
-            indices=self.indices,
-            generator=self.gen,
+            self.ids, None, self.tt, *t.values(), 1e-12, self.p, padding_idx=0, indices=self.indices, generator=self.gen
         )
         self.mask = None
         if self.p > 0.0:  # the seed the op drew, again: the kernel's mask for it
@@ -393,43 +361,16 @@ class _Embedding(_Op):
     def torch_fwd(self, t):
         from bert_fast.ops import torch_impl
 
-        out, mean, rstd = torch_impl.embedding_fwd(
-            self.ids,
-            None,
-            self.tt,
-            self.indices,
-            t["word"],
-            t["position"],
-            t["token_type"],
-            t["weight"],
-            t["bias"],
-            1e-12,
-            self.p,
-            None,
-            keep=self.mask,
-        )
+        fwd = torch_impl.embedding_fwd
+        out, mean, rstd = fwd(self.ids, None, self.tt, self.indices, *t.values(), 1e-12, self.p, None, keep=self.mask)
         return out, (mean, rstd)
 
     def torch_bwd(self, t, dy, saved):
         from bert_fast.ops import torch_impl
 
+        tables = list(t.values())[:4]  # word, position, token_type, weight: the backward needs no bias
         return torch_impl.embedding_bwd(
-            dy,
-            self.ids,
-            None,
-            self.tt,
-            self.indices,
-            t["word"],
-            t["position"],
-            t["token_type"],
-            t["weight"],
-            saved[0],
-            saved[1],
-            self.p,
-            None,
-            0,
-            [True] * 5,
-            keep=self.mask,
+            dy, self.ids, None, self.tt, self.indices, *tables, *saved, self.p, None, 0, [True] * 5, keep=self.mask
         )
 
     def oracle(self, t):
@@ -438,19 +379,7 @@ class _Embedding(_Op):
         rows_shape = (self.rows,) if self.indices is not None else tuple(self.ids.shape)
         mask = None if self.mask is None else self.mask.reshape(*rows_shape, -1)
         return reference.embedding_layer_norm(
-            self.ids,
-            None,
-            self.tt,
-            t["word"],
-            t["position"],
-            t["token_type"],
-            t["weight"],
-            t["bias"],
-            1e-12,
-            self.p,
-            0,
-            self.indices,
-            mask,
+            self.ids, None, self.tt, *t.values(), 1e-12, self.p, 0, self.indices, mask
         )
 
 
@@ -498,14 +427,22 @@ def _time_ms(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
+def _identity(check: dict) -> dict:
+    """The fields that name a check, first in its result."""
+    return {k: check[k] for k in ("id", "op", "case", "dtype", "shape", "layout", "dropout", "direction")}
+
+
+def _broken(check: dict, gpu: bool, verdict: str, reason: str) -> dict:
+    """The result of a check that gave no figures: its process died, or the check itself raised."""
+    return dict(_identity(check), verdict=verdict, kernel=kernel_label(check["op"], gpu, check["dtype"]), reason=reason)
+
+
 def run_check(check: dict) -> dict:
     """Run one check in this process; the result dict (verdict, errors, times, reason)."""
     import torch
 
-    from bert_fast.testing import max_abs_err, reduction_floor, rounding_floor
-
     reason = skip_reason(check)
-    result = {k: check[k] for k in ("id", "op", "case", "dtype", "shape", "layout", "dropout", "direction")}
+    result = _identity(check)
     result["kernel"] = kernel_label(check["op"], check["gpu"], check["dtype"])
     if reason:
         return dict(result, verdict="skip", reason=reason)
@@ -513,31 +450,82 @@ def run_check(check: dict) -> dict:
     op = _OPS[check["op"]](check, device)
     op.setup()
     result["size"] = op.label
-    t = op.inputs
-    names = list(t)
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
+    run = _CheckRun(op, device, backward=check["direction"] == "bwd")
     try:
-        out_k = op.kernel(leaves)
-        if check["direction"] == "bwd":
-            dy = op.randn(*out_k.shape)
-            grads_k = torch.autograd.grad(out_k, [leaves[n] for n in names], dy, retain_graph=True)
-        _sync(device)
+        run.kernel()
     except Exception as exc:  # noqa: BLE001 - the kernel raised: its verdict
         return dict(result, verdict="error", reason=f"the kernel raised {type(exc).__name__}: {str(exc).strip()[:500]}")
-    plain = {k: v.detach() for k, v in t.items()}
-    out_t, saved = op.torch_fwd(plain)
-    wide = {k: v.detach().double().requires_grad_() for k, v in t.items()}
-    out_o = op.oracle(wide)
-    if check["direction"] == "fwd":
-        pairs = [("out", out_k.detach(), out_t, out_o.detach(), None)]
-    else:
-        grads_t = op.torch_bwd(plain, dy, saved)
-        grads_o = torch.autograd.grad(out_o, [wide[n] for n in names], dy.double(), allow_unused=True)
+    result.update(_verdict(run.pairs(), op))
+    try:
+        run.times(result, reps=5 if check["gpu"] else 1)
+    except Exception as exc:  # noqa: BLE001 - timing is informative only
+        result["timing_error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+class _CheckRun:
+    """One check's calls on the same inputs: the kernel (through the op, with autograd), then the
+    torch implementation and the float64 oracle; forward, or backward with the same ``dy``."""
+
+    def __init__(self, op: _Op, device, backward: bool):
+        self.op, self.device, self.backward = op, device, backward
+        self.names = list(op.inputs)
+        self.leaves = {k: v.detach().clone().requires_grad_() for k, v in op.inputs.items()}
+        self.plain = {k: v.detach() for k, v in op.inputs.items()}
+        self.dy = self.grads = self.saved = None
+
+    def kernel(self) -> None:
+        """The kernel's output (and gradients); raises what the kernel raises."""
+        import torch
+
+        self.out = self.op.kernel(self.leaves)
+        if self.backward:
+            self.dy = self.op.randn(*self.out.shape)
+            self.grads = torch.autograd.grad(self.out, [self.leaves[n] for n in self.names], self.dy, retain_graph=True)
+        _sync(self.device)
+
+    def pairs(self) -> List[tuple]:
+        """(name, kernel's, torch's, oracle's, rows it sums or None) of the output or each gradient."""
+        import torch
+
+        op = self.op
+        out_t, self.saved = op.torch_fwd(self.plain)
+        wide = {k: v.detach().double().requires_grad_() for k, v in op.inputs.items()}
+        out_o = op.oracle(wide)
+        if not self.backward:
+            return [("out", self.out.detach(), out_t, out_o.detach(), None)]
+        grads_t = op.torch_bwd(self.plain, self.dy, self.saved)
+        grads_o = torch.autograd.grad(out_o, [wide[n] for n in self.names], self.dy.double(), allow_unused=True)
         rows = op.dims["tokens"]
-        pairs = [
+        return [
             (f"d{n}", gk, gt, go if go is not None else torch.zeros_like(wide[n]), rows if n in op.reductions else None)
-            for n, gk, gt, go in zip(names, grads_k, grads_t, grads_o)
+            for n, gk, gt, go in zip(self.names, self.grads, grads_t, grads_o)
         ]
+
+    def times(self, result: dict, reps: int) -> None:
+        """Median ms of the kernel (through the op) and of the torch implementation (directly)."""
+        import torch
+
+        op, plain, device = self.op, self.plain, self.device
+        if not self.backward:
+            with torch.no_grad():
+                result["kernel_ms"] = _time_ms(lambda: op.kernel(plain), device, reps)
+                result["torch_ms"] = _time_ms(lambda: op.torch_fwd(plain), device, reps)
+            return
+        params = [self.leaves[n] for n in self.names]
+        result["kernel_ms"] = _time_ms(
+            lambda: torch.autograd.grad(self.out, params, self.dy, retain_graph=True), device, reps
+        )
+        result["torch_ms"] = _time_ms(lambda: op.torch_bwd(plain, self.dy, self.saved), device, reps)
+
+
+def _verdict(pairs: List[tuple], op: _Op) -> dict:
+    """pass when every output or gradient is within the 2x rule and finite where the oracle is;
+    the worst of them (closest to or furthest over its bound), and why it failed."""
+    import torch
+
+    from bert_fast.testing import max_abs_err, reduction_floor, rounding_floor
+
     worst, verdict, why = None, "pass", []
     for name, k, tt, o, rows in pairs:
         k, tt, o = k.reshape(o.shape), tt.reshape(o.shape), o
@@ -556,23 +544,7 @@ def run_check(check: dict) -> dict:
         if not err_k <= bound:
             verdict = "fail"
             why.append(f"{name}: error {err_k:.3e} > 2 x torch's {err_t:.3e} + floor {floor:.1e}")
-    result.update(verdict=verdict, worst=worst, reason="; ".join(why) or None)
-    # times (median; the kernel through the op, the torch implementation directly)
-    reps = 5 if check["gpu"] else 1
-    try:
-        if check["direction"] == "fwd":
-            with torch.no_grad():
-                result["kernel_ms"] = _time_ms(lambda: op.kernel(plain), device, reps)
-                result["torch_ms"] = _time_ms(lambda: op.torch_fwd(plain), device, reps)
-        else:
-            params = [leaves[n] for n in names]
-            result["kernel_ms"] = _time_ms(
-                lambda: torch.autograd.grad(out_k, params, dy, retain_graph=True), device, reps
-            )
-            result["torch_ms"] = _time_ms(lambda: op.torch_bwd(plain, dy, saved), device, reps)
-    except Exception as exc:  # noqa: BLE001 - timing is informative only
-        result["timing_error"] = f"{type(exc).__name__}: {exc}"
-    return result
+    return dict(verdict=verdict, worst=worst, reason="; ".join(why) or None)
 
 
 def _child_main(argv: List[str]) -> int:
@@ -589,13 +561,8 @@ def _child_main(argv: List[str]) -> int:
         try:
             res = run_check(check)
         except Exception as exc:  # noqa: BLE001 - the check itself broke (not the kernel): say so, go on
-            res = {k: check[k] for k in ("id", "op", "case", "dtype", "shape", "layout", "dropout", "direction")}
-            res.update(
-                verdict="error",
-                kernel=kernel_label(check["op"], check["gpu"], check["dtype"]),
-                reason=f"the check itself raised (after the kernel ran): {type(exc).__name__}: "
-                f"{str(exc).strip()[:500]}",
-            )
+            why = f"the check itself raised (after the kernel ran): {type(exc).__name__}: {str(exc).strip()[:500]}"
+            res = _broken(check, check["gpu"], "error", why)
         print(PROTOCOL + json.dumps({"result": res}, default=float), flush=True)
     return 0
 
@@ -625,9 +592,38 @@ def _child_env(gpu: bool) -> dict:
 def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -> List[dict]:
     """Run ``checks`` in child processes: one while it lives; after a fault the rest in a new one."""
     results: Dict[int, dict] = {}
+
+    def record(res: dict) -> None:
+        results[res["id"]] = res
+        if on_result:
+            on_result(res)
+
     pending = [c for c in checks]
     while pending:
-        proc = subprocess.Popen(
+        child = _Child(pending, gpu)
+        current, timed_out = child.watch(timeout_s, record)
+        pending = [c for c in pending if c["id"] not in results]
+        if not pending:
+            break
+        # the process ended with checks left: the one it was running (or the first) is a fault
+        culprit = next((c for c in pending if c["id"] == current), pending[0])
+        tail = "".join(child.stderr_chunks).strip().splitlines()[-6:]
+        why = (
+            f"the check's process timed out after {timeout_s:.0f} s"
+            if timed_out
+            else f"the check's process died ({_signal_name(child.proc.returncode)})"
+        )
+        record(_broken(culprit, gpu, "fault", why + (": " + " | ".join(t.strip() for t in tail) if tail else "")))
+        pending = [c for c in pending if c["id"] != culprit["id"]]
+    return [results[c["id"]] for c in checks]
+
+
+class _Child:
+    """One check process, given its checks on stdin; threads read its stderr and, line by line, its
+    stdout, which ``watch`` follows as the lines arrive."""
+
+    def __init__(self, checks: List[dict], gpu: bool):
+        self.proc = subprocess.Popen(
             [sys.executable, "-m", "bert_fast.doctor", "--child"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -635,25 +631,28 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
             text=True,
             env=_child_env(gpu),
         )
-        stderr_chunks: List[str] = []
-        reader = threading.Thread(target=lambda p=proc, out=stderr_chunks: out.append(p.stderr.read()), daemon=True)
-        reader.start()
-        proc.stdin.write(json.dumps(pending))
-        proc.stdin.close()
+        self.stderr_chunks: List[str] = []
+        self.reader = threading.Thread(target=lambda: self.stderr_chunks.append(self.proc.stderr.read()), daemon=True)
+        self.reader.start()
+        self.proc.stdin.write(json.dumps(checks))
+        self.proc.stdin.close()
+        self.lines: List[str] = []
+        self.line_reader = threading.Thread(target=self._read_lines, daemon=True)
+        self.line_reader.start()
+
+    def _read_lines(self) -> None:  # line by line: watch() follows them as they arrive
+        for ln in self.proc.stdout:
+            self.lines.append(ln)
+
+    def watch(self, timeout_s: float, record) -> Tuple[Optional[int], bool]:
+        """Follow the protocol until the process ends (killed when one check runs over ``timeout_s``),
+        each result to ``record``; (the check it was running, or None; whether it timed out)."""
         current, deadline = None, time.monotonic() + timeout_s
         timed_out = False
-        lines: List[str] = []
-
-        def read_lines(p=proc, out=lines):  # line by line: the loop below watches them arrive
-            for ln in p.stdout:
-                out.append(ln)
-
-        line_reader = threading.Thread(target=read_lines, daemon=True)
-        line_reader.start()
         seen = 0
         while True:
-            while seen < len(lines):
-                ln = lines[seen]
+            while seen < len(self.lines):
+                ln = self.lines[seen]
                 seen += 1
                 if not ln.startswith(PROTOCOL):
                     continue
@@ -661,43 +660,19 @@ def run_group(checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -
                 if "start" in msg:
                     current, deadline = msg["start"], time.monotonic() + timeout_s
                 elif "result" in msg:
-                    res = msg["result"]
-                    results[res["id"]] = res
+                    record(msg["result"])
                     current = None
-                    if on_result:
-                        on_result(res)
-            if proc.poll() is not None and not line_reader.is_alive():
+            if self.proc.poll() is not None and not self.line_reader.is_alive():
                 break
             if time.monotonic() > deadline:
                 timed_out = True
-                proc.kill()
-                proc.wait()
-                line_reader.join(5)
+                self.proc.kill()
+                self.proc.wait()
+                self.line_reader.join(5)
                 continue
             time.sleep(0.02)
-        reader.join(5)
-        pending = [c for c in pending if c["id"] not in results]
-        if not pending:
-            break
-        # the process ended with checks left: the one it was running (or the first) is a fault
-        culprit = next((c for c in pending if c["id"] == current), pending[0])
-        tail = "".join(stderr_chunks).strip().splitlines()[-6:]
-        why = (
-            f"the check's process timed out after {timeout_s:.0f} s"
-            if timed_out
-            else f"the check's process died ({_signal_name(proc.returncode)})"
-        )
-        res = {k: culprit[k] for k in ("id", "op", "case", "dtype", "shape", "layout", "dropout", "direction")}
-        res.update(
-            verdict="fault",
-            kernel=kernel_label(culprit["op"], gpu, culprit["dtype"]),
-            reason=why + (": " + " | ".join(t.strip() for t in tail) if tail else ""),
-        )
-        results[culprit["id"]] = res
-        if on_result:
-            on_result(res)
-        pending = [c for c in pending if c["id"] != culprit["id"]]
-    return [results[c["id"]] for c in checks]
+        self.reader.join(5)
+        return current, timed_out
 
 
 COLUMNS = ("kernel", "dtype", "shape", "layout", "case", "dir", "verdict", "err/torch", "kernel ms", "torch ms")
@@ -772,10 +747,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    """``bert-fast doctor``: every check, one process per op; the table, problems, summary, the
+    CPU's precision advice and the JSON report. Exit status EXIT_FAIL when a check failed."""
     import torch
-
-    import bert_fast
-    from bert_fast.bench.results import environment, write_json
 
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if gpu and not torch.cuda.is_available():
@@ -795,11 +769,27 @@ def run(args) -> int:
     )
     print(f"bert-fast doctor: {len(checks)} checks {where}; each op's checks in their own process", flush=True)
     t0 = time.monotonic()
+    results = _run_ops(ops, checks, gpu, args.timeout)
+    bad = _print_report(results, t0)
+    note, precision = _cpu_advice(gpu)
+    status = EXIT_FAIL if bad else 0
+    if args.json:
+        _write_report(args.json, gpu, results, status, note, precision, t0)
+    if bad:
+        print(
+            "some kernels failed their checks: bert_fast's first-use check falls back to the torch "
+            "implementation for them on this machine; please send the JSON report (--json) with an issue."
+        )
+    return status
+
+
+def _run_ops(ops, checks: List[dict], gpu: bool, timeout_s: float) -> List[dict]:
+    """Each op's checks in their own processes (run_group), a line per op as it ends."""
     results: List[dict] = []
     for op in ops:
         group = [c for c in checks if c["op"] == op]
         t_op = time.monotonic()
-        results += run_group(group, gpu, args.timeout)
+        results += run_group(group, gpu, timeout_s)
         done = [r for r in results if r["op"] == op]
         s = summarize(done)
         print(
@@ -807,6 +797,12 @@ def run(args) -> int:
             f"({', '.join(f'{v} {k}' for k, v in s.items() if v)})",
             flush=True,
         )
+    return results
+
+
+def _print_report(results: List[dict], t0: float) -> List[dict]:
+    """The table, the problems, why checks were skipped and the counts; returns the checks that
+    failed, raised or faulted."""
     print()
     print(format_table(results))
     bad = [r for r in results if r["verdict"] in ("fail", "error", "fault")]
@@ -826,42 +822,46 @@ def run(args) -> int:
         + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
         + f" ({time.monotonic() - t0:.0f} s)"
     )
-    note = None
-    if not gpu:
-        note = (
-            "No GPU here: the kernels ran through the Triton interpreter at small shapes. This says their "
-            "logic is right with this Triton; a GPU verdict (compile, launch, speed on real hardware) needs "
-            "a GPU: run `bert-fast doctor` there."
-        )
-        print("note: " + note)
-    precision = None
-    if not gpu:  # which precision this CPU should run inference in (issue 25): a few seconds of GEMMs
-        from bert_fast import doctor_precision
+    return bad
 
-        precision = doctor_precision.report()
-        print("\n" + doctor_precision.format_report(precision))
-    status = EXIT_FAIL if bad else 0
-    if args.json:
-        report = {
-            "bert_fast": getattr(bert_fast, "__version__", None),
-            "gpu_verdict": gpu,
-            "device": "cuda" if gpu else "cpu",
-            "environment": environment("cuda" if gpu else "cpu"),
-            "checks": results,
-            "summary": counts,
-            "exit_status": status,
-            "note": note,
-            "precision": precision,
-            "seconds": round(time.monotonic() - t0, 1),
-        }
-        write_json(args.json, report)
-        print(f"wrote {args.json}" + ("" if not bad else " (attach it to an issue of the bert_fast project)"))
-    if bad:
-        print(
-            "some kernels failed their checks: bert_fast's first-use check falls back to the torch "
-            "implementation for them on this machine; please send the JSON report (--json) with an issue."
-        )
-    return status
+
+def _cpu_advice(gpu: bool) -> Tuple[Optional[str], Optional[dict]]:
+    """Without a GPU: (what the interpreter's verdicts say, and not; which precision this CPU should
+    run inference in, issue 25: a few seconds of GEMMs); (None, None) on a GPU."""
+    if gpu:
+        return None, None
+    from bert_fast import doctor_precision
+
+    note = (
+        "No GPU here: the kernels ran through the Triton interpreter at small shapes. This says their "
+        "logic is right with this Triton; a GPU verdict (compile, launch, speed on real hardware) needs "
+        "a GPU: run `bert-fast doctor` there."
+    )
+    print("note: " + note)
+    precision = doctor_precision.report()
+    print("\n" + doctor_precision.format_report(precision))
+    return note, precision
+
+
+def _write_report(path, gpu: bool, results: List[dict], status: int, note, precision, t0: float) -> None:
+    """The JSON report to attach to an issue."""
+    import bert_fast
+    from bert_fast.bench.results import environment, write_json
+
+    report = {
+        "bert_fast": getattr(bert_fast, "__version__", None),
+        "gpu_verdict": gpu,
+        "device": "cuda" if gpu else "cpu",
+        "environment": environment("cuda" if gpu else "cpu"),
+        "checks": results,
+        "summary": summarize(results),
+        "exit_status": status,
+        "note": note,
+        "precision": precision,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    write_json(path, report)
+    print(f"wrote {path}" + ("" if not status else " (attach it to an issue of the bert_fast project)"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

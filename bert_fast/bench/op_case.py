@@ -6,6 +6,10 @@ inputs (never zeros) and returns the zero-argument callable to time. The timer c
 several times and rotates through the input sets, so caches do not flatter the figures; for a
 backward case the factory runs the forward itself and the timed callable is the backward alone.
 
+Each op module also defines ``sample_inputs(...)``: the named tensors of one call of the op at a
+shape, from a ``randn(*shape, scale=1.0)`` it is given. The same definition feeds the bench's
+factories (``device_randn``: fresh values) and ``bert-fast doctor``'s checks (values seeded per check).
+
 A provider that cannot run on the device or build at hand is not a failure: ``cases()`` names it
 in ``OpCase.unavailable`` with a one-line reason when that is known up front (say a cuBLAS path on
 the CPU), and a provider that only finds out by trying raises ``ProviderUnavailable`` (say an
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 from bert_fast.bench.timing import ProviderUnavailable  # noqa: F401 - re-exported for the op case modules
 
@@ -53,3 +57,38 @@ def with_env(name: str, value: str, run: Callable[[], Any]) -> Any:
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+def device_randn(device, dtype) -> Callable[..., Any]:
+    """The ``randn(*shape, scale=1.0)`` of the bench's inputs: fresh normal values on ``device``."""
+    import torch
+
+    def randn(*shape, scale=1.0):
+        x = torch.randn(*shape, device=device, dtype=dtype)
+        return x if scale == 1.0 else x * scale
+
+    return randn
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the cases' params, in the JSON)."""
+    return str(dtype).replace("torch.", "")
+
+
+def fwd_bwd(op, label, bound, costs, factory, providers, params, unavailable=None, bwd_only=()) -> List[OpCase]:
+    """One shape's forward and backward cases: ``costs[direction]`` is (flops, bytes) of one call,
+    ``factory(provider, direction)`` a provider's factory; ``bwd_only``: providers of the backward only."""
+    return [
+        OpCase(
+            op=op,
+            label=label,
+            direction=direction,
+            bound=bound,
+            flops=costs[direction][0],
+            bytes=costs[direction][1],
+            providers={p: factory(p, direction) for p in tuple(providers) + (bwd_only if direction == "bwd" else ())},
+            params=dict(params),
+            unavailable=unavailable if unavailable is not None else {},
+        )
+        for direction in ("fwd", "bwd")
+    ]

@@ -13,8 +13,10 @@ import importlib
 import pkgutil
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from bert_fast.bench.model_options import add_target_argument, rounds_args
 from bert_fast.bench.op_backends import OP_KERNELS
 from bert_fast.bench.results import fill_speedups, flags, new_record, record_failure, speedup_text, take_timings
 
@@ -147,12 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="timed rounds at most; a round calls every provider of the case once, in carry-over "
         "balanced orders (default: 500 on CUDA, 50 on the CPU)",
     )
-    p.add_argument(
-        "--target",
-        type=float,
-        default=0.03,
-        help="stop when every median's 95%% interval is within +-TARGET of it (default: 0.03)",
-    )
+    add_target_argument(p)
     p.add_argument(
         "--inputs",
         type=int,
@@ -223,23 +220,11 @@ def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args,
                 peak = peak_memory(device)
                 rec["peak_mem_bytes"] = max(0, peak - base) if peak is not None and base is not None else None
                 fns[provider] = sets
-            except KeyboardInterrupt:
-                raise
             except Exception as exc:  # noqa: BLE001
                 record_failure(rec, exc, **failure)
         if not fns:
             return
-        m = measure(
-            fns,
-            device,
-            warmup=args.warmup,
-            min_rounds=args.min_rounds,
-            max_rounds=args.max_rounds,
-            target=args.target,
-            budget_s=args.max_seconds,
-            flush_l2=args.flush_l2,
-            timer=timer,
-        )
+        m = measure(fns, device, **rounds_args(args), budget_s=args.max_seconds, flush_l2=args.flush_l2, timer=timer)
         entry["timing"] = m.summary()
         for provider in take_timings(m, recs, **failure):
             _summ_provider(case, recs[provider], ceilings)
@@ -258,9 +243,32 @@ def run_op_case(case, entry: Dict[str, Any], providers: List[str], device, args,
 def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     """``bert-fast bench-ops``. ``modules`` ({op: module with cases()}) replaces discovery (tests)."""
     from bert_fast.bench import ceilings as ceil_mod
-    from bert_fast.bench import plots
-    from bert_fast.bench.model_bench import BenchError, resolve_device
-    from bert_fast.bench.results import close_document, publish, run_document, write_json
+    from bert_fast.bench.results import close_document, run_document
+
+    device = _apply_defaults(args)
+    dtype = ceil_mod.parse_dtype(args.dtype)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    modules, import_errors = discover_modules(ops) if modules is None else (modules, {})
+    notes = _notes(args, device, modules, import_errors)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    ceilings = ceil_mod.measure(device, dtype)
+    print(f"ceilings on {device}: {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
+    doc = run_document("ops", device, args, ceilings, notes)
+    doc["import_errors"] = import_errors
+    doc["cases"] = []
+    selected = _provider_filter(args, device)
+    todo = [(c, [p for p in c.providers if selected(p)]) for c in _collect_cases(modules, device, dtype, args, doc)]
+    skip_why, estimates = _estimate(todo, ceilings, device, args)
+    t0 = time.perf_counter()
+    interrupted = _run_cases(todo, skip_why, estimates, doc, device, args, ceilings)
+    close_document(doc, interrupted, t0)
+    return _publish(doc, notes, import_errors, interrupted, args)
+
+
+def _apply_defaults(args):
+    """Fill the device-dependent defaults in ``args`` and check the values; returns the device."""
+    from bert_fast.bench.model_options import BenchError, resolve_device
     from bert_fast.bench.timing import fix_threads
 
     try:
@@ -284,16 +292,13 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
     args.threads = fix_threads(args.threads)
     if args.max_cases is None and not cuda:
         args.max_cases = 1
-    dtype = ceil_mod.parse_dtype(args.dtype)
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
-    wanted_providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
-    skip_compile = not cuda and wanted_providers is None
+    return device
 
+
+def _notes(args, device, modules, import_errors) -> List[str]:
+    """What the run measures (the CPU path on a CPU), the modules that failed, or that none exist."""
     notes: List[str] = []
-    import_errors: Dict[str, str] = {}
-    if modules is None:
-        modules, import_errors = discover_modules(ops)
-    if not cuda:
+    if device.type != "cuda":
         notes.append(
             "This measures the CPU path. No CUDA GPU: bert_fast's Triton and CUDA kernels are not "
             "measured here; the bert_fast provider runs the implementation bert_fast.ops._dispatch "
@@ -311,36 +316,29 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         )
         notes.append(msg)
         print(f"bert-fast bench-ops: {msg}", file=sys.stderr)
+    return notes
 
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
-    ceilings = ceil_mod.measure(device, dtype)
-    print(f"ceilings on {device}: {ceil_mod.describe(ceilings, args.dtype)}", file=sys.stderr)
-    doc = run_document("ops", device, args, ceilings, notes)
-    doc["import_errors"] = import_errors
-    doc["cases"] = out_cases = []
 
+def _entry(case, dtype_name: str) -> Dict[str, Any]:
+    """A case's record in the JSON (its results come later)."""
+    fields = ("name", "op", "label", "direction", "bound", "flops", "bytes", "params")
+    return {**{k: getattr(case, k) for k in fields}, "dtype": dtype_name, "results": []}
+
+
+def _collect_cases(modules, device, dtype, args, doc) -> List[Any]:
+    """Every op's cases that --direction, --filter and --max-cases keep; an op whose cases() raised
+    is an error entry in the document."""
     todo = []
     for op, mod in modules.items():
         try:
             cases = list(mod.cases(device, dtype))
         except Exception as exc:  # noqa: BLE001
-            out_cases.append(
-                {
-                    "name": f"{op}/cases()",
-                    "op": op,
-                    "label": "cases()",
-                    "direction": "-",
-                    "bound": "-",
-                    "flops": 0,
-                    "bytes": 0,
-                    "params": {},
-                    "dtype": args.dtype,
-                    "results": [
-                        {"provider": "-", "status": "error", "error": f"cases() raised {type(exc).__name__}: {exc}"}
-                    ],
-                }
-            )
+            what = dict(name=f"{op}/cases()", op=op, label="cases()", direction="-", bound="-", flops=0, bytes=0)
+            entry = _entry(SimpleNamespace(**what, params={}), args.dtype)
+            entry["results"] = [
+                {"provider": "-", "status": "error", "error": f"cases() raised {type(exc).__name__}: {exc}"}
+            ]
+            doc["cases"].append(entry)
             continue
         if args.direction != "all":
             cases = [c for c in cases if c.direction == args.direction]
@@ -349,18 +347,23 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
         if args.max_cases is not None:
             cases = cases[: args.max_cases]
         todo.extend(cases)
+    return todo
 
-    def selected(provider: str) -> bool:
-        if wanted_providers:
-            return provider in wanted_providers
-        return not (skip_compile and "compile" in provider)
 
-    from bert_fast.bench.budget import Progress, estimate_op_case
+def _provider_filter(args, device) -> Callable[[str], bool]:
+    """Whether a case's provider runs: those of --providers, else all but torch.compile on a CPU."""
+    wanted = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
+    skip_compile = device.type != "cuda" and wanted is None
+    return lambda provider: provider in wanted if wanted else not (skip_compile and "compile" in provider)
 
-    # Bounded time: estimate each case before running anything, skip what exceeds the budget.
+
+def _estimate(todo, ceilings, device, args) -> Tuple[Dict[int, str], List[Optional[float]]]:
+    """Bounded time: each case estimated before anything runs; ({index: why} of the cases over
+    --max-minutes, each case's expected seconds for the progress lines)."""
+    from bert_fast.bench.budget import estimate_op_case
+
     estimates, skip_why = [], {}
-    for i, case in enumerate(todo):
-        chosen = [p for p in case.providers if selected(p)]
+    for i, (case, chosen) in enumerate(todo):
         est = estimate_op_case(
             case,
             chosen,
@@ -378,47 +381,43 @@ def run(args, modules: Optional[Dict[str, Any]] = None) -> int:
                 f"estimated {est.describe(len(chosen), ceilings['matmul_tflops'])}, over the budget "
                 f"of --max-minutes {args.max_minutes:g}; raise --max-minutes to run it"
             )
+    return skip_why, estimates
+
+
+def _run_cases(todo, skip_why, estimates, doc, device, args, ceilings) -> bool:
+    """Every case in order (a skipped one recorded with why), the JSON rewritten after each; True
+    when interrupted (what was measured is kept)."""
+    from bert_fast.bench.budget import Progress
+    from bert_fast.bench.results import write_json
+
     progress = Progress(estimates, enabled=not args.no_progress, every_s=30.0)
-
-    def save():
-        if args.json:
-            write_json(args.json, doc)
-
-    interrupted = False
-    t0 = time.perf_counter()
     try:
-        for i, case in enumerate(todo):
-            entry = {
-                "name": case.name,
-                "op": case.op,
-                "label": case.label,
-                "direction": case.direction,
-                "bound": case.bound,
-                "flops": case.flops,
-                "bytes": case.bytes,
-                "params": case.params,
-                "dtype": args.dtype,
-                "results": [],
-            }
-            out_cases.append(entry)
+        for i, (case, chosen) in enumerate(todo):
+            entry = _entry(case, args.dtype)
+            doc["cases"].append(entry)
             why = skip_why.get(i)
             if why:
                 entry["skipped"] = why
-                entry["results"] = [
-                    dict(new_record(p, "ops"), status="skipped", error=f"case {why}")
-                    for p in case.providers
-                    if selected(p)
-                ]
+                entry["results"] = [dict(new_record(p, "ops"), status="skipped", error=f"case {why}") for p in chosen]
                 print(f"skipping {case.name}: {why}", file=sys.stderr)
             else:
                 progress.start_case(i, case.name)
-                run_op_case(case, entry, [p for p in case.providers if selected(p)], device, args, ceilings)
+                run_op_case(case, entry, chosen, device, args, ceilings)
                 progress.end_case()
-            save()
+            if args.json:
+                write_json(args.json, doc)
     except KeyboardInterrupt:
-        interrupted = True
         print("interrupted: writing what was measured", file=sys.stderr)
-    close_document(doc, interrupted, t0)
+        return True
+    return False
+
+
+def _publish(doc, notes, import_errors, interrupted: bool, args) -> int:
+    """The table, JSON and plot; the exit status (130 interrupted, 1 when a case or module failed)."""
+    from bert_fast.bench import plots
+    from bert_fast.bench.results import publish
+
+    out_cases = doc["cases"]
     publish(doc, format_table(doc) if out_cases else None, notes, args.json, args.plot, plots.plot_ops, "op figures")
     if interrupted:
         return 130

@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase, ProviderUnavailable, with_env
+from bert_fast.bench.op_case import OpCase, ProviderUnavailable, device_randn, dtype_name, fwd_bwd, with_env
 
 TOKENS = 16384
 SEQLENS = (128, 256, 512)
@@ -79,24 +79,39 @@ def _lengths(batch, seqlen, padded, seed=0):
     return [max(1, min(seqlen, int(round(f * seqlen)))) for f in frac.tolist()]
 
 
+def cu_seqlens(lengths, device):
+    """The int32 offsets [B + 1] of sequences of these lengths packed one after the other."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu.to(device)
+
+
+def key_padding_mask(lengths, seq, device):
+    """The bool mask [B, S] of the real keys of sequences of these lengths padded to ``seq``; None
+    where every sequence is full."""
+    if not any(n < seq for n in lengths):
+        return None
+    return (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).to(device)
+
+
+def sample_inputs(lengths, seq, heads, head_dim, randn, device, varlen: bool):
+    """One call's inputs, (qkv, layout): varlen, qkv [T, 3, heads, d] of the real tokens packed and
+    their cu_seqlens; padded, qkv [B, S, 3, heads, d] and its key-padding mask."""
+    if varlen:
+        return randn(sum(lengths), 3, heads, head_dim), cu_seqlens(lengths, device)
+    return randn(len(lengths), seq, 3, heads, head_dim), key_padding_mask(lengths, seq, device)
+
+
 def _make_inputs(provider, lengths, seqlen, device, dtype):
     """(callable taking the leaf tensor, leaf tensor) for one provider, fresh random data."""
-    batch = len(lengths)
+    randn = device_randn(device, dtype)
     if provider in ("bert_fast", "bert_fast-dq-separate", "bert_fast-dropout"):
         from bert_fast.ops import varlen_attention
 
-        t = sum(lengths)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-        cu = cu.to(device)
-        qkv = torch.randn(t, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
+        qkv, cu = sample_inputs(lengths, seqlen, HEADS, HEAD_DIM, randn, device, varlen=True)
         p = 0.1 if provider == "bert_fast-dropout" else 0.0
         return (lambda x: varlen_attention(x, cu, max(lengths), p, validate=False)), qkv
-    qkv = torch.randn(batch, seqlen, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
-    key_mask = None
-    if any(n < seqlen for n in lengths):
-        key_mask = torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]
-        key_mask = key_mask.to(device)
+    qkv, key_mask = sample_inputs(lengths, seqlen, HEADS, HEAD_DIM, randn, device, varlen=False)
     if provider == "bert_fast-padded":
         from bert_fast.ops import attention
 
@@ -157,31 +172,14 @@ def cases(device, dtype) -> list[OpCase]:
                 "bert_fast-dropout",
             )
             label = f"B={batch} S={seqlen} h={HEADS} d={HEAD_DIM}"
-        for direction in ("fwd", "bwd"):
-            # the dQ kernel choice only exists in the backward
-            names = providers + (("bert_fast-dq-separate",) if direction == "bwd" and not padded else ())
-            if direction == "fwd":  # read qkv, write out and the fp32 lse
-                flops, nbytes = fwd_flops, real * (4 * row + HEADS * 4)
-            else:  # read qkv, out, dout, lse; write dqkv
-                flops, nbytes = 2.5 * fwd_flops, real * (8 * row + HEADS * 4)
-            out.append(
-                OpCase(
-                    op="attention",
-                    label=label,
-                    direction=direction,
-                    bound="compute",
-                    flops=flops,
-                    bytes=float(nbytes),
-                    providers={p: _factory(p, direction, lengths, seqlen, device, dtype) for p in names},
-                    params={
-                        "B": batch,
-                        "S": seqlen,
-                        "heads": HEADS,
-                        "head_dim": HEAD_DIM,
-                        "padded": padded,
-                        "real_tokens": real,
-                        "dtype": str(dtype).replace("torch.", ""),
-                    },
-                )
-            )
+        costs = {
+            "fwd": (fwd_flops, float(real * (4 * row + HEADS * 4))),  # read qkv, write out and the fp32 lse
+            "bwd": (2.5 * fwd_flops, float(real * (8 * row + HEADS * 4))),  # read qkv, out, dout, lse; write dqkv
+        }
+        params = {"B": batch, "S": seqlen, "heads": HEADS, "head_dim": HEAD_DIM, "padded": padded, "real_tokens": real}
+        params["dtype"] = dtype_name(dtype)
+        factory = lambda p, direction: _factory(p, direction, lengths, seqlen, device, dtype)
+        # the dQ kernel choice only exists in the backward
+        bwd_only = () if padded else ("bert_fast-dq-separate",)
+        out += fwd_bwd("attention", label, "compute", costs, factory, providers, params, bwd_only=bwd_only)
     return out

@@ -8,10 +8,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase
+from bert_fast.bench.op_case import OpCase, device_randn, dtype_name, fwd_bwd
 
 TOKENS = (8192, 16384)
 HIDDEN = (768, 1024)
+
+
+def sample_inputs(t: int, n: int, randn) -> dict:
+    """One call's inputs: x [T, N] and the bias [N] (small, as trained)."""
+    return {"x": randn(t, n), "bias": randn(n, scale=0.1)}
 
 
 def _eager(x, b):
@@ -36,8 +41,7 @@ def _fn(provider):
 def _factory(provider, direction, t, n, device, dtype):
     def make():
         fn = _fn(provider)
-        x = torch.randn(t, n, device=device, dtype=dtype)
-        b = torch.randn(n, device=device, dtype=dtype)
+        x, b = sample_inputs(t, n, device_randn(device, dtype)).values()
         if direction == "fwd":
             return lambda: fn(x, b)
         x.requires_grad_(True)
@@ -55,32 +59,13 @@ def cases(device, dtype) -> list[OpCase]:
     for h in HIDDEN:
         n = 4 * h
         for t in TOKENS:
-            for direction in ("fwd", "bwd"):
-                if direction == "fwd":  # read x, bias; write y
-                    nbytes = (2 * t * n + n) * es
-                    flops = 8.0 * t * n
-                else:  # read dy, x, bias; write dx, dbias
-                    nbytes = (3 * t * n + 2 * n) * es
-                    flops = 12.0 * t * n
-                out.append(
-                    OpCase(
-                        op="bias_gelu",
-                        label=f"T={t} N={n}",
-                        direction=direction,
-                        bound="memory",
-                        flops=flops,
-                        bytes=float(nbytes),
-                        providers={
-                            p: _factory(p, direction, t, n, device, dtype)
-                            for p in ("bert_fast", "torch", "torch.compile")
-                        },
-                        params={
-                            "T": t,
-                            "H": h,
-                            "N": n,
-                            "dtype": str(dtype).replace("torch.", ""),
-                            "approximate": "none",
-                        },
-                    )
-                )
+            costs = {
+                "fwd": (8.0 * t * n, float((2 * t * n + n) * es)),  # read x, bias; write y
+                "bwd": (12.0 * t * n, float((3 * t * n + 2 * n) * es)),  # read dy, x, bias; write dx, dbias
+            }
+            params = {"T": t, "H": h, "N": n, "dtype": dtype_name(dtype), "approximate": "none"}
+            factory = lambda p, direction: _factory(p, direction, t, n, device, dtype)
+            out += fwd_bwd(
+                "bias_gelu", f"T={t} N={n}", "memory", costs, factory, ("bert_fast", "torch", "torch.compile"), params
+            )
     return out

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase
+from bert_fast.bench.op_case import OpCase, device_randn, dtype_name, fwd_bwd
 
 TOKENS = 16384
 SEQ = 128
@@ -29,6 +29,21 @@ MAX_POS = 512
 TYPES = 2
 DROPOUT_P = 0.1
 EPS = 1e-12
+
+
+def sample_ids(batch: int, seq: int, vocab: int, device, generator=None):
+    """(word ids, token-type ids) [B, S]: random ids from 1 with the padding id 0 last in every row,
+    random token types."""
+    ids = torch.randint(1, vocab, (batch, seq), generator=generator).to(device)
+    ids[:, -1] = 0  # a padding-index token in every row
+    return ids, torch.randint(0, TYPES, (batch, seq), generator=generator).to(device)
+
+
+def sample_inputs(h: int, vocab: int, randn) -> dict:
+    """One call's float inputs, in the op's order: the word, position and token-type tables, the
+    LayerNorm's weight (near 1) and bias."""
+    tables = {"word": randn(vocab, h), "position": randn(MAX_POS, h), "token_type": randn(TYPES, h)}
+    return {**tables, "weight": 1.0 + randn(h, scale=0.1), "bias": randn(h, scale=0.1)}
 
 
 def _eager(ids, pos, tt, word, pe, te, w, b):
@@ -55,17 +70,12 @@ def _factory(provider, direction, h, device, dtype):
     def make():
         fn = _fn(provider)
         batch = TOKENS // SEQ
-        ids = torch.randint(0, VOCAB, (batch, SEQ), device=device)
-        tt = (torch.arange(SEQ, device=device) >= SEQ // 2).long().expand(batch, SEQ).contiguous()
+        ids, tt = sample_ids(batch, SEQ, VOCAB, device)
         pos = torch.arange(SEQ, device=device).expand(batch, SEQ)
-        word = torch.randn(VOCAB, h, device=device, dtype=dtype)
-        pe = 0.5 * torch.randn(MAX_POS, h, device=device, dtype=dtype)
-        te = 0.5 * torch.randn(TYPES, h, device=device, dtype=dtype)
-        w = 1 + 0.1 * torch.randn(h, device=device, dtype=dtype)
-        b = 0.1 * torch.randn(h, device=device, dtype=dtype)
+        params = list(sample_inputs(h, VOCAB, device_randn(device, dtype)).values())
         if direction == "fwd":
-            return lambda: fn(ids, pos, tt, word, pe, te, w, b)
-        params = [t_.requires_grad_(True) for t_ in (word, pe, te, w, b)]
+            return lambda: fn(ids, pos, tt, *params)
+        params = [t_.requires_grad_(True) for t_ in params]
         y = fn(ids, pos, tt, *params)
         dy = torch.randn_like(y)
         return lambda: torch.autograd.grad(y, params, dy, retain_graph=True)
@@ -109,27 +119,13 @@ def cases(device, dtype) -> list[OpCase]:
     es = torch.empty((), dtype=dtype).element_size()
     out = []
     for h in HIDDEN:
-        for direction in ("fwd", "bwd"):
-            flops = (12.0 if direction == "fwd" else 20.0) * TOKENS * h
-            out.append(
-                OpCase(
-                    op="embedding",
-                    label=f"T={TOKENS} H={h}",
-                    direction=direction,
-                    bound="memory",
-                    flops=flops,
-                    bytes=float(minimal_bytes(direction, TOKENS, h, es)),
-                    providers={
-                        p: _factory(p, direction, h, device, dtype) for p in ("bert_fast", "torch", "torch.compile")
-                    },
-                    params={
-                        "T": TOKENS,
-                        "S": SEQ,
-                        "H": h,
-                        "vocab": VOCAB,
-                        "dtype": str(dtype).replace("torch.", ""),
-                        "dropout_p": DROPOUT_P,
-                    },
-                )
-            )
+        costs = {
+            d: ((12.0 if d == "fwd" else 20.0) * TOKENS * h, float(minimal_bytes(d, TOKENS, h, es)))
+            for d in ("fwd", "bwd")
+        }
+        params = {"T": TOKENS, "S": SEQ, "H": h, "vocab": VOCAB, "dtype": dtype_name(dtype), "dropout_p": DROPOUT_P}
+        factory = lambda p, direction: _factory(p, direction, h, device, dtype)
+        out += fwd_bwd(
+            "embedding", f"T={TOKENS} H={h}", "memory", costs, factory, ("bert_fast", "torch", "torch.compile"), params
+        )
     return out

@@ -11,21 +11,27 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase, with_env
-
-
-# (name, N, K, activation) per hidden size H
-def _shapes(h: int):
-    return [("qkv", 3 * h, h, None), ("ffn_up", 4 * h, h, "gelu"), ("ffn_down", h, 4 * h, None)]
-
+from bert_fast.bench.op_case import OpCase, device_randn, dtype_name, fwd_bwd, with_env
 
 HIDDEN = (768, 1024)
 TOKENS = (8192, 16384)
+
+
+def gemm_shapes(h: int, ffn: Optional[int] = None) -> List[Tuple[str, int, int, Optional[str]]]:
+    """(name, N, K, activation) of a layer's GEMMs at hidden size ``h`` and FFN width ``ffn`` (4h):
+    the fused QKV projection, the FFN up-projection with its GELU, the FFN down-projection."""
+    f = ffn or 4 * h
+    return [("qkv", 3 * h, h, None), ("ffn_up", f, h, "gelu"), ("ffn_down", h, f, None)]
+
+
+def sample_inputs(m: int, n: int, k: int, randn) -> dict:
+    """One call's inputs: x [M, K], the weight [N, K] (scaled 1/sqrt(K), as initialized), the bias [N]."""
+    return {"x": randn(m, k), "weight": randn(n, k, scale=k**-0.5), "bias": randn(n, scale=0.1)}
 
 
 def _torch_linear(x, w, b, activation):
@@ -61,9 +67,7 @@ def _factory(provider, direction, m, n, k, activation, device, dtype):
     def factory():
         fn = _make_fn(provider, activation)
         grad = direction == "bwd"
-        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=grad)
-        w = (torch.randn(n, k, device=device, dtype=dtype) / k**0.5).requires_grad_(grad)
-        b = torch.randn(n, device=device, dtype=dtype, requires_grad=grad)
+        x, w, b = (t.requires_grad_(grad) for t in sample_inputs(m, n, k, device_randn(device, dtype)).values())
         if not grad:
             return lambda: fn(x, w, b)
         y = fn(x, w, b)
@@ -98,34 +102,14 @@ def cases(device, dtype) -> List[OpCase]:
     out = []
     for h in HIDDEN:
         for m in TOKENS:
-            for name, n, k, act in _shapes(h):
-                for direction in ("fwd", "bwd"):
-                    if direction == "fwd":
-                        flops = 2.0 * m * n * k
-                        nbytes = (m * k + n * k + n + m * n) * esize
-                    else:
-                        flops = 4.0 * m * n * k
-                        # read dy, x, W (+ z); write dx, dW, db
-                        nbytes = (m * n * (2 if act else 1) + 2 * m * k + 2 * n * k + n) * esize
-                    out.append(
-                        OpCase(
-                            op="linear",
-                            label=f"{name} H={h} M={m} N={n} K={k}",
-                            direction=direction,
-                            bound="compute",
-                            flops=flops,
-                            bytes=nbytes,
-                            providers={p: _factory(p, direction, m, n, k, act, device, dtype) for p in PROVIDERS},
-                            unavailable=unavailable,
-                            params={
-                                "name": name,
-                                "H": h,
-                                "M": m,
-                                "N": n,
-                                "K": k,
-                                "activation": act,
-                                "dtype": str(dtype).replace("torch.", ""),
-                            },
-                        )
-                    )
+            for name, n, k, act in gemm_shapes(h):
+                costs = {
+                    "fwd": (2.0 * m * n * k, (m * k + n * k + n + m * n) * esize),
+                    # read dy, x, W (+ z); write dx, dW, db
+                    "bwd": (4.0 * m * n * k, (m * n * (2 if act else 1) + 2 * m * k + 2 * n * k + n) * esize),
+                }
+                params = {"name": name, "H": h, "M": m, "N": n, "K": k, "activation": act, "dtype": dtype_name(dtype)}
+                factory = lambda p, direction: _factory(p, direction, m, n, k, act, device, dtype)
+                label = f"{name} H={h} M={m} N={n} K={k}"
+                out += fwd_bwd("linear", label, "compute", costs, factory, PROVIDERS, params, unavailable)
     return out

@@ -8,12 +8,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from bert_fast.bench.op_case import OpCase
+from bert_fast.bench.op_case import OpCase, device_randn, dtype_name, fwd_bwd
 
 TOKENS = (8192, 16384)
 HIDDEN = (768, 1024)
 DROPOUT_P = 0.1
 EPS = 1e-12
+
+
+def sample_inputs(t: int, h: int, randn) -> dict:
+    """One call's inputs: x and the residual [T, H], the LayerNorm's weight (near 1) and bias [H]."""
+    return {"x": randn(t, h), "residual": randn(t, h), "weight": 1.0 + randn(h, scale=0.1), "bias": randn(h, scale=0.1)}
 
 
 def _eager(x, r, w, b):
@@ -38,12 +43,10 @@ def _fn(provider):
 def _factory(provider, direction, t, h, device, dtype):
     def make():
         fn = _fn(provider)
-        x, r = (torch.randn(t, h, device=device, dtype=dtype) for _ in range(2))
-        w = 1 + 0.1 * torch.randn(h, device=device, dtype=dtype)
-        b = 0.1 * torch.randn(h, device=device, dtype=dtype)
+        ins = list(sample_inputs(t, h, device_randn(device, dtype)).values())
         if direction == "fwd":
-            return lambda: fn(x, r, w, b)
-        ins = [t_.requires_grad_(True) for t_ in (x, r, w, b)]
+            return lambda: fn(*ins)
+        ins = [t_.requires_grad_(True) for t_ in ins]
         y = fn(*ins)
         dy = torch.randn_like(y)
         return lambda: torch.autograd.grad(y, ins, dy, retain_graph=True)
@@ -56,29 +59,22 @@ def cases(device, dtype) -> list[OpCase]:
     out = []
     for h in HIDDEN:
         for t in TOKENS:
-            for direction in ("fwd", "bwd"):
-                if direction == "fwd":
-                    # read x, residual, weight, bias; write y (+ fp32 mean and rstd, needed by backward)
-                    nbytes = 3 * t * h * es + 2 * h * es + 8 * t
-                    flops = 10.0 * t * h
-                else:
-                    # read dy, x, residual (h is recomputed, never stored), weight, mean, rstd;
-                    # write dx, dresidual, dweight, dbias
-                    nbytes = 5 * t * h * es + 3 * h * es + 8 * t
-                    flops = 16.0 * t * h
-                out.append(
-                    OpCase(
-                        op="residual_layer_norm",
-                        label=f"T={t} H={h}",
-                        direction=direction,
-                        bound="memory",
-                        flops=flops,
-                        bytes=float(nbytes),
-                        providers={
-                            p: _factory(p, direction, t, h, device, dtype)
-                            for p in ("bert_fast", "torch", "torch.compile")
-                        },
-                        params={"T": t, "H": h, "dtype": str(dtype).replace("torch.", ""), "dropout_p": DROPOUT_P},
-                    )
-                )
+            costs = {
+                # read x, residual, weight, bias; write y (+ fp32 mean and rstd, needed by backward)
+                "fwd": (10.0 * t * h, float(3 * t * h * es + 2 * h * es + 8 * t)),
+                # read dy, x, residual (h is recomputed, never stored), weight, mean, rstd;
+                # write dx, dresidual, dweight, dbias
+                "bwd": (16.0 * t * h, float(5 * t * h * es + 3 * h * es + 8 * t)),
+            }
+            params = {"T": t, "H": h, "dtype": dtype_name(dtype), "dropout_p": DROPOUT_P}
+            factory = lambda p, direction: _factory(p, direction, t, h, device, dtype)
+            out += fwd_bwd(
+                "residual_layer_norm",
+                f"T={t} H={h}",
+                "memory",
+                costs,
+                factory,
+                ("bert_fast", "torch", "torch.compile"),
+                params,
+            )
     return out

@@ -660,7 +660,7 @@ def test_bench_ops_unknown_op(capsys):
 
 # ----------------------------------------------------------------------------- results, README, script
 def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "report" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

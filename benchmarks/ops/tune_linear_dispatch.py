@@ -1,7 +1,7 @@
 """Measure both linear backends on this GPU at BERT's shapes and write the dispatch table.
 
-    python benchmarks/tune_linear_dispatch.py                  # merges into bert_fast/data/linear_dispatch.json
-    python benchmarks/tune_linear_dispatch.py --out table.json --hidden 768 --tokens 4096 16384
+    python benchmarks/ops/tune_linear_dispatch.py                  # merges into bert_fast/data/linear_dispatch.json
+    python benchmarks/ops/tune_linear_dispatch.py --out table.json --hidden 768 --tokens 4096 16384
 
 For every (direction, activation, dtype, M bucket, N, K) it times
   fwd: linear_fwd with backend "triton" (our GEMM + fused epilogue) vs "cublas" (torch.mm + our

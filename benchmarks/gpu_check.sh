@@ -12,7 +12,7 @@
 #                  the float64 oracle, each op in its own process: a kernel that faults is named in
 #                  the table, doctor.log, and in doctor.json, both in the run folder and merged)
 #   3. tests       python -m pytest tests -q -rs                      (the whole suite, on CUDA)
-#   4. tune-dispatch  benchmarks/tune_linear_dispatch.py at the shapes of the model benchmarks
+#   4. tune-dispatch  benchmarks/ops/tune_linear_dispatch.py at the shapes of the model benchmarks
 #                  (bert-base/large, bf16, 128 to 16384 tokens): writes bert_fast/data/linear_dispatch.json (our GEMM or
 #                  cuBLAS per shape, measured), which the model benchmarks below then use; the
 #                  tarball carries the table back, to be committed as written
@@ -273,7 +273,7 @@ export TRITON_PRINT_AUTOTUNING=1
 #     ~4900 real tokens) and 16384 (dense 128x128)), before
 #     them, so they run the measured choice instead of default_backend's guess. Written at the end
 #     or on interruption (what was measured by then).
-run_stage tune-dispatch 180 "$RUN_DIR/tune-dispatch.log" "$PY" benchmarks/tune_linear_dispatch.py \
+run_stage tune-dispatch 180 "$RUN_DIR/tune-dispatch.log" "$PY" benchmarks/ops/tune_linear_dispatch.py \
     --hidden 768 1024 --tokens 128 4096 8192 16384 --dtypes bf16
 
 # 5. model benchmark grid (bf16)
@@ -301,7 +301,7 @@ run_stage bench-train-512 150 "$RUN_DIR/bench-train-512.log" "${BF[@]}" bench --
 run_stage bench-ops 360 "$RUN_DIR/bench-ops.log" "${BF[@]}" bench-ops --no-progress --dtype bf16 \
     --warmup 10 --iters 50 --max-seconds 3 --json "$RUN_DIR/ops.json" --plot "$RUN_DIR/ops.png"
 
-# 7. pytest-benchmark suites (op suites of the other files + bench_model.py)
+# 7. pytest-benchmark suites (every bench_*.py under benchmarks/: model/, ops/, training/)
 run_stage pytest-bench 180 "$RUN_DIR/pytest-bench.log" "$PY" -m pytest benchmarks -q -o python_files='bench_*.py' \
     --benchmark-json="$RUN_DIR/pytest-benchmark.json" --benchmark-max-time=0.5 --benchmark-min-rounds=5
 
@@ -315,10 +315,10 @@ for f in "$RUN_DIR"/model-*.json; do [ -e "$f" ] && MODEL_JSONS+=("$f"); done
     --pytest-log "$RUN_DIR/pytest.log" --pytest-xml "$RUN_DIR/pytest.xml" \
     --pytest-bench "$RUN_DIR/pytest-benchmark.json" --plot "$RUN_DIR/summary.png" --doctor "$RUN_DIR/doctor.json" \
     || { echo "merge FAILED"; FAILED=1; }
-"$PY" "$ROOT/benchmarks/make_readme_performance.py" --results-dir "$RESULTS" --readme "$ROOT/README.md" \
+"$PY" "$ROOT/benchmarks/report/make_readme_performance.py" --results-dir "$RESULTS" --readme "$ROOT/README.md" \
     || echo "README Performance section not regenerated"
 # the docs' results pages and pictures from the same JSON (the tarball carries docs/results back)
-"$PY" "$ROOT/benchmarks/make_docs_results.py" --root "$ROOT" || echo "docs results pages not regenerated"
+"$PY" "$ROOT/benchmarks/report/make_docs_results.py" --root "$ROOT" || echo "docs results pages not regenerated"
 
 copy_out "$NAME"
 

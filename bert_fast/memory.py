@@ -14,7 +14,7 @@ token count, are bounded at import; their entries were what kept the holes from 
 bounded RSS stays flat (benchmarks/notes/2026-11-27-memory-32.md). What is below is for a process
 that needs less still, or that ran oneDNN before importing bert_fast.
 
-Two remedies, each measured by benchmarks/soak_memory.py:
+Two remedies, each measured by benchmarks/memory/soak.py:
 
 - ``malloc_trim()`` every few forwards (``MemoryTrimmer``): glibc gives the free pages inside its
   heaps back to the system (madvise), so RSS tracks the live bytes. It costs one walk of the heaps

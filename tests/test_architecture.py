@@ -137,7 +137,7 @@ def test_the_underscore_scan_catches_a_planted_use(tmp_path):
 def _missing_imports(paths) -> list:
     """`from bert_fast.x import y` statements (anywhere in a file, inside functions too) whose y is
     neither an attribute nor a submodule of bert_fast.x: code only a GPU run reaches would fail there
-    (benchmarks/bench_train.py imported a `model_flops` that had been renamed)."""
+    (benchmarks/training/bench_train.py imported a `model_flops` that had been renamed)."""
     import ast
     import importlib
 

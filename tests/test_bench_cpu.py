@@ -128,7 +128,7 @@ def test_cpu_without_bf16_units_says_why_it_skips_bf16(monkeypatch):
 
 
 def test_gemm_rates_per_precision_name_each_kind():
-    """ceilings.gemm_rates (the doctor's precision advice and benchmarks/cpu_precision_roofline.py): a
+    """ceilings.gemm_rates (the doctor's precision advice and benchmarks/cpu/precision_roofline.py): a
     rate per kind and shape, None for a kind that cannot run, a clear error for an unknown kind."""
     from bert_fast.bench import ceilings
 
@@ -376,7 +376,9 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
 
     from bert_fast.bench.results import REPO_ROOT
 
-    spec = importlib.util.spec_from_file_location("mkcpu", REPO_ROOT / "benchmarks" / "make_readme_cpu_performance.py")
+    spec = importlib.util.spec_from_file_location(
+        "mkcpu", REPO_ROOT / "benchmarks" / "report" / "make_readme_cpu_performance.py"
+    )
     mk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mk)
     text = mk.section(tmp_path)

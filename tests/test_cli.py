@@ -26,7 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # The JSON schema is declared once, in bert_fast/bench/results.py (its key constants and
 # new_record): a file written here must hold every key it declares. READ_BY_DOCS pins the keys that
-# readers outside the package take (benchmarks/make_docs_results.py, make_readme_performance.py,
+# readers outside the package take (benchmarks/report/make_docs_results.py, make_readme_performance.py,
 # make_readme_cpu_performance.py): the declaration must keep them.
 CEILING_KEYS = {"copy_bandwidth_gbs", "matmul_tflops", "matmul_dtype", "matmul_shape"}
 READ_BY_DOCS = {
@@ -524,7 +524,7 @@ def test_bench_ops_unknown_op(capsys):
 
 # ----------------------------------------------------------------------------- results, README, script
 def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "report" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -8,7 +8,7 @@
   ```bash blocks in bash, each page in its own directory, on the shipped all-MiniLM-L6-v2 or tiny
   models. A block that cannot run here says why in a `<!-- docs-test: skip: REASON -->` line
   just above it, and the reason shows as the test's skip reason (pytest -rs);
-- the results pages and the README's tables equal what benchmarks/make_docs_results.py writes from
+- the results pages and the README's tables equal what benchmarks/report/make_docs_results.py writes from
   the committed JSON (no figure typed by hand).
 """
 
@@ -88,7 +88,7 @@ RUN_BLOCKS = [b for b in ALL_BLOCKS if b.lang in RUN_LANGS]
 
 
 def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "report" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -248,7 +248,7 @@ def test_cli_reference_covers_every_command():
 # ----------------------------------------------------------------------------- generated figures
 def test_results_pages_and_readme_tables_are_generated_from_the_json():
     mk = _load_script("make_docs_results")
-    assert mk.main(["--check"]) == 0, "run: python benchmarks/make_docs_results.py"
+    assert mk.main(["--check"]) == 0, "run: python benchmarks/report/make_docs_results.py"
     page = (ROOT / mk.DOCS_CPU).read_text(encoding="utf-8")
     for _, img in mk.CPU_RUNS:
         if f"img/{img}" in page:

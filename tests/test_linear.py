@@ -246,12 +246,12 @@ def test_dispatch_table_and_default():
 
 @pytest.mark.no_kernels("the tuning tool's merge, host side")
 def test_tune_linear_dispatch_merges_a_partial_run():
-    """benchmarks/tune_linear_dispatch.py (the GPU check runs it under a time limit) adds what it
+    """benchmarks/ops/tune_linear_dispatch.py (the GPU check runs it under a time limit) adds what it
     measured to the device's table and keeps the shapes it did not reach."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_linear_dispatch.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ops" / "tune_linear_dispatch.py"
     spec = importlib.util.spec_from_file_location("tune_linear_dispatch", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

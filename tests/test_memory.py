@@ -1,5 +1,5 @@
 """Memory under load (issue 25, item 7): bert_fast.memory's remedies and the bound of every cache of
-ours that a stream of shapes could grow (benchmarks/soak_memory.py measures the whole model)."""
+ours that a stream of shapes could grow (benchmarks/memory/soak.py measures the whole model)."""
 
 from __future__ import annotations
 

@@ -282,7 +282,7 @@ def test_figure_above_its_ceiling_is_flagged(tmp_path, monkeypatch, capsys, fake
 
 
 def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
-    """benchmarks/bench_ops.py and bench_model.py (CUDA suites) time a case's providers together
+    """benchmarks/ops/bench_ops.py and model/bench_model.py (CUDA suites) time a case's providers together
     through bert_fast.bench.timing; their measurement runs here on the CPU at toy size."""
     import importlib.util
     from pathlib import Path
@@ -291,19 +291,20 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
 
     root = Path(__file__).resolve().parents[1] / "benchmarks"
 
-    def load(name):
-        spec = importlib.util.spec_from_file_location(f"_suite_{name}", root / f"{name}.py")
+    def load(rel):
+        path = root / f"{rel}.py"
+        spec = importlib.util.spec_from_file_location(f"_suite_{path.stem}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
 
     case = _copy_case(64, "bert_fast", "torch", unavailable={"cublas": "needs a GPU"})
-    out = load("bench_ops").measure_case(case, torch.device("cpu"), budget_s=0.2, warmup=1)
+    out = load("ops/bench_ops").measure_case(case, torch.device("cpu"), budget_s=0.2, warmup=1)
     assert set(out["providers"]) == {"bert_fast", "torch"} and out["skipped"] == {"cublas": "needs a GPU"}
     sp = out["speedups"]["torch"]
     assert sp["ci_low"] <= sp["value"] <= sp["ci_high"]
 
-    bm = load("bench_model")
+    bm = load("model/bench_model")
     case = bm.make_case("tiny", 1, 8, "full", "infer", "fp32")
     out = bm.measure_case(
         case, torch.device("cpu"), torch.float32, providers=["hf-eager", "hf-sdpa"], budget_s=0.5, warmup=0

@@ -17,7 +17,7 @@ process and device (cached).
 
 Beside them, ``gemm_rates``: the CPU's GEMM rates per precision (fp32 / bf16 through F.linear and
 oneDNN's prepacked linear, int8 through torch._int_mm) at given (M, N, K) shapes, timed side by side
-the same way; ``bert-fast doctor``'s precision advice and benchmarks/cpu_precision_roofline.py use it.
+the same way; ``bert-fast doctor``'s precision advice and benchmarks/cpu/precision_roofline.py use it.
 """
 
 from __future__ import annotations

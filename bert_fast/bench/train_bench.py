@@ -232,7 +232,7 @@ def _peak(device, amp_dtype):
 
     from bert_fast.bench import ceilings as ceil_mod
 
-    peak_env = os.environ.get("BERT_FAST_PEAK_TFLOPS")  # as benchmarks/bench_train.py: a given peak
+    peak_env = os.environ.get("BERT_FAST_PEAK_TFLOPS")  # as benchmarks/training/bench_train.py: a given peak
     if peak_env:
         return float(peak_env), "BERT_FAST_PEAK_TFLOPS"
     gemm_dtype = torch.bfloat16 if amp_dtype is not None else torch.float32

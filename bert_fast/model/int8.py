@@ -16,7 +16,7 @@ stream stay in the model's dtype (LayerNorm statistics and softmax in fp32).
 Attention. Where our AVX-512 BF16 attention kernel runs (bert_fast.ops.cpu_attention), an int8 fp32
 model's attention runs on it in bf16 (Q, K, V rounded to bf16, fp32 softmax and accumulation): at
 batch 1 torch's fp32 flash kernel was a quarter of a MiniLM int8 forward. Measured on a Zen 5 (2
-threads, benchmarks/cpu_int8_attention_ab.py): MiniLM b1 1.22x, b8 1.37x, bert-base b1 1.15x, the
+threads, benchmarks/cpu_ab.py int8-attention): MiniLM b1 1.22x, b8 1.37x, bert-base b1 1.15x, the
 shipped sentences' min cosine to fp32 0.99606 -> 0.99599; the accuracy guard below measures the
 model as it runs, bf16 attention included. ``BERT_FAST_INT8_ATTENTION=auto|bf16|fp32``.
 

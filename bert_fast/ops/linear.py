@@ -20,7 +20,7 @@ against the torch implementation the first time its specialization runs, forward
 Choosing between "triton" and "cublas" ("dispatch decided by measurement"):
   1. ``backend=`` argument of :func:`linear`, else ``BERT_FAST_LINEAR_BACKEND=triton|cublas|auto``;
   2. "auto" on CUDA: the table bert_fast/data/linear_dispatch.json, written on the GPU by
-     benchmarks/tune_linear_dispatch.py, keyed by device name (then compute capability) and
+     benchmarks/ops/tune_linear_dispatch.py, keyed by device name (then compute capability) and
      "<fwd|bwd>|<activation>|<dtype>|M<next pow2 of M>|N<N>|K<K>". This lookup runs inside the
      ops (linear() passes them the backend "auto"), never in traced Python: reading the table
      file and the device name would be a graph break under torch.compile(fullgraph=True);

@@ -3,7 +3,7 @@
 It is the production CPU path (oneDNN / MKL GEMMs, aten's vectorized GELU and LayerNorm, the SDPA
 flash CPU kernel) and, on CUDA, the fallback a user selects with ``BERT_FAST_BACKEND=torch``
 (cuBLAS, the same aten ops). Dispatch: bert_fast/ops/_dispatch.py. Measurements and the roofline
-behind each choice: benchmarks/notes/2026-11-24-cpu-path.md (``python benchmarks/cpu_path.py``).
+behind each choice: benchmarks/notes/2026-11-24-cpu-path.md (``python benchmarks/cpu/cpu_path.py``).
 
 Every function here has the signature and the outputs of the matching custom op's implementation
 in bert_fast/ops/<op>.py (same shapes, dtypes, fp32 statistics and log-sum-exp), so the op module

@@ -1,6 +1,6 @@
 """pytest-benchmark: one MLM training step (forward, backward, AdamW) per round (CUDA only).
 
-    python -m pytest benchmarks/bench_train.py -o python_files='bench_*.py' --benchmark-json=train.json
+    python -m pytest benchmarks/training/bench_train.py -o python_files='bench_*.py' --benchmark-json=train.json
 
 Cases: bert-base at S=128 (B=256) and S=512 (B=32), bert-large at S=512 (B=16), every sequence full
 length (no padding: the comparison is kernels, not pad skipping), 15% of positions labelled.

@@ -3,7 +3,7 @@ F.linear (+ GELU for the FFN up) against oneDNN's linear on a weight packed once
 (mkldnn._reorder_linear_weight; GELU fused), MiniLM and bert-base shapes, fp32 and bf16, 128 and
 1024 rows, interleaved, medians of 7 rounds.
 
-    python benchmarks/cpu_packed_gemm.py [--threads 2]
+    python benchmarks/cpu/packed_gemm.py [--threads 2]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The roofline of CPU inference per precision (issue #25), and where the time goes.
 
-    python benchmarks/cpu_precision_roofline.py [--threads 2] [--json benchmarks/results/cpu-precision/roofline.json]
+    python benchmarks/cpu/precision_roofline.py [--threads 2] [--json benchmarks/results/cpu-precision/roofline.json]
 
 Prints, with the CPU model and capability:
   1. GEMM rates at the encoder's shapes: fp32 (F.linear), bf16 (F.linear, and on oneDNN-packed

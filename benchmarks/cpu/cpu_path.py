@@ -1,10 +1,10 @@
 """CPU path measurements behind benchmarks/notes/2026-11-24-cpu-path.md.
 
-    python benchmarks/cpu_path.py ceilings            # GEMM rate (fp32, bf16) at BERT shapes, copy bandwidth
-    python benchmarks/cpu_path.py ops [--dtype fp32|bf16] [--case NAME]   # torch impl vs reference, per op
-    python benchmarks/cpu_path.py profile [--model minilm|PATH] [--batch 8] [--seq 128]
-    python benchmarks/cpu_path.py model               # bert_fast vs transformers SDPA, whole forward
-    python benchmarks/cpu_path.py grouping            # varlen attention: exact-length vs padded groups
+    python benchmarks/cpu/cpu_path.py ceilings            # GEMM rate (fp32, bf16) at BERT shapes, copy bandwidth
+    python benchmarks/cpu/cpu_path.py ops [--dtype fp32|bf16] [--case NAME]   # torch impl vs reference, per op
+    python benchmarks/cpu/cpu_path.py profile [--model minilm|PATH] [--batch 8] [--seq 128]
+    python benchmarks/cpu/cpu_path.py model               # bert_fast vs transformers SDPA, whole forward
+    python benchmarks/cpu/cpu_path.py grouping            # varlen attention: exact-length vs padded groups
 
 Method (DESIGN.md): one process, torch.set_num_threads(THREADS) (default 2, --threads), the
 providers interleaved in rounds after a warm-up, medians with a 95% interval of the median

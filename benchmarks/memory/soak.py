@@ -7,11 +7,11 @@ random shapes (batch 1-16, length 1-256, ragged attention masks: each row's leng
 its own (a clean RSS); the script prints the RSS curve (every 100 forwards, /proc/self/statm) and the
 growth from forward 500 to the end, and writes JSON to benchmarks/results/soak/.
 
-    python benchmarks/soak_memory.py                                   # plain, frozen, transformers
-    python benchmarks/soak_memory.py --providers plain,frozen --forwards 1500 --tag ab-default
-    python benchmarks/soak_memory.py --env MALLOC_ARENA_MAX=2 --tag ab-arena2  # A/B an allocator setting
-    python benchmarks/soak_memory.py --trim-every 1                     # glibc malloc_trim(0) after each forward
-    python benchmarks/soak_memory.py --bucket 64                        # lengths up to a multiple of 64, batch to 2^k
+    python benchmarks/memory/soak.py                                   # plain, frozen, transformers
+    python benchmarks/memory/soak.py --providers plain,frozen --forwards 1500 --tag ab-default
+    python benchmarks/memory/soak.py --env MALLOC_ARENA_MAX=2 --tag ab-arena2  # A/B an allocator setting
+    python benchmarks/memory/soak.py --trim-every 1                     # glibc malloc_trim(0) after each forward
+    python benchmarks/memory/soak.py --bucket 64                        # lengths up to a multiple of 64, batch to 2^k
 
 Providers: ``plain`` = bert_fast.optimize(model), ``frozen`` = bert_fast.optimize(model, freeze=True),
 ``transformers`` = transformers' BertModel with SDPA attention. The analysis is in
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 PROVIDERS = ("plain", "frozen", "transformers")
-RESULTS = Path(__file__).resolve().parent / "results" / "soak"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "soak"
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     import torch
 
     report = {
-        "command": "python benchmarks/soak_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/memory/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "threads": args.threads,

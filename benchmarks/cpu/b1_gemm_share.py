@@ -1,6 +1,6 @@
 """Batch 1's share of the GEMM rate (issue #32 item 5): how close a b1 s128 forward comes to its GEMMs.
 
-    python benchmarks/cpu_b1_gemm_share.py [--threads 2] [--models minilm,bert-base] [--json PATH]
+    python benchmarks/cpu/b1_gemm_share.py [--threads 2] [--models minilm,bert-base] [--json PATH]
 
 For each model at 1 x 128 (dense), every provider that is installed is timed side by side
 (bert_fast.bench.timing.measure: interleaved rounds, 95% interval of each median). Its share is

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Every table of the CPU results (section()), for the docs' CPU page, and the README's short CPU table
 (between ``<!-- cpu-perf:start -->`` and ``<!-- cpu-perf:end -->``), from the files under
-benchmarks/results/cpu/, so that no figure is typed by hand (benchmarks/make_docs_results.py writes
+benchmarks/results/cpu/, so that no figure is typed by hand (benchmarks/report/make_docs_results.py writes
 both, and the GPU's).
 
-    python benchmarks/make_readme_cpu_performance.py [--results-dir benchmarks/results/cpu] [--stdout]
+    python benchmarks/report/make_readme_cpu_performance.py [--results-dir benchmarks/results/cpu] [--stdout]
 
 Reads: bench_cpu.json (`bert-fast bench --json`, the CPU default: fp32 and bf16 tables, every
 provider with its precision and accuracy; without it the older bench_fp32.json and bench_bf16.json), encode.json
 (`bert-fast bench --encode --json`), train_mlm.json and bf16_error.json
-(benchmarks/cpu_train_bf16.py), dropin.json (benchmarks/bench_dropin.py). A missing file leaves
+(benchmarks/training/cpu_train_bf16.py), dropin.json (benchmarks/model/dropin.py). A missing file leaves
 its table out. Needs only the standard library.
 """
 
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 START, END = "<!-- cpu-perf:start -->", "<!-- cpu-perf:end -->"
 
 
@@ -147,7 +147,7 @@ def section(d: Path) -> str:
         "Measured on the project's 2-core CPU machine (the CPU line above each table), providers side by side in one "
         "process, interleaved rounds, medians with 95% intervals; a speedup above 1 means "
         "bert_fast is faster. Files: `benchmarks/results/cpu/` (all of them: `bash benchmarks/run_cpu_results.sh`, "
-        "then this table: `python benchmarks/make_readme_cpu_performance.py`).",
+        "then this table: `python benchmarks/report/make_readme_cpu_performance.py`).",
         "",
     ]
     cpu = _load(d, "bench_cpu.json")  # `bert-fast bench` default: fp32 and (bf16 CPUs) bf16 tables
@@ -183,7 +183,7 @@ def section(d: Path) -> str:
         r = train["result"]
         sp = r["speedups"]
         out += [
-            f"**{r['case']}** (`python benchmarks/cpu_train_bf16.py train`), speedup over "
+            f"**{r['case']}** (`python benchmarks/training/cpu_train_bf16.py train`), speedup over "
             "transformers SDPA: "
             + ", ".join(
                 f"{k.split(' vs ')[0]} {v['value']:.2f}x ({v['ci_low']:.2f}-{v['ci_high']:.2f})"
@@ -198,7 +198,7 @@ def section(d: Path) -> str:
         r = err["result"]
         out += [
             f"**bf16 error** against the fp32 model ({r['sentences']} sentences, MiniLM, "
-            "`python benchmarks/cpu_train_bf16.py bf16-error`): bert_fast / transformers = "
+            "`python benchmarks/training/cpu_train_bf16.py bf16-error`): bert_fast / transformers = "
             + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items())
             + " (bound: 2).",
             "",
@@ -209,7 +209,7 @@ def section(d: Path) -> str:
             sps = "; ".join(
                 f"{k}: {v['value']:.2f}x ({v['ci_low']:.2f}-{v['ci_high']:.2f})" for k, v in r["speedups"].items()
             )
-            out += [f"**{case}** (`python benchmarks/bench_dropin.py`): {sps}.", ""]
+            out += [f"**{case}** (`python benchmarks/model/dropin.py`): {sps}.", ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -240,15 +240,11 @@ def main(argv=None) -> int:
 
 
 def _docs_module():
-    import importlib.util
+    """make_docs_results.py, beside this script (benchmarks/report/ is not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_docs_results
 
-    name = "make_docs_results"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return make_docs_results
 
 
 if __name__ == "__main__":

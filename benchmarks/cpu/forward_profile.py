@@ -11,7 +11,7 @@ are wrapped in record_function here to be seen. Python + dispatch = wall - the s
 OpenVINO's split is its own (compile_model with PERF_COUNT, get_profiling_info(): real time per node,
 grouped by node type); "runtime" = its wall - the sum of its nodes.
 
-    python benchmarks/cpu_forward_profile.py --threads 2 --out benchmarks/results/cpu-profile
+    python benchmarks/cpu/forward_profile.py --threads 2 --out benchmarks/results/cpu-profile
 
 Prints the CPU model and flags first; writes results.json and results.txt under --out.
 """

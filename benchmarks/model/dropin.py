@@ -1,6 +1,6 @@
 """What drop-in costs on the CPU (issue: "Drop-in all the way"), side by side in one process.
 
-    python benchmarks/bench_dropin.py --json benchmarks/results/cpu/dropin.json
+    python benchmarks/model/dropin.py --json benchmarks/results/cpu/dropin.json
 
 1. A LoRA fine-tuning step (all-MiniLM-L6-v2, PEFT LoRA r=8 on query/value, batch 16 x 128 tokens,
    forward + backward + AdamW on the adapters and the classifier), fp32:
@@ -30,10 +30,11 @@ import sys
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _results_io
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
+from _results_io import machine, write_json  # noqa: E402
 
 import bert_fast  # noqa: E402
 from bert_fast.bench import timing  # noqa: E402

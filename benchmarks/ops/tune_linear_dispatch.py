@@ -1,7 +1,7 @@
 """Measure both linear backends on this GPU at BERT's shapes and write the dispatch table.
 
-    python benchmarks/tune_linear_dispatch.py                  # merges into bert_fast/data/linear_dispatch.json
-    python benchmarks/tune_linear_dispatch.py --out table.json --hidden 768 --tokens 4096 16384
+    python benchmarks/ops/tune_linear_dispatch.py                  # merges into bert_fast/data/linear_dispatch.json
+    python benchmarks/ops/tune_linear_dispatch.py --out table.json --hidden 768 --tokens 4096 16384
 
 For every (direction, activation, dtype, M bucket, N, K) it times
   fwd: linear_fwd with backend "triton" (our GEMM + fused epilogue) vs "cublas" (torch.mm + our
@@ -29,68 +29,83 @@ def _shapes(h: int, intermediate: int):
     return [(3 * h, h, "none"), (h, h, "none"), (intermediate, h, "gelu"), (h, intermediate, "none")]
 
 
-def main() -> None:
-    import triton
-    from triton.testing import do_bench
-
-    import bert_fast.ops.linear as L
-
+def _parser(default_out: Path) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, nargs="+", default=[384, 768, 1024])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096, 8192, 16384])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
     ap.add_argument("--margin", type=float, default=0.02, help="triton must win by this fraction")
-    ap.add_argument("--out", type=Path, default=L.DISPATCH_TABLE)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("tune_linear_dispatch.py needs a CUDA GPU")
+    ap.add_argument("--out", type=Path, default=default_out)
+    return ap
+
+
+def _time_shape(m: int, n: int, k: int, act: str, dtype, dev) -> dict:
+    """{"fwd": {backend: ms}, "bwd": {backend: ms}} of one GEMM shape, each backend timed by do_bench."""
+    from triton.testing import do_bench
+
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
+    b = torch.randn(n, device=dev, dtype=dtype)
+    dy = torch.randn(m, n, device=dev, dtype=dtype)
+    fwd = torch.ops.bert_fast.linear_fwd
+    # (ruff cannot see that the names are bound for the lambdas' whole life: F821)
+    t_fwd = {
+        be: do_bench(lambda: fwd(x, w, b, act, be, True), return_mode="median")  # noqa: F821
+        for be in ("triton", "cublas")
+    }
+    _, z = fwd(x, w, b, act, "triton", True)
+    bwd = torch.ops.bert_fast.linear_bwd
+    t_bwd = {
+        be: do_bench(
+            lambda: bwd(dy, x, w, b, z, act, "triton", be, True, True, True),  # noqa: F821
+            return_mode="median",
+        )
+        for be in ("triton", "cublas")
+    }
+    return {"fwd": t_fwd, "bwd": t_bwd}
+
+
+def _measure(args, dev, entries: dict) -> None:
+    """Time every shape of the arguments into ``entries`` (table key -> the faster backend, both times)."""
+    from bert_fast.ops.linear import table_key  # (bert_fast.ops.linear is also the op's name)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for dname in args.dtypes:
+        dtype = dtypes[dname]
+        for h in args.hidden:
+            for m in args.tokens:
+                for n, k, act in _shapes(h, 4 * h):
+                    for direction, t in _time_shape(m, n, k, act, dtype, dev).items():
+                        best = "triton" if t["triton"] < (1.0 - args.margin) * t["cublas"] else "cublas"
+                        key = table_key(direction, act, dtype, m, n, k)
+                        entries[key] = {
+                            "backend": best,
+                            "triton_ms": round(t["triton"], 5),
+                            "cublas_ms": round(t["cublas"], 5),
+                        }
+                        flops = (2 if direction == "fwd" else 4) * m * n * k
+                        print(
+                            f"{key:42s} triton {t['triton'] * 1e3:8.1f} us "
+                            f"({flops / t['triton'] / 1e9:6.0f} TFLOP/s)  cublas {t['cublas'] * 1e3:8.1f} us "
+                            f"({flops / t['cublas'] / 1e9:6.0f} TFLOP/s)  -> {best}",
+                            flush=True,
+                        )
+
+
+def main() -> None:
+    import triton
+
+    from bert_fast.ops.linear import DISPATCH_TABLE
+
+    args = _parser(DISPATCH_TABLE).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_linear_dispatch.py needs a CUDA GPU")
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     major, minor = torch.cuda.get_device_capability(dev)
     entries = {}
     try:
-        for dname in args.dtypes:
-            dtype = dtypes[dname]
-            for h in args.hidden:
-                for m in args.tokens:
-                    for n, k, act in _shapes(h, 4 * h):
-                        x = torch.randn(m, k, device=dev, dtype=dtype)
-                        w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
-                        b = torch.randn(n, device=dev, dtype=dtype)
-                        dy = torch.randn(m, n, device=dev, dtype=dtype)
-                        fwd = torch.ops.bert_fast.linear_fwd
-                        # (ruff cannot see that the names are bound for the lambdas' whole life: F821)
-                        t_fwd = {
-                            be: do_bench(lambda: fwd(x, w, b, act, be, True), return_mode="median")  # noqa: F821
-                            for be in ("triton", "cublas")
-                        }
-                        _, z = fwd(x, w, b, act, "triton", True)
-                        bwd = torch.ops.bert_fast.linear_bwd
-                        t_bwd = {
-                            be: do_bench(
-                                lambda: bwd(dy, x, w, b, z, act, "triton", be, True, True, True),  # noqa: F821
-                                return_mode="median",
-                            )
-                            for be in ("triton", "cublas")
-                        }
-                        for direction, t in (("fwd", t_fwd), ("bwd", t_bwd)):
-                            best = "triton" if t["triton"] < (1.0 - args.margin) * t["cublas"] else "cublas"
-                            key = L.table_key(direction, act, dtype, m, n, k)
-                            entries[key] = {
-                                "backend": best,
-                                "triton_ms": round(t["triton"], 5),
-                                "cublas_ms": round(t["cublas"], 5),
-                            }
-                            flops = (2 if direction == "fwd" else 4) * m * n * k
-                            print(
-                                f"{key:42s} triton {t['triton'] * 1e3:8.1f} us "
-                                f"({flops / t['triton'] / 1e9:6.0f} TFLOP/s)  cublas {t['cublas'] * 1e3:8.1f} us "
-                                f"({flops / t['cublas'] / 1e9:6.0f} TFLOP/s)  -> {best}",
-                                flush=True,
-                            )
-                        del x, w, b, dy, z
+        _measure(args, dev, entries)
     except KeyboardInterrupt:  # e.g. the GPU check's stage time limit (SIGINT): keep what was measured
         print(f"interrupted: writing the {len(entries)} entries measured so far", flush=True)
     if not entries:

@@ -1,8 +1,8 @@
 """Two CPU checks of the CPU-path issue that `bert-fast bench` does not make, side by side in one
 process (bert_fast.bench.timing: interleaved rounds, 95% intervals):
 
-    python benchmarks/cpu_train_bf16.py train --json benchmarks/results/cpu/train_mlm.json
-    python benchmarks/cpu_train_bf16.py bf16-error --json benchmarks/results/cpu/bf16_error.json
+    python benchmarks/training/cpu_train_bf16.py train --json benchmarks/results/cpu/train_mlm.json
+    python benchmarks/training/cpu_train_bf16.py bf16-error --json benchmarks/results/cpu/bf16_error.json
 
 train       one MLM training step (forward, loss, backward, AdamW) of bert-base (random weights,
             dropout 0.1 as configured), batch 8 x 128, 15% of the positions labelled, fp32:
@@ -23,10 +23,11 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _results_io
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _results_io import machine, write_json  # noqa: E402  (benchmarks/, the script's folder)
+from _results_io import machine, write_json  # noqa: E402
 
 import bert_fast  # noqa: E402
 from bert_fast.bench import timing  # noqa: E402

@@ -12,8 +12,8 @@ DataLoader) and iterate --batches training micro-batches. The child reports
 
 The issue's target (#26): peak RSS at 10 MB and 1 GB within 10%, start-up time flat.
 
-    python benchmarks/bench_data_stream.py --sizes-mb 10 1024 --workers 16        # the real run
-    python benchmarks/bench_data_stream.py --sizes-mb 5 50 --batches 50          # a quick check
+    python benchmarks/data/stream.py --sizes-mb 10 1024 --workers 16        # the real run
+    python benchmarks/data/stream.py --sizes-mb 5 50 --batches 50          # a quick check
 
 Timings are only meaningful on an otherwise idle machine. Corpora are cached in --workdir by size
 (delete it, or pass --fresh, to regenerate).

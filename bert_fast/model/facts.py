@@ -10,88 +10,31 @@ from __future__ import annotations
 
 from typing import Any, Dict, Sequence
 
-# Known model shapes, as BertConfig keyword arguments.
-PRESETS: Dict[str, Dict[str, Any]] = {
-    "bert-base": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        vocab_size=30522,
-        max_position_embeddings=512,
-        type_vocab_size=2,
-    ),
-    "bert-large": dict(
-        hidden_size=1024,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        intermediate_size=4096,
-        vocab_size=30522,
-        max_position_embeddings=512,
-        type_vocab_size=2,
-    ),
-    # sentence-transformers/all-MiniLM-L6-v2
-    "minilm": dict(
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        intermediate_size=1536,
-        vocab_size=30522,
-        max_position_embeddings=512,
-        type_vocab_size=2,
-    ),
+# Known model shapes, as BertConfig keyword arguments: one row per preset, in these columns.
+# fmt: off
+PRESET_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "type_vocab_size",
+)
+_PRESET_ROWS = (
+    #  name                hidden layers heads  ffn    vocab  positions types
+    ("bert-base",          768,   12,    12,   3072,  30522,  512,    2),
+    ("bert-large",         1024,  24,    16,   4096,  30522,  512,    2),
+    ("minilm",             384,   6,     12,   1536,  30522,  512,    2),  # sentence-transformers/all-MiniLM-L6-v2
     # The other families bert_fast runs (RobertaModel, XLMRobertaModel, ElectraModel,
-    # DistilBertModel): their layers are BERT's, so the benchmark measures their shapes as a BERT encoder (RoBERTa's positions
-    # start after pad_token_id = 1: 514 rows for 512 tokens; one token type).
-    "roberta-base": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        vocab_size=50265,
-        max_position_embeddings=514,
-        type_vocab_size=1,
-    ),
-    "xlm-roberta-base": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        vocab_size=250002,
-        max_position_embeddings=514,
-        type_vocab_size=1,
-    ),
+    # DistilBertModel): their layers are BERT's, so the benchmark measures their shapes as a BERT
+    # encoder (RoBERTa's positions start after pad_token_id = 1: 514 rows for 512 tokens; one token type).
+    ("roberta-base",       768,   12,    12,   3072,  50265,  514,    1),
+    ("xlm-roberta-base",   768,   12,    12,   3072,  250002, 514,    1),
     # google/electra-base-discriminator (embedding_size == hidden_size: no embeddings_project)
-    "electra-base": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        vocab_size=30522,
-        max_position_embeddings=512,
-        type_vocab_size=2,
-    ),
+    ("electra-base",       768,   12,    12,   3072,  30522,  512,    2),
     # distilbert-base-uncased: BERT-base's width, 6 layers, no token types
-    "distilbert-base": dict(
-        hidden_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        vocab_size=30522,
-        max_position_embeddings=512,
-        type_vocab_size=1,
-    ),
+    ("distilbert-base",    768,   6,     12,   3072,  30522,  512,    1),
     # the CPU default: small enough that every provider runs in seconds
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=512,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        type_vocab_size=2,
-    ),
-}
+    ("tiny",               128,   2,     4,    512,   1024,   512,    2),
+)
+# fmt: on
+PRESETS: Dict[str, Dict[str, Any]] = {name: dict(zip(PRESET_FIELDS, shape)) for name, *shape in _PRESET_ROWS}
 
 
 def kernel_shape(preset: str) -> Dict[str, int]:

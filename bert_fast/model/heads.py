@@ -41,36 +41,18 @@ BertForMultipleChoice = _fast_head(transformers.BertForMultipleChoice)
 BertForNextSentencePrediction = _fast_head(transformers.BertForNextSentencePrediction)
 
 # The heads of the other families bert_fast runs: transformers' own classes, the encoder converted.
+_TASK_HEADS = (
+    "ForMaskedLM",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+)
 _FAMILY_HEADS = {
-    "Roberta": (
-        "ForMaskedLM",
-        "ForSequenceClassification",
-        "ForTokenClassification",
-        "ForQuestionAnswering",
-        "ForMultipleChoice",
-    ),
-    "XLMRoberta": (
-        "ForMaskedLM",
-        "ForSequenceClassification",
-        "ForTokenClassification",
-        "ForQuestionAnswering",
-        "ForMultipleChoice",
-    ),
-    "DistilBert": (
-        "ForMaskedLM",
-        "ForSequenceClassification",
-        "ForTokenClassification",
-        "ForQuestionAnswering",
-        "ForMultipleChoice",
-    ),
-    "Electra": (
-        "ForPreTraining",
-        "ForMaskedLM",
-        "ForSequenceClassification",
-        "ForTokenClassification",
-        "ForQuestionAnswering",
-        "ForMultipleChoice",
-    ),
+    "Roberta": _TASK_HEADS,
+    "XLMRoberta": _TASK_HEADS,
+    "DistilBert": _TASK_HEADS,
+    "Electra": ("ForPreTraining",) + _TASK_HEADS,
 }
 FAMILY_HEADS = tuple(prefix + suffix for prefix, suffixes in _FAMILY_HEADS.items() for suffix in suffixes)
 globals().update({name: _fast_head(getattr(transformers, name)) for name in FAMILY_HEADS})
@@ -84,13 +66,34 @@ def _masked_rows(sequence_output: torch.Tensor, labels: torch.Tensor):
     return rows, flat.index_select(0, sel)
 
 
-class BertForMaskedLM(transformers.BertForMaskedLM):
-    """transformers.BertForMaskedLM with bert_fast's encoder (see module doc for the options)."""
+_ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+class _MaskedPositionsOnly:
+    """Mixin of the two MLM heads: the ``padded`` and ``mlm_masked_positions_only`` options. With
+    the latter and labels, the encoder runs as usual and the head (``_masked_output``) sees only
+    the labelled rows; otherwise the call is transformers' own forward."""
 
     def __init__(self, config, *args, padded: bool = False, mlm_masked_positions_only: bool = False, **kwargs):
         super().__init__(config, *args, **kwargs)
         to_fast_bert(self.bert, padded=padded)
         self.mlm_masked_positions_only = mlm_masked_positions_only
+
+    def _forward(self, inputs: tuple, labels, head_labels: dict, return_dict, kwargs: dict):
+        """The forward of both heads: ``inputs`` in the order of _ENCODER_INPUTS, ``head_labels``
+        the head's other labels (next_sentence_label)."""
+        named = dict(zip(_ENCODER_INPUTS, inputs))
+        if not (self.mlm_masked_positions_only and labels is not None):
+            return super().forward(**named, labels=labels, **head_labels, return_dict=return_dict, **kwargs)
+        input_ids = named.pop("input_ids")  # positional, as transformers' heads call their encoder
+        out = self.bert(input_ids, **named, return_dict=True, **kwargs)
+        rows, targets = _masked_rows(out.last_hidden_state, labels)
+        result = self._masked_output(out, rows, targets, **head_labels)
+        return result if return_dict is not False else result.to_tuple()
+
+
+class BertForMaskedLM(_MaskedPositionsOnly, transformers.BertForMaskedLM):
+    """transformers.BertForMaskedLM with bert_fast's encoder (see module doc for the options)."""
 
     def forward(
         self,
@@ -103,40 +106,17 @@ class BertForMaskedLM(transformers.BertForMaskedLM):
         return_dict=None,
         **kwargs,
     ):
-        if not (self.mlm_masked_positions_only and labels is not None):
-            return super().forward(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                token_type_ids=token_type_ids,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                return_dict=return_dict,
-                **kwargs,
-            )
-        out = self.bert(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            return_dict=True,
-            **kwargs,
-        )
-        rows, targets = _masked_rows(out.last_hidden_state, labels)
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        return self._forward(inputs, labels, {}, return_dict, kwargs)
+
+    def _masked_output(self, out, rows: torch.Tensor, targets: torch.Tensor) -> MaskedLMOutput:
         logits = self.cls(rows)
         loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), targets)
-        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class BertForPreTraining(transformers.BertForPreTraining):
+class BertForPreTraining(_MaskedPositionsOnly, transformers.BertForPreTraining):
     """transformers.BertForPreTraining (MLM + NSP) with bert_fast's encoder."""
-
-    def __init__(self, config, *args, padded: bool = False, mlm_masked_positions_only: bool = False, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        to_fast_bert(self.bert, padded=padded)
-        self.mlm_masked_positions_only = mlm_masked_positions_only
 
     def forward(
         self,
@@ -150,28 +130,10 @@ class BertForPreTraining(transformers.BertForPreTraining):
         return_dict=None,
         **kwargs,
     ):
-        if not (self.mlm_masked_positions_only and labels is not None):
-            return super().forward(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                token_type_ids=token_type_ids,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                next_sentence_label=next_sentence_label,
-                return_dict=return_dict,
-                **kwargs,
-            )
-        out = self.bert(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            return_dict=True,
-            **kwargs,
-        )
-        rows, targets = _masked_rows(out.last_hidden_state, labels)
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        return self._forward(inputs, labels, dict(next_sentence_label=next_sentence_label), return_dict, kwargs)
+
+    def _masked_output(self, out, rows: torch.Tensor, targets: torch.Tensor, next_sentence_label):
         prediction_scores, seq_relationship = self.cls(rows, out.pooler_output)
         loss = None
         if next_sentence_label is not None:
@@ -179,11 +141,10 @@ class BertForPreTraining(transformers.BertForPreTraining):
             loss = ce(prediction_scores.view(-1, self.config.vocab_size), targets) + ce(
                 seq_relationship.view(-1, 2), next_sentence_label.view(-1)
             )
-        result = BertForPreTrainingOutput(
+        return BertForPreTrainingOutput(
             loss=loss,
             prediction_logits=prediction_scores,
             seq_relationship_logits=seq_relationship,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
         )
-        return result if return_dict is not False else result.to_tuple()

@@ -205,20 +205,6 @@ class DistilBertEncoder(FastEncoder, _hf_distil.Transformer):
         return _hf_distil.Transformer.forward(self, *args, **kwargs)
 
 
-dropin.register_fast_types(
-    BertLayer,
-    BertEncoder,
-    RobertaLayer,
-    RobertaEncoder,
-    XLMRobertaLayer,
-    XLMRobertaEncoder,
-    ElectraLayer,
-    ElectraEncoder,
-    DistilBertLayer,
-    DistilBertEncoder,
-)
-
-
 def _unfused_blocks(found: Dict[str, str], num_layers: int):
     """From ``dropin.find_unfused``'s paths: (embeddings unfused?, {layer index: blocks})."""
     all_blocks = frozenset(("attention", "intermediate", "output"))
@@ -245,11 +231,6 @@ def _with_attention_probabilities(unfused: Dict[int, FrozenSet[str]], num_layers
     }
 
 
-# transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__ (and RobertaLayer's, ...);
-# older versions did it in the encoder loop, which our forward replaces, so there we checkpoint
-# ourselves. Read per family: compat.layer_checkpoints_itself(layer class).
-
-
 # Keywords transformers' BertModel.forward takes (TransformersKwargs in 5.x) and heads and
 # trainers pass down: as on transformers, the encoder accepts them, the fused path has no use for
 # them (num_items_in_batch, shift_labels, ... concern the head's loss), and modules that run
@@ -258,7 +239,15 @@ def _with_attention_probabilities(unfused: Dict[int, FrozenSet[str]], num_layers
 _REFUSED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def _check_kwargs(kwargs: dict) -> None:
+def _refuse_unsupported(given: dict, kwargs: dict) -> None:
+    """Refuse what bert_fast does not run (decoder, cross-attention, head_mask, packed sequences)."""
+    if given["encoder_hidden_states"] is not None or given["encoder_attention_mask"] is not None:
+        raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
+    if given["past_key_values"] is not None or given["cache"] is not None:
+        raise ValueError("past_key_values / cache are decoder features, not supported by bert_fast")
+    # use_cache: an encoder ignores it, as transformers' BertModel does when is_decoder is False.
+    if given["head_mask"] is not None:
+        raise ValueError("head_mask is not supported by bert_fast")
     for key, value in kwargs.items():
         if value is None or value is False:
             continue
@@ -270,6 +259,8 @@ def _check_kwargs(kwargs: dict) -> None:
             )
         if key == "is_causal":
             raise ValueError("is_causal=True is not supported: bert_fast implements the bidirectional BERT encoder")
+    if (given["input_ids"] is None) == (given["inputs_embeds"] is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
 
 def _selected_hidden_states(flag, count: int, mode: Optional[str] = None) -> Tuple[Optional[FrozenSet[int]], bool]:
@@ -332,6 +323,199 @@ class Family:
     probe: Optional[tuple] = None  # compat.probe_model's (embedding parts, layers path, layer parts)
 
 
+def _to_bsh(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """A hidden state in transformers' [B, S, H] layout (pads zero on the varlen path)."""
+    return x if batch.padded else pad(x, batch.unpadded)
+
+
+class _HiddenStates:
+    """Hidden states as transformers 5 returns them: one entry per state (the embeddings', then one
+    per layer), None where not selected. The encoder calls it after each layer."""
+
+    def __init__(self, selected: FrozenSet[int], batch: Batch):
+        self.selected, self.batch, self.states = selected, batch, []
+
+    def __call__(self, x: torch.Tensor) -> None:
+        self.states.append(_to_bsh(x, self.batch) if len(self.states) in self.selected else None)
+
+    def returned(self, layers_only: bool) -> tuple:
+        return tuple(self.states[1:] if layers_only else self.states)
+
+
+class _FusedCall:
+    """One forward call on the fused path, in three steps: its arguments as the fused path runs them
+    (the constructor: refusals before any output, transformers' defaults from the config, the mask
+    reduced to [B, S]), the encoder run (``run``) and transformers' outputs (``outputs``)."""
+
+    def __init__(self, model: "FastModel", given: dict, output_attentions: bool, padded, kwargs: dict):
+        _refuse_unsupported(given, kwargs)
+        self.model, config = model, model.config
+        output_hidden_states = given["output_hidden_states"]
+        if output_hidden_states is None:
+            output_hidden_states = getattr(config, "output_hidden_states", False)
+        self.num_layers = len(getattr(model, model.bert_fast_family.encoder_attr).layer)
+        # The hidden states asked for (None: none); whether their tuple leaves out the embeddings'.
+        self.selected, self.layers_only = _selected_hidden_states(output_hidden_states, self.num_layers + 1)
+        self.return_dict = given["return_dict"]  # truthy: a ModelOutput, else a tuple
+        if self.return_dict is None:
+            self.return_dict = getattr(config, "return_dict", True)
+        self.input_ids, self.inputs_embeds = given["input_ids"], given["inputs_embeds"]
+        self.token_type_ids = given["token_type_ids"]
+        self.position_ids = given["position_ids"]  # the caller's: handed on to modules that run unfused
+        weight = model.embeddings.word_embeddings.weight
+        b, s = self.b, self.s = self._check_inputs(weight)
+        # What the fused embeddings gather (RoBERTa's computed), checked against the table's length.
+        self.fused_positions = model._bert_fast_positions(self.input_ids, self.inputs_embeds, self.position_ids, b, s)
+        mask = given["attention_mask"]
+        if mask is None:
+            self.mask = torch.ones((b, s), dtype=torch.bool, device=weight.device)
+        else:
+            self.mask = key_padding_mask(mask, b, s, weight.device)  # [B, S] bool, True = real token
+        self.output_attentions, self.padded, self.kwargs = output_attentions, padded, kwargs
+
+    def _check_inputs(self, weight: torch.Tensor) -> Tuple[int, int]:
+        """(batch, seq) of the input, checked for device and shape; a slow CPU dtype warned once."""
+        input_ids, inputs_embeds = self.input_ids, self.inputs_embeds
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source.device != weight.device:
+            raise ValueError(f"input is on device {source.device} but the model is on device {weight.device}")
+        if weight.device.type == "cpu" and weight.dtype in (torch.float16, torch.bfloat16):
+            precision.warn_slow_dtype(weight.dtype)  # once: fp16, bf16 without units
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if inputs_embeds is not None and inputs_embeds.dim() != 3:
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
+        return source.shape[:2]
+
+    # ------------------------------------------------------------------ the encoder run
+    def run(self) -> torch.Tensor:
+        """Embeddings and layers: the last hidden state in the batch's layout (``self.batch``)."""
+        model = self.model
+        self.batch, embeddings_unfused, exact = self._plan_batch()
+        batch = self.batch
+        h = self._embed(embeddings_unfused)
+        if exact:
+            batch.hf_mask = compat.attention_mask_for_modules(self.mask, h.dtype, model.config)
+        # Inference: direct_ops (no custom-op plumbing), with the packed (freeze()) or int8 weights.
+        if not exact and direct_ops.usable(h, model.training):
+            batch.ops = direct_ops
+            batch.frozen = frozen.store_of(model)
+        quantized = int8.store_of(model)
+        if quantized:
+            if not exact and int8.usable(h, model.training):
+                batch.int8 = quantized
+            else:
+                int8.warn_not_inference(model)
+        self.hidden = _HiddenStates(self.selected, batch) if self.selected is not None else None
+        if self.hidden is not None:
+            self.hidden(h)
+        return self._encode(h)
+
+    def _plan_batch(self) -> Tuple[Batch, bool, bool]:
+        """The batch's layout and what runs unfused: (Batch, embeddings unfused, exact mode)."""
+        # Pieces a hook, a non-transformers module or a parametrization makes us run unfused: then
+        # the whole batch runs in transformers' padded layout (exact mode), so that those pieces and
+        # their hooks see the tensors they see on transformers.
+        found = self.model.unfused_pieces()
+        if found:
+            self.model._log_unfused(found)
+        embeddings_unfused, unfused = _unfused_blocks(found, self.num_layers)
+        if self.output_attentions:  # transformers' eager attention materializes them, for this call
+            unfused = _with_attention_probabilities(unfused, self.num_layers)
+        exact = bool(found) or self.output_attentions
+        padded = exact or (self.model.padded if self.padded is None else bool(self.padded))
+        kwargs, position_ids = self.kwargs, self.position_ids
+        batch = Batch(
+            padded=padded,
+            unpadded=None if padded else unpad(self.mask),
+            mask=self.mask if padded else None,
+            batch=self.b,
+            seqlen=self.s,
+            unfused=unfused,
+            hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs,
+            attentions=[] if self.output_attentions else None,
+        )
+        return batch, embeddings_unfused, exact
+
+    def _embed(self, unfused: bool) -> torch.Tensor:
+        """The embeddings (transformers' module where it runs unfused), then ELECTRA's projection."""
+        model = self.model
+        emb = model.embeddings
+        if unfused:
+            h = emb(
+                input_ids=self.input_ids,
+                position_ids=self.position_ids,
+                token_type_ids=self.token_type_ids,
+                inputs_embeds=self.inputs_embeds,
+            )
+        else:
+            h = embeddings_forward(
+                emb if model.bert_fast_family.token_types else _no_token_types(emb),
+                self.input_ids,
+                self.inputs_embeds,
+                self.fused_positions,
+                self.token_type_ids,
+                self.batch,
+                model.training,
+            )
+            if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
+                h.requires_grad_(True)  # what transformers' enable_input_require_grads hook does
+        project = model._modules.get("embeddings_project")  # (no AttributeError raised on the others)
+        if project is not None:  # ELECTRA: embedding_size -> hidden_size, called as a module (hooks fire)
+            h = project(h)
+        # The residual stream stays in the parameters' dtype, as on transformers: under autocast
+        # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
+        # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
+        return cast(h, emb.word_embeddings.weight.dtype)
+
+    def _encode(self, h: torch.Tensor) -> torch.Tensor:
+        """The encoder: ours, or a user's own encoder class called as transformers calls it."""
+        fam, batch = self.model.bert_fast_family, self.batch
+        encoder = getattr(self.model, fam.encoder_attr)
+        if not isinstance(encoder, FastEncoder):  # (reported by unfused_pieces)
+            out = first(call_hf(encoder, batch, h, attention_mask=batch.hf_mask))
+            return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+        # transformers 5.x (and late 4.x) checkpoint inside BertLayer.__call__ (and RobertaLayer's,
+        # ...); older versions did it in the encoder loop, which our forward replaces, so there we
+        # checkpoint ourselves.
+        checkpointed = (
+            self.model.training
+            and torch.is_grad_enabled()
+            and not compat.layer_checkpoints_itself(fam.hf_layer)
+            and getattr(encoder, "gradient_checkpointing", False)
+        )
+        return encoder(h, batch, checkpointed=checkpointed, collect=self.hidden).last_hidden_state
+
+    # ------------------------------------------------------------------ the outputs
+    def outputs(self, h: torch.Tensor):
+        """transformers' output: a ModelOutput, or its tuple form as the installed version builds it."""
+        fam = self.model.bert_fast_family
+        last = _to_bsh(h, self.batch)
+        pooler = getattr(self.model, "pooler", None)
+        pooled = pooler(last) if pooler is not None and self.s > 0 else None
+        if pooler is not None and self.s == 0:
+            # No CLS position: pool the all-zero state, as for a fully padded row.
+            pooled = pooler(last.new_zeros((self.b, 1, self.model.config.hidden_size)))
+        hidden_states = self.hidden.returned(self.layers_only) if self.hidden is not None else None
+        attentions = crossed = None
+        if self.output_attentions:
+            # One entry per layer (a checkpointed layer's recomputation appends to the list later).
+            attentions = tuple(self.batch.attentions[: self.num_layers])
+            # transformers 5 returns an encoder's (empty) cross-attentions beside them.
+            crossed = () if compat.returns_cross_attentions(fam.hf_model) else None
+        if not self.return_dict:
+            rest = tuple(v for v in (hidden_states, attentions, crossed) if v is not None)
+            if fam.pooler_output and compat.tuple_keeps_empty_pooler():  # 4.x: (last, pooled or None, ...)
+                return (last, pooled) + rest
+            return tuple(v for v in (last, pooled) if v is not None) + rest
+        fields = dict(
+            last_hidden_state=last, hidden_states=hidden_states, attentions=attentions, cross_attentions=crossed
+        )
+        if not fam.pooler_output:
+            return BaseModelOutputWithPastAndCrossAttentions(**fields)
+        return BaseModelOutputWithPoolingAndCrossAttentions(pooler_output=pooled, **fields)
+
+
 class FastModel:
     """Mixin of bert_fast's BertModel, RobertaModel, XLMRobertaModel and ElectraModel: transformers'
     class with bert_fast's kernels as its forward. Same constructor, parameters, state dict,
@@ -346,7 +530,10 @@ class FastModel:
         super().__init_subclass__(**kwargs)
         compat.register_output_recording(cls)
 
-    def _bert_fast_init(self, padded: bool) -> None:
+    def _bert_fast_init(self, config, padded: bool, **hf_kwargs) -> None:
+        """The constructor of every family's model: the config checked, transformers' own, then ours."""
+        check_config(config, self.bert_fast_family)
+        super().__init__(config, **hf_kwargs)
         # An installed transformers whose model bert_fast does not recognise: warned fallback to
         # transformers' own forward (never a TypeError inside forward or a different answer).
         fam = self.bert_fast_family
@@ -494,8 +681,6 @@ class FastModel:
         cache=None,
         **kwargs,
     ):
-        config = self.config
-        fam = self.bert_fast_family
         given = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -514,182 +699,38 @@ class FastModel:
         )
         if self.__dict__.get("bert_fast_fallback"):
             return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
+        fam = self.bert_fast_family
         # From the keyword or from the config: one path, one answer (as transformers reads them).
         if output_attentions is None:
-            output_attentions = getattr(config, "output_attentions", False)
+            output_attentions = getattr(self.config, "output_attentions", False)
         output_attentions = bool(output_attentions)
         if output_attentions:
             self._check_output_attentions()
-        compat.check_mask_meaning(attention_mask, config, fam.hf_model)
+        compat.check_mask_meaning(attention_mask, self.config, fam.hf_model)
         whole = fam.whole_model_exact and self.unfused_pieces()
         if whole or (fam.whole_model_exact and output_attentions):
-            # DistilBERT's exact mode: transformers' whole forward (its eager attention returns the
-            # probabilities when output_attentions is asked for), given the 2-D form of a 3-D / 4-D
-            # mask (the same answer where transformers takes the form, one where it refuses it).
-            if whole:
-                self._log_unfused(whole, whole=True)
-            given["output_attentions"] = output_attentions or None
-            if compat.mask_form(attention_mask):
-                b, s = attention_mask.shape[0], attention_mask.shape[-1]
-                given["attention_mask"] = key_padding_mask(attention_mask, b, s, attention_mask.device).long()
-            return super().forward(**{k: v for k, v in given.items() if v is not None}, **kwargs)
-        if encoder_hidden_states is not None or encoder_attention_mask is not None:
-            raise ValueError("cross-attention (encoder_hidden_states) is not supported by bert_fast")
-        if past_key_values is not None or cache is not None:
-            raise ValueError("past_key_values / cache are decoder features, not supported by bert_fast")
-        # use_cache: an encoder ignores it, as transformers' BertModel does when is_decoder is False.
-        if head_mask is not None:
-            raise ValueError("head_mask is not supported by bert_fast")
-        _check_kwargs(kwargs)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+            return super().forward(**self._whole_model_arguments(given, output_attentions, whole), **kwargs)
+        call = _FusedCall(self, given, output_attentions, padded, kwargs)
+        return call.outputs(call.run())
 
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states", False)
-        )
-        encoder = getattr(self, fam.encoder_attr)
-        selected, layers_only = _selected_hidden_states(output_hidden_states, len(encoder.layer) + 1)
-        return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
-        emb = self.embeddings
-        device = emb.word_embeddings.weight.device
-
-        source = input_ids if input_ids is not None else inputs_embeds
-        if source.device != device:
-            raise ValueError(f"input is on device {source.device} but the model is on device {device}")
-        if device.type == "cpu" and emb.word_embeddings.weight.dtype in (torch.float16, torch.bfloat16):
-            precision.warn_slow_dtype(emb.word_embeddings.weight.dtype)  # once: fp16, bf16 without units
-        if input_ids is not None and input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if inputs_embeds is not None and inputs_embeds.dim() != 3:
-            raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
-        b, s = source.shape[:2]
-        fused_positions = self._bert_fast_positions(input_ids, inputs_embeds, position_ids, b, s)
-        if attention_mask is None:
-            attention_mask = torch.ones((b, s), dtype=torch.bool, device=device)
-        else:
-            attention_mask = key_padding_mask(attention_mask, b, s, device)
-
-        # Pieces a hook, a non-transformers module or a parametrization makes us run unfused: then
-        # the whole batch runs in transformers' padded layout (exact mode), so that those pieces and
-        # their hooks see the tensors they see on transformers.
-        found = self.unfused_pieces()
-        if found:
-            self._log_unfused(found)
-        embeddings_unfused, unfused = _unfused_blocks(found, len(encoder.layer))
-        if output_attentions:  # transformers' eager attention materializes them, for this call
-            unfused = _with_attention_probabilities(unfused, len(encoder.layer))
-        exact = bool(found) or output_attentions
-        padded = exact or (self.padded if padded is None else bool(padded))
-
-        batch = Batch(
-            padded=padded,
-            unpadded=None if padded else unpad(attention_mask),
-            mask=attention_mask if padded else None,
-            batch=b,
-            seqlen=s,
-            unfused=unfused,
-            hf_kwargs=dict(kwargs, position_ids=position_ids) if position_ids is not None else kwargs,
-            attentions=[] if output_attentions else None,
-        )
-        if embeddings_unfused:
-            h = emb(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                token_type_ids=token_type_ids,
-                inputs_embeds=inputs_embeds,
-            )
-        else:
-            h = embeddings_forward(
-                emb if fam.token_types else _no_token_types(emb),
-                input_ids,
-                inputs_embeds,
-                fused_positions,
-                token_type_ids,
-                batch,
-                self.training,
-            )
-            if torch.is_grad_enabled() and not h.requires_grad and dropin.wants_input_grads(emb.word_embeddings):
-                h.requires_grad_(True)  # what transformers' enable_input_require_grads hook does
-        project = self._modules.get("embeddings_project")  # (no AttributeError raised on the others)
-        if project is not None:  # ELECTRA: embedding_size -> hidden_size, called as a module (hooks fire)
-            h = project(h)
-        # The residual stream stays in the parameters' dtype, as on transformers: under autocast
-        # the GEMMs (and attention on their outputs) run in the autocast dtype (ops.linear casts
-        # as nn.Linear does), while the residual adds and LayerNorms stay fp32.
-        h = cast(h, emb.word_embeddings.weight.dtype)
-        if exact:
-            batch.hf_mask = compat.attention_mask_for_modules(attention_mask, h.dtype, config)
-        if not exact and direct_ops.usable(h, self.training):
-            batch.ops = direct_ops
-            batch.frozen = frozen.store_of(self)
-        quantized = int8.store_of(self)
-        if quantized:
-            if not exact and int8.usable(h, self.training):
-                batch.int8 = quantized
-            else:
-                int8.warn_not_inference(self)
-
-        def to_bsh(x):
-            return x if padded else pad(x, batch.unpadded)
-
-        # Hidden states as transformers 5 returns them: one entry per state, None where not selected.
-        all_hidden = [] if selected is not None else None
-
-        def collect(x):
-            all_hidden.append(to_bsh(x) if len(all_hidden) in selected else None)
-
-        if selected is not None:
-            collect(h)
-        encoder_ckpt = (
-            self.training
-            and torch.is_grad_enabled()
-            and not compat.layer_checkpoints_itself(fam.hf_layer)
-            and getattr(encoder, "gradient_checkpointing", False)
-        )
-        if isinstance(encoder, FastEncoder):
-            h = encoder(
-                h, batch, checkpointed=encoder_ckpt, collect=collect if selected is not None else None
-            ).last_hidden_state
-        else:  # a user's own encoder class (reported by unfused_pieces): called as transformers does
-            h = first(call_hf(encoder, batch, h, attention_mask=batch.hf_mask))
-            h = h.last_hidden_state if hasattr(h, "last_hidden_state") else h
-
-        last = to_bsh(h)
-        pooler = getattr(self, "pooler", None)
-        pooled = pooler(last) if pooler is not None and s > 0 else None
-        if pooler is not None and s == 0:
-            # No CLS position: pool the all-zero state, as for a fully padded row.
-            pooled = pooler(last.new_zeros((b, 1, config.hidden_size)))
-        hidden_states = tuple(all_hidden[1:] if layers_only else all_hidden) if selected is not None else None
-        # One entry per layer (a checkpointed layer's recomputation appends to the list later).
-        attentions = tuple(batch.attentions[: len(encoder.layer)]) if output_attentions else None
-        # transformers 5 returns an encoder's (empty) cross-attentions beside them.
-        crossed = () if output_attentions and compat.returns_cross_attentions(fam.hf_model) else None
-        if not return_dict:
-            rest = tuple(v for v in (hidden_states, attentions, crossed) if v is not None)
-            if fam.pooler_output and compat.tuple_keeps_empty_pooler():  # 4.x: (last, pooled or None, ...)
-                return (last, pooled) + rest
-            return tuple(v for v in (last, pooled) if v is not None) + rest
-        if not fam.pooler_output:
-            return BaseModelOutputWithPastAndCrossAttentions(
-                last_hidden_state=last, hidden_states=hidden_states, attentions=attentions, cross_attentions=crossed
-            )
-        return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=last,
-            pooler_output=pooled,
-            hidden_states=hidden_states,
-            attentions=attentions,
-            cross_attentions=crossed,
-        )
+    def _whole_model_arguments(self, given: dict, output_attentions: bool, whole) -> dict:
+        """DistilBERT's exact mode: the arguments of transformers' whole forward (its eager attention
+        returns the probabilities when output_attentions is asked for), given the 2-D form of a
+        3-D / 4-D mask (the same answer where transformers takes the form, one where it refuses it)."""
+        if whole:
+            self._log_unfused(whole, whole=True)
+        given["output_attentions"] = output_attentions or None
+        mask = given["attention_mask"]
+        if compat.mask_form(mask):
+            given["attention_mask"] = key_padding_mask(mask, mask.shape[0], mask.shape[-1], mask.device).long()
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class BertModel(FastModel, transformers.BertModel):
     """transformers.BertModel with bert_fast's kernels as its forward (see FastModel)."""
 
     def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
-        check_config(config, BERT)
-        super().__init__(config, add_pooling_layer=add_pooling_layer)
-        self._bert_fast_init(padded)
+        self._bert_fast_init(config, padded, add_pooling_layer=add_pooling_layer)
 
 
 class RobertaModel(FastModel, transformers.RobertaModel):
@@ -697,18 +738,14 @@ class RobertaModel(FastModel, transformers.RobertaModel):
     RoBERTa's positions (after pad_token_id) computed for the fused embeddings."""
 
     def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
-        check_config(config, ROBERTA)
-        super().__init__(config, add_pooling_layer=add_pooling_layer)
-        self._bert_fast_init(padded)
+        self._bert_fast_init(config, padded, add_pooling_layer=add_pooling_layer)
 
 
 class XLMRobertaModel(FastModel, transformers.XLMRobertaModel):
     """transformers.XLMRobertaModel (RoBERTa's architecture) with bert_fast's kernels as its forward."""
 
     def __init__(self, config, add_pooling_layer: bool = True, padded: bool = False):
-        check_config(config, XLM_ROBERTA)
-        super().__init__(config, add_pooling_layer=add_pooling_layer)
-        self._bert_fast_init(padded)
+        self._bert_fast_init(config, padded, add_pooling_layer=add_pooling_layer)
 
 
 class ElectraModel(FastModel, transformers.ElectraModel):
@@ -716,9 +753,7 @@ class ElectraModel(FastModel, transformers.ElectraModel):
     its forward; its embeddings_project (embedding_size != hidden_size) runs as its own Linear."""
 
     def __init__(self, config, padded: bool = False):
-        check_config(config, ELECTRA)
-        super().__init__(config)
-        self._bert_fast_init(padded)
+        self._bert_fast_init(config, padded)
 
 
 class DistilBertModel(FastModel, transformers.DistilBertModel):
@@ -727,63 +762,43 @@ class DistilBertModel(FastModel, transformers.DistilBertModel):
     implemented for it."""
 
     def __init__(self, config, padded: bool = False):
-        check_config(config, DISTILBERT)
-        super().__init__(config)
-        self._bert_fast_init(padded)
+        self._bert_fast_init(config, padded)
 
     def freeze(self) -> int:
         raise NotImplementedError("freeze() is not implemented for DistilBertModel (its layers have other names)")
 
 
-_hf = transformers.models
-BERT = Family(
-    "BERT",
-    transformers.BertModel,
-    _hf.bert.modeling_bert.BertEncoder,
-    _hf.bert.modeling_bert.BertLayer,
-    BertEncoder,
-    BertLayer,
-    "bert",
-    "Bert",
+# transformers' base model class -> (family, bert_fast's class), in the order of messages (SUPPORTED)
+FAMILIES: Dict[type, Tuple[Family, type]] = {}
+
+
+def _family(name: str, model: type, encoder: type, layer: type, module: str, prefix, **differences) -> Family:
+    """The Family of bert_fast's class-swapped ``model``, ``encoder`` and ``layer`` (transformers'
+    classes are their last bases), registered as the model class's and in FAMILIES."""
+    hf_model, hf_encoder, hf_layer = (cls.__bases__[-1] for cls in (model, encoder, layer))
+    fam = Family(name, hf_model, hf_encoder, hf_layer, encoder, layer, module, prefix, **differences)
+    model.bert_fast_family = fam
+    FAMILIES[hf_model] = (fam, model)
+    return fam
+
+
+BERT = _family("BERT", BertModel, BertEncoder, BertLayer, "bert", "Bert")
+ROBERTA = _family(
+    "RoBERTa", RobertaModel, RobertaEncoder, RobertaLayer, "roberta", "Roberta", padding_offset_positions=True
 )
-ROBERTA = Family(
-    "RoBERTa",
-    transformers.RobertaModel,
-    _hf.roberta.modeling_roberta.RobertaEncoder,
-    _hf.roberta.modeling_roberta.RobertaLayer,
-    RobertaEncoder,
-    RobertaLayer,
-    "roberta",
-    "Roberta",
-    padding_offset_positions=True,
-)
-XLM_ROBERTA = Family(
+XLM_ROBERTA = _family(
     "XLM-RoBERTa",
-    transformers.XLMRobertaModel,
-    _hf.xlm_roberta.modeling_xlm_roberta.XLMRobertaEncoder,
-    _hf.xlm_roberta.modeling_xlm_roberta.XLMRobertaLayer,
+    XLMRobertaModel,
     XLMRobertaEncoder,
     XLMRobertaLayer,
     "xlm_roberta",
     "XLMRoberta",
     padding_offset_positions=True,
 )
-ELECTRA = Family(
-    "ELECTRA",
-    transformers.ElectraModel,
-    _hf.electra.modeling_electra.ElectraEncoder,
-    _hf.electra.modeling_electra.ElectraLayer,
-    ElectraEncoder,
-    ElectraLayer,
-    "electra",
-    "Electra",
-    pooler_output=False,
-)
-DISTILBERT = Family(
+ELECTRA = _family("ELECTRA", ElectraModel, ElectraEncoder, ElectraLayer, "electra", "Electra", pooler_output=False)
+DISTILBERT = _family(
     "DistilBERT",
-    transformers.DistilBertModel,
-    _hf_distil.Transformer,
-    _hf_distil.TransformerBlock,
+    DistilBertModel,
     DistilBertEncoder,
     DistilBertLayer,
     "distilbert",
@@ -811,22 +826,7 @@ DISTILBERT = Family(
         ),
     ),
 )
-BertModel.bert_fast_family = BERT
-DistilBertModel.bert_fast_family = DISTILBERT
-RobertaModel.bert_fast_family = ROBERTA
-XLMRobertaModel.bert_fast_family = XLM_ROBERTA
-ElectraModel.bert_fast_family = ELECTRA
-# transformers' base model class -> (family, bert_fast's class)
-FAMILIES = {
-    f.hf_model: (f, fast)
-    for f, fast in (
-        (BERT, BertModel),
-        (ROBERTA, RobertaModel),
-        (XLM_ROBERTA, XLMRobertaModel),
-        (ELECTRA, ElectraModel),
-        (DISTILBERT, DistilBertModel),
-    )
-}
+dropin.register_fast_types(*(t for fam, _ in FAMILIES.values() for t in (fam.fast_layer, fam.fast_encoder)))
 _NAMES = [cls.__name__ for cls in FAMILIES]
 SUPPORTED = "transformers." + ", ".join(_NAMES[:-1]) + " or " + _NAMES[-1]  # for messages
 

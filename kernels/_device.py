@@ -1,8 +1,13 @@
-"""Per-device limits that decide which kernel configurations can launch at all."""
+"""Where a kernel runs: the GPU's limits that decide which kernel configurations can launch at all,
+and the Triton interpreter (TRITON_INTERPRET=1, the CPU tests), whose loops need Python bounds."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 
 def smem_per_block(device: torch.device) -> int:
@@ -18,3 +23,19 @@ def smem_per_block(device: torch.device) -> int:
             else (166912 if (major, minor) in ((8, 0), (8, 7)) else 101376)
         )
     return int(smem)
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's CPU interpreter (the kernels' INTERPRET constexpr)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def loop_bound(n, INTERPRET: tl.constexpr):
+    """``n``, a run-time scalar, as a range() bound. Compiled, it is ``n`` itself (the loop stays a
+    pipelinable for loop). Triton 3.6's interpreter turns a tensor bound into int() of a 1-element
+    array, which NumPy 2.x deprecates and 2.4 rejects, so there it is a Python int (returned, not
+    assigned: the interpreter turns every assigned value back into a tensor)."""
+    if INTERPRET:
+        return n.handle.data.item()
+    return n

@@ -3,25 +3,54 @@ the launchers) and kernels/linear_tma.py (the TMA / persistent GEMM on sm_90+).
 
 Kept here so that the dependency runs one way: linear.py imports linear_tma.py (its launcher hands
 TMA-readable operands to it), and both import this module; linear_tma.py never imports linear.py.
-Contents: the GEMM kinds (part of both autotune keys), the interpreter switch, the config pruning
-rule, and the jit helpers both kernels' bodies call (the forward activations, the dot with its
-precision, the column halves of an epilogue, the grouped tile order).
+Contents: the GEMM kinds (part of both autotune keys), the record of one GEMM launch, the config
+pruning rule, and the jit helpers both kernels' bodies call (the forward activations, the dot with its
+precision, the column slabs of an epilogue, the grouped tile order).
 """
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple, Optional
 
+import torch
 import triton
 import triton.language as tl
+
+from ._device import interpreting
 
 # GEMM kinds, part of the autotune key: the three GEMMs of one layer have different layouts
 # (x row-major, W^T column-major, dZ^T column-major) and may want different tiles.
 KIND_FWD, KIND_DX, KIND_DW, KIND_OTHER = 0, 1, 2, 3
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+class GemmCall(NamedTuple):
+    """One GEMM, y (and z) = epilogue(a @ b) for a [M, K] and b [K, N], as both kernels take it:
+    the operands, the epilogue (bias, activation code, z: the pre-activation output), the autotune
+    key's GEMM kind and buckets, and the dot's precision and accumulator type. The fields are, in
+    order, the first parameters of linear_tma.launch (linear.py hands a call on as ``*call``)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    y: torch.Tensor
+    z: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    activation: int
+    kind: int
+    m_bucket: int
+    k_bucket: int
+    dot_precision: str
+    acc_dtype: tl.dtype
+
+    def epilogue_meta(self) -> dict:
+        """The constexprs both kernels take: the epilogue's, the dot's and the interpreter switch."""
+        return dict(
+            HAS_BIAS=self.bias is not None,
+            ACTIVATION=self.activation,
+            SAVE_Z=self.z is not None,
+            DOT_PRECISION=self.dot_precision,
+            ACC_DTYPE=self.acc_dtype,
+            INTERPRET=interpreting(),
+        )
 
 
 # ----------------------------------------------------------------------------- configs
@@ -67,6 +96,17 @@ def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
 def _column_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc[:, :BLOCK_N/2], acc[:, BLOCK_N/2:] (for epilogues that run on one half at a time)."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _column_slabs(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+    """acc as EPILOGUE_SPLIT column slabs, for an epilogue that runs on one slab at a time: (acc,),
+    or its two halves; slab i holds columns [i * BLOCK_N / EPILOGUE_SPLIT, (i + 1) * ...)."""
+    if EPILOGUE_SPLIT == 2:
+        slabs = _column_halves(acc, BLOCK_M, BLOCK_N)
+    else:
+        slabs = (acc,)
+    return slabs
 
 
 @triton.jit

@@ -48,12 +48,15 @@ TRITON_INTERPRET=1 a single small config (asymmetric blocks, to exercise the tai
 from __future__ import annotations
 
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ._device import interpreting as _interpreting
+from ._device import loop_bound
 from ._device import smem_per_block as _smem_per_block
 
 LOG2E = 1.4426950408889634
@@ -121,22 +124,9 @@ def _fwd_step(
     acc,
     l_i,
     m_i,
-    q,
-    k_ptrs,
-    v_ptrs,
-    mask_ptrs,
+    queries,
+    keys,
     n0,
-    seq_len,
-    qk_scale,
-    dropout_p,
-    seed,
-    bh,
-    q_pos,
-    offs_n,
-    d_valid,
-    stride_ks,
-    stride_vs,
-    stride_ms,
     BOUNDS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -151,7 +141,11 @@ def _fwd_step(
     once per row, max(s * c) = max(s) * c for c > 0, so each score needs a single FFMA,
     s * c - m, before its exp2 instead of an FMUL (kept for the max) and an FADD: offline sm_90,
     d = 64, 128x128 tile, 538 -> 414 FP32 instructions in the kernel. A zero or negative scale
-    keeps the scaled scores (the identity fails, and -inf * 0 would be NaN for masked keys)."""
+    keeps the scaled scores (the identity fails, and -inf * 0 would be NaN for masked keys).
+
+    ``queries`` and ``keys`` are what every step of the program shares (see _attention_fwd_kernel)."""
+    q, q_pos, seq_len, bh, qk_scale, dropout_p, seed, offs_n, d_valid = queries
+    k_ptrs, v_ptrs, mask_ptrs, stride_ks, stride_vs, stride_ms = keys
     k_pos = n0 + offs_n
     n0_64 = tl.cast(n0, tl.int64)  # n0 * stride in int64: one sequence may span > 2**31 elements
     if BOUNDS:
@@ -270,100 +264,19 @@ def _attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    n_full = (seq_len // BLOCK_N) * BLOCK_N
+    # what every step shares: this program's queries (and how their scores are made), and where
+    # the key blocks are (pointers at key 0 and the strides of one key)
+    queries = (q, q_pos, seq_len, bh, qk_scale, dropout_p, seed, offs_n, d_valid)
+    keys = (k_ptrs, v_ptrs, mask_ptrs, stride_ks, stride_vs, stride_ms)
     # Full key blocks without length checks, then one masked tail block.
-    if INTERPRET:
-        # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound under numpy 2.x
-        # (int() of a 1-element array): a while loop there, the pipelined for loop on the GPU.
-        n0 = 0
-        while n0 < n_full:
-            acc, l_i, m_i = _fwd_step(
-                acc,
-                l_i,
-                m_i,
-                q,
-                k_ptrs,
-                v_ptrs,
-                mask_ptrs,
-                n0,
-                seq_len,
-                qk_scale,
-                dropout_p,
-                seed,
-                bh,
-                q_pos,
-                offs_n,
-                d_valid,
-                stride_ks,
-                stride_vs,
-                stride_ms,
-                False,
-                HAS_MASK,
-                HAS_DROPOUT,
-                EVEN_D,
-                DOT_PREC,
-                BLOCK_N,
-                SCALE_POS,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in range(0, n_full, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(
-                acc,
-                l_i,
-                m_i,
-                q,
-                k_ptrs,
-                v_ptrs,
-                mask_ptrs,
-                n0,
-                seq_len,
-                qk_scale,
-                dropout_p,
-                seed,
-                bh,
-                q_pos,
-                offs_n,
-                d_valid,
-                stride_ks,
-                stride_vs,
-                stride_ms,
-                False,
-                HAS_MASK,
-                HAS_DROPOUT,
-                EVEN_D,
-                DOT_PREC,
-                BLOCK_N,
-                SCALE_POS,
-            )
+    n_full = (seq_len // BLOCK_N) * BLOCK_N
+    for n0 in range(0, loop_bound(n_full, INTERPRET), BLOCK_N):
+        acc, l_i, m_i = _fwd_step(
+            acc, l_i, m_i, queries, keys, n0, False, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N, SCALE_POS
+        )
     if n_full < seq_len:
         acc, l_i, m_i = _fwd_step(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_ptrs,
-            v_ptrs,
-            mask_ptrs,
-            n_full,
-            seq_len,
-            qk_scale,
-            dropout_p,
-            seed,
-            bh,
-            q_pos,
-            offs_n,
-            d_valid,
-            stride_ks,
-            stride_vs,
-            stride_ms,
-            True,
-            HAS_MASK,
-            HAS_DROPOUT,
-            EVEN_D,
-            DOT_PREC,
-            BLOCK_N,
-            SCALE_POS,
+            acc, l_i, m_i, queries, keys, n_full, True, HAS_MASK, HAS_DROPOUT, EVEN_D, DOT_PREC, BLOCK_N, SCALE_POS
         )
     empty = l_i == 0.0  # no key at all: output 0, lse +inf
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -432,34 +345,20 @@ def _attention_bwd_preprocess_kernel(
 def _dkdv_step(
     dk,
     dv,
-    k,
-    v,
-    key_ok,
-    k0,
     m0,
-    seq_len,
-    q_ptrs,
-    do_ptrs,
-    dq_ptrs,
-    lse_ptrs,
-    delta_ptrs,
-    stride_qs,
-    stride_dos,
-    stride_dqs,
-    softmax_scale,
-    qk_scale,
-    dropout_p,
-    seed,
-    bh,
-    offs_m,
-    offs_n,
-    d_valid,
+    keys,
+    queries,
+    scores,
     HAS_DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One query block at m0 for the key block (k, v) of _attention_bwd_dkdv_kernel."""
+    """One query block at m0 for the key block (k, v) of _attention_bwd_dkdv_kernel; ``keys``,
+    ``queries`` and ``scores`` are what every step of the program shares (see the kernel)."""
+    k, v, key_ok, k0, offs_n, d_valid, seq_len = keys
+    q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs, offs_m = queries
+    softmax_scale, qk_scale, dropout_p, seed, bh = scores
     q_pos = m0 + offs_m
     m0_64 = tl.cast(m0, tl.int64)  # m0 * stride in int64 (see _fwd_step)
     m_valid = q_pos < seq_len
@@ -591,72 +490,13 @@ def _attention_bwd_dkdv_kernel(
 
     # A key block with no real key has zero gradients: skip its loop.
     hi = tl.where(tl.max(key_ok.to(tl.int32), 0) > 0, seq_len, 0)
-    if INTERPRET:  # see _attention_fwd_kernel: no runtime range() bound in the interpreter
-        m0 = 0
-        while m0 < hi:
-            dk, dv = _dkdv_step(
-                dk,
-                dv,
-                k,
-                v,
-                key_ok,
-                start_n * BLOCK_N,
-                m0,
-                seq_len,
-                q_ptrs,
-                do_ptrs,
-                dq_ptrs,
-                lse_ptrs,
-                delta_ptrs,
-                stride_qs,
-                stride_dos,
-                stride_dqs,
-                softmax_scale,
-                qk_scale,
-                dropout_p,
-                seed,
-                bh,
-                offs_m,
-                offs_n,
-                d_valid,
-                HAS_DROPOUT,
-                ATOMIC_DQ,
-                DOT_PREC,
-                BLOCK_N,
-            )
-            m0 += BLOCK_M
-    else:
-        for m0 in range(0, hi, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk,
-                dv,
-                k,
-                v,
-                key_ok,
-                start_n * BLOCK_N,
-                m0,
-                seq_len,
-                q_ptrs,
-                do_ptrs,
-                dq_ptrs,
-                lse_ptrs,
-                delta_ptrs,
-                stride_qs,
-                stride_dos,
-                stride_dqs,
-                softmax_scale,
-                qk_scale,
-                dropout_p,
-                seed,
-                bh,
-                offs_m,
-                offs_n,
-                d_valid,
-                HAS_DROPOUT,
-                ATOMIC_DQ,
-                DOT_PREC,
-                BLOCK_N,
-            )
+    # what every step shares: this key block, the query stream (pointers at query 0 and the
+    # strides of one query), and how scores are made
+    keys = (k, v, key_ok, start_n * BLOCK_N, offs_n, d_valid, seq_len)
+    queries = (q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs, offs_m)
+    scores = (softmax_scale, qk_scale, dropout_p, seed, bh)
+    for m0 in range(0, loop_bound(hi, INTERPRET), BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, m0, keys, queries, scores, HAS_DROPOUT, ATOMIC_DQ, DOT_PREC, BLOCK_N)
     dk = tl.where(key_ok[:, None], dk * softmax_scale, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
     st_mask = n_in[:, None] & d_valid[None, :]
@@ -675,32 +515,18 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _dq_step(
     dq,
-    q,
-    do,
-    lse2,
-    delta,
     n0,
-    seq_len,
-    k_ptrs,
-    v_ptrs,
-    mask_ptrs,
-    stride_ks,
-    stride_vs,
-    stride_ms,
-    qk_scale,
-    dropout_p,
-    seed,
-    bh,
-    q_pos,
-    offs_m,
-    offs_n,
-    d_valid,
+    queries,
+    keys,
     HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One key block at n0 for the query block of _attention_bwd_dq_kernel."""
+    """One key block at n0 for the query block of _attention_bwd_dq_kernel; ``queries`` and
+    ``keys`` are what every step of the program shares (see the kernel)."""
+    q, do, lse2, delta, q_pos, seq_len, qk_scale, dropout_p, seed, bh, offs_n, d_valid = queries
+    k_ptrs, v_ptrs, mask_ptrs, stride_ks, stride_vs, stride_ms = keys
     k_pos = n0 + offs_n
     n0_64 = tl.cast(n0, tl.int64)  # see _fwd_step
     key_ok = k_pos < seq_len
@@ -803,66 +629,12 @@ def _attention_bwd_dq_kernel(
     v_ptrs = V + off_b64 * stride_vb + off_h64 * stride_vh + rows_k0 * stride_vs + offs_d[None, :] * stride_vd
     mask_ptrs = KEY_MASK + off_b64 * stride_mb + offs_n * stride_ms
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if INTERPRET:  # see _attention_fwd_kernel: no runtime range() bound in the interpreter
-        n0 = 0
-        while n0 < seq_len:
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse2,
-                delta,
-                n0,
-                seq_len,
-                k_ptrs,
-                v_ptrs,
-                mask_ptrs,
-                stride_ks,
-                stride_vs,
-                stride_ms,
-                qk_scale,
-                dropout_p,
-                seed,
-                bh,
-                q_pos,
-                offs_m,
-                offs_n,
-                d_valid,
-                HAS_MASK,
-                HAS_DROPOUT,
-                DOT_PREC,
-                BLOCK_N,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in range(0, seq_len, BLOCK_N):
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse2,
-                delta,
-                n0,
-                seq_len,
-                k_ptrs,
-                v_ptrs,
-                mask_ptrs,
-                stride_ks,
-                stride_vs,
-                stride_ms,
-                qk_scale,
-                dropout_p,
-                seed,
-                bh,
-                q_pos,
-                offs_m,
-                offs_n,
-                d_valid,
-                HAS_MASK,
-                HAS_DROPOUT,
-                DOT_PREC,
-                BLOCK_N,
-            )
+    # what every step shares: this program's queries (and how their scores are made), and where
+    # the key blocks are (pointers at key 0 and the strides of one key)
+    queries = (q, do, lse2, delta, q_pos, seq_len, qk_scale, dropout_p, seed, bh, offs_n, d_valid)
+    keys = (k_ptrs, v_ptrs, mask_ptrs, stride_ks, stride_vs, stride_ms)
+    for n0 in range(0, loop_bound(seq_len, INTERPRET), BLOCK_N):
+        dq = _dq_step(dq, n0, queries, keys, HAS_MASK, HAS_DROPOUT, DOT_PREC, BLOCK_N)
     dq = dq * softmax_scale
     tl.store(
         DQ + off_b64 * stride_dqb + off_h64 * stride_dqh + rows_q * stride_dqs + offs_d[None, :] * stride_dqd,
@@ -1012,10 +784,6 @@ _attention_bwd_dkdv_kernel_tuned = _tuned("dkdv", _attention_bwd_dkdv_kernel, re
 _attention_bwd_dq_kernel_tuned = _tuned("dq", _attention_bwd_dq_kernel)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _autotuning(t: torch.Tensor) -> bool:
     """Autotune on CUDA for fp16/bf16 unless BERT_FAST_AUTOTUNE=0 (fp32 is for tests: fixed small
     tiles), on parts with the big shared memory _TUNE_SPACE is made for (A100/H100/H200/B200, >= 160
@@ -1036,27 +804,8 @@ def _seq_bucket(seqlen: int) -> int:
     return max(16, triton.next_power_of_2(int(seqlen)))
 
 
-def _launch(
-    kind: str, kernel, tuned, qkv: torch.Tensor, blocks, args, kwargs, block_d: int, dropout: bool = False
-) -> None:
-    """Launch ``kernel`` with _configs' fixed choice, or its autotuned twin ``tuned``; the grid is
-    ``blocks(BLOCK_M, BLOCK_N)`` programs (it depends on the config the autotuner picks)."""
-    if _autotuning(qkv):
-        tuned[lambda meta: (blocks(meta["BLOCK_M"], meta["BLOCK_N"]),)](*args, **kwargs)
-    else:
-        cfg = _configs(kind, block_d, qkv.dtype, qkv.device, dropout)
-        kernel[(blocks(cfg["BLOCK_M"], cfg["BLOCK_N"]),)](*args, **kwargs, **cfg)
-
-
 def _dot_prec(dtype: torch.dtype):
     return "ieee" if dtype == torch.float32 else None
-
-
-def _strides4(t: torch.Tensor, varlen: bool):
-    """(batch, seq, head, dim) strides of a [B, S, h, d] or (varlen, batch stride 0) [T, h, d] view."""
-    if varlen:
-        return (0,) + tuple(t.stride())
-    return tuple(t.stride())
 
 
 class _Device:
@@ -1083,6 +832,135 @@ def _check_layout(qkv: torch.Tensor, varlen: bool) -> None:
         raise ValueError(f"head dim must be in 16..128, got {qkv.shape[-1]}")
 
 
+# ----------------------------------------------------------------------------- launch records
+class _Launch(NamedTuple):
+    """One launch of an attention kernel: ``kind`` names its configs ("fwd", "dkdv", "dq": _configs,
+    _TUNE_SPACE; "pre": fixed), ``args`` are its run-time arguments in the kernel's order, ``meta``
+    its constexprs. One program per block of ``tile`` ("BLOCK_M": queries, "BLOCK_N": keys) of
+    each of the ``sequences`` (B * heads) of length ``seqlen``."""
+
+    kind: str
+    args: tuple
+    meta: dict
+    tile: str
+    sequences: int
+    seqlen: int
+
+    def grid(self, cfg: dict) -> tuple:
+        """The 1-D grid for the block sizes in ``cfg`` (a config, or the autotuner's meta)."""
+        return (triton.cdiv(self.seqlen, cfg[self.tile]) * self.sequences,)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One attention call as its kernels take it: padded or varlen, the sizes (``seqlen``: the
+    longest sequence for varlen), the key mask and cu_seqlens (None when absent), the dropout draw.
+    Its methods give each kernel's launch record, in the parameter order all the kernels share:
+    tensors, KEY_MASK, CU_SEQLENS, scalars, the 4 strides of each [.., heads, d] tensor, lse's
+    (batch, head) strides, the mask's strides, nheads, seqlen, seq_bucket."""
+
+    varlen: bool
+    batch: int
+    seqlen: int
+    nheads: int
+    d: int
+    key_mask: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    softmax_scale: float
+    dropout_p: float
+    seed: int
+
+    @classmethod
+    def of(cls, qkv, key_mask, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed) -> _Call:
+        if cu_seqlens is not None:
+            _, _, nheads, d = qkv.shape
+            sizes = (True, cu_seqlens.numel() - 1, int(max_seqlen), nheads, d)
+        else:
+            batch, seqlen, _, nheads, d = qkv.shape
+            sizes = (False, batch, seqlen, nheads, d)
+        return cls(*sizes, key_mask, cu_seqlens, softmax_scale, dropout_p, seed)
+
+    def outputs(self, qkv: torch.Tensor):
+        """New (out, lse) of the forward, in the layouts of the module docstring."""
+        if self.varlen:
+            t = qkv.shape[0]
+            shapes = (t, self.nheads, self.d), (self.nheads, t)
+        else:
+            shapes = (self.batch, self.seqlen, self.nheads, self.d), (self.batch, self.nheads, self.seqlen)
+        return qkv.new_empty(shapes[0]), torch.empty(shapes[1], device=qkv.device, dtype=torch.float32)
+
+    def _pointers(self, lse: torch.Tensor, mask_stand_in: torch.Tensor) -> tuple:
+        """KEY_MASK and CU_SEQLENS, or stand-ins where absent (never read)."""
+        return (self.key_mask if self.key_mask is not None else mask_stand_in, self.cu_seqlens if self.varlen else lse)
+
+    def _strides(self, *tensors: torch.Tensor) -> tuple:
+        """(batch, seq, head, dim) strides of each [B, S, h, d] (or varlen [T, h, d], batch stride 0) view."""
+        return tuple(s for t in tensors for s in ((0,) if self.varlen else ()) + tuple(t.stride()))
+
+    def _lse_strides(self, lse: torch.Tensor) -> tuple:
+        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+    def _tail(self, lse: torch.Tensor) -> tuple:
+        """The arguments after the [.., heads, d] tensors' strides."""
+        mask_strides = self.key_mask.stride() if self.key_mask is not None else (0, 0)
+        return (*self._lse_strides(lse), *mask_strides, self.nheads, self.seqlen, _seq_bucket(self.seqlen))
+
+    def _launch(self, kind: str, tile: str, args: tuple, meta: dict) -> _Launch:
+        return _Launch(kind, args, meta, tile, self.batch * self.nheads, self.seqlen)
+
+    def _shape_meta(self) -> dict:
+        """The constexprs of the layout, which every kernel takes."""
+        return dict(HEAD_DIM=self.d, BLOCK_D=max(16, triton.next_power_of_2(self.d)), IS_VARLEN=self.varlen)
+
+    def _meta(self, dtype: torch.dtype, **extra) -> dict:
+        """The constexprs of the forward, dK/dV and dQ kernels (+ ``extra``)."""
+        return dict(
+            **self._shape_meta(),
+            HAS_MASK=self.key_mask is not None,
+            HAS_DROPOUT=self.dropout_p > 0.0,
+            DOT_PREC=_dot_prec(dtype),
+            INTERPRET=_interpreting(),
+            **extra,
+        )
+
+    def fwd(self, qkv, out, lse) -> _Launch:
+        q, k, v = qkv.unbind(-3)
+        args = (q, k, v, out, lse, *self._pointers(lse, out), self.softmax_scale * LOG2E, self.dropout_p, self.seed)
+        args += (*self._strides(q, k, v, out), *self._tail(lse))
+        return self._launch("fwd", "BLOCK_M", args, self._meta(qkv.dtype, SCALE_POS=self.softmax_scale > 0.0))
+
+    def preprocess(self, out, dout, delta, lse) -> _Launch:
+        args = (out, dout, delta, self._pointers(lse, lse)[1], *self._strides(out, dout), *self._lse_strides(lse))
+        meta = dict(self._shape_meta(), BLOCK_M=64, num_warps=4)
+        return self._launch("pre", "BLOCK_M", args + (self.nheads, self.seqlen), meta)
+
+    def _bwd_scalars(self) -> tuple:
+        return (self.softmax_scale, self.softmax_scale * LOG2E, self.dropout_p, self.seed)
+
+    def dkdv(self, qkv, dout, lse, delta, dq_buf, dqkv, atomic_dq: bool) -> _Launch:
+        (q, k, v), (_, dk, dv) = qkv.unbind(-3), dqkv.unbind(-3)
+        args = (q, k, v, dout, lse, delta, dq_buf, dk, dv, *self._pointers(lse, lse), *self._bwd_scalars())
+        args += (*self._strides(q, k, v, dout, dq_buf, dk, dv), *self._tail(lse))
+        return self._launch("dkdv", "BLOCK_N", args, self._meta(qkv.dtype, ATOMIC_DQ=atomic_dq))
+
+    def dq(self, qkv, dout, lse, delta, dq) -> _Launch:
+        q, k, v = qkv.unbind(-3)
+        args = (q, k, v, dout, lse, delta, dq, *self._pointers(lse, lse), *self._bwd_scalars())
+        args += (*self._strides(q, k, v, dout, dq), *self._tail(lse))
+        return self._launch("dq", "BLOCK_M", args, self._meta(qkv.dtype))
+
+
+def _launch(kernel, tuned, launch: _Launch, qkv: torch.Tensor) -> None:
+    """Launch ``kernel`` with _configs' fixed choice, or its autotuned twin ``tuned`` (the grid
+    depends on the config the autotuner picks)."""
+    if _autotuning(qkv):
+        tuned[launch.grid](*launch.args, **launch.meta)
+    else:
+        meta = launch.meta
+        cfg = _configs(launch.kind, meta["BLOCK_D"], qkv.dtype, qkv.device, meta["HAS_DROPOUT"])
+        kernel[launch.grid(cfg)](*launch.args, **meta, **cfg)
+
+
 # ----------------------------------------------------------------------------- launchers
 def attention_fwd(
     qkv: torch.Tensor,
@@ -1095,73 +973,13 @@ def attention_fwd(
 ):
     """Forward launcher. Padded (cu_seqlens None): qkv [B, S, 3, h, d], key_mask None or uint8 [B, S];
     varlen: qkv [T, 3, h, d], cu_seqlens int32 [B+1]. Returns (out, lse) as described above."""
-    varlen = cu_seqlens is not None
-    _check_layout(qkv, varlen)
-    q, k, v = qkv.unbind(-3)
-    if varlen:
-        t, _, nheads, d = qkv.shape
-        batch = cu_seqlens.numel() - 1
-        seqlen = int(max_seqlen)
-        out = qkv.new_empty((t, nheads, d))
-        lse = torch.empty((nheads, t), device=qkv.device, dtype=torch.float32)
-        stride_lb, stride_lh = 0, lse.stride(0)
-    else:
-        batch, seqlen, _, nheads, d = qkv.shape
-        out = qkv.new_empty((batch, seqlen, nheads, d))
-        lse = torch.empty((batch, nheads, seqlen), device=qkv.device, dtype=torch.float32)
-        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
-    if out.numel() == 0 or batch == 0 or seqlen == 0:
+    _check_layout(qkv, cu_seqlens is not None)
+    call = _Call.of(qkv, key_mask, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed)
+    out, lse = call.outputs(qkv)
+    if out.numel() == 0 or call.batch == 0 or call.seqlen == 0:
         return out, lse
-    block_d = max(16, triton.next_power_of_2(d))
-    has_mask = key_mask is not None
-    mask_arg = key_mask if has_mask else out  # dummy pointer, never read
-    smb, sms = key_mask.stride() if has_mask else (0, 0)
-    cu_arg = cu_seqlens if varlen else lse  # dummy pointer, never read
-    args = (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        mask_arg,
-        cu_arg,
-        softmax_scale * LOG2E,
-        dropout_p,
-        seed,
-        *_strides4(q, varlen),
-        *_strides4(k, varlen),
-        *_strides4(v, varlen),
-        *_strides4(out, varlen),
-        stride_lb,
-        stride_lh,
-        smb,
-        sms,
-        nheads,
-        seqlen,
-        _seq_bucket(seqlen),
-    )
-    kwargs = dict(
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
-        IS_VARLEN=varlen,
-        HAS_MASK=has_mask,
-        HAS_DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_prec(qkv.dtype),
-        INTERPRET=_interpreting(),
-        SCALE_POS=softmax_scale > 0.0,
-    )
     with _Device(qkv):
-        _launch(
-            "fwd",
-            _attention_fwd_kernel,
-            _attention_fwd_kernel_tuned,
-            qkv,
-            lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads,
-            args,
-            kwargs,
-            block_d,
-            dropout_p > 0.0,
-        )
+        _launch(_attention_fwd_kernel, _attention_fwd_kernel_tuned, call.fwd(qkv, out, lse), qkv)
     return out, lse
 
 
@@ -1180,8 +998,7 @@ def attention_bwd(
 ) -> torch.Tensor:
     """Backward launcher: returns dqkv, a new buffer of qkv's shape whose q/k/v slices the kernels
     write directly (never the saved qkv). ``deterministic`` picks the atomics-free dQ kernel."""
-    varlen = cu_seqlens is not None
-    _check_layout(qkv, varlen)
+    _check_layout(qkv, cu_seqlens is not None)
     # BERT_FAST_ATTN_DQ=separate: the atomics-free dQ kernel also outside deterministic mode (for
     # measuring which is faster per shape: the atomic path moves an fp32 dQ buffer through DRAM).
     deterministic = deterministic or os.environ.get("BERT_FAST_ATTN_DQ", "") == "separate"
@@ -1190,133 +1007,19 @@ def attention_bwd(
     dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     if dqkv.numel() == 0:
         return dqkv
-    q, k, v = qkv.unbind(-3)
-    dq, dk, dv = dqkv.unbind(-3)
-    if varlen:
-        t, _, nheads, d = qkv.shape
-        batch = cu_seqlens.numel() - 1
-        seqlen = int(max_seqlen)
-        stride_lb, stride_lh = 0, lse.stride(0)
-    else:
-        batch, seqlen, _, nheads, d = qkv.shape
-        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
-    if batch == 0 or seqlen == 0:
+    call = _Call.of(qkv, key_mask, cu_seqlens, max_seqlen, softmax_scale, dropout_p, seed)
+    if call.batch == 0 or call.seqlen == 0:
         return dqkv.zero_()
-    block_d = max(16, triton.next_power_of_2(d))
-    has_mask = key_mask is not None
-    smb, sms = key_mask.stride() if has_mask else (0, 0)
-    cu_arg = cu_seqlens if varlen else lse
-    mask_arg = key_mask if has_mask else lse
-    has_dropout = dropout_p > 0.0
-    prec = _dot_prec(qkv.dtype)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_VARLEN=varlen)
-
+    dq = dqkv.unbind(-3)[0]
     delta = torch.empty_like(lse)
-    pre_bm = 64
-    n_pre = triton.cdiv(seqlen, pre_bm)
     with _Device(qkv):
-        _attention_bwd_preprocess_kernel[(n_pre * batch * nheads,)](
-            out,
-            dout,
-            delta,
-            cu_arg,
-            *_strides4(out, varlen),
-            *_strides4(dout, varlen),
-            stride_lb,
-            stride_lh,
-            nheads,
-            seqlen,
-            BLOCK_M=pre_bm,
-            num_warps=4,
-            **common,
-        )
-
+        pre = call.preprocess(out, dout, delta, lse)
+        _attention_bwd_preprocess_kernel[pre.grid(pre.meta)](*pre.args, **pre.meta)
         dq_buf = dq if deterministic else torch.zeros(dq.shape, device=qkv.device, dtype=torch.float32)
-        bucket = _seq_bucket(seqlen)
-        _launch(
-            "dkdv",
-            _attention_bwd_dkdv_kernel,
-            _attention_bwd_dkdv_kernel_tuned,
-            qkv,
-            lambda bm, bn: triton.cdiv(seqlen, bn) * batch * nheads,
-            (
-                q,
-                k,
-                v,
-                dout,
-                lse,
-                delta,
-                dq_buf,
-                dk,
-                dv,
-                mask_arg,
-                cu_arg,
-                softmax_scale,
-                softmax_scale * LOG2E,
-                dropout_p,
-                seed,
-                *_strides4(q, varlen),
-                *_strides4(k, varlen),
-                *_strides4(v, varlen),
-                *_strides4(dout, varlen),
-                *_strides4(dq_buf, varlen),
-                *_strides4(dk, varlen),
-                *_strides4(dv, varlen),
-                stride_lb,
-                stride_lh,
-                smb,
-                sms,
-                nheads,
-                seqlen,
-                bucket,
-            ),
-            dict(
-                HAS_MASK=has_mask,
-                HAS_DROPOUT=has_dropout,
-                ATOMIC_DQ=not deterministic,
-                DOT_PREC=prec,
-                INTERPRET=_interpreting(),
-                **common,
-            ),
-            block_d,
-        )
+        dkdv = call.dkdv(qkv, dout, lse, delta, dq_buf, dqkv, atomic_dq=not deterministic)
+        _launch(_attention_bwd_dkdv_kernel, _attention_bwd_dkdv_kernel_tuned, dkdv, qkv)
         if deterministic:
-            _launch(
-                "dq",
-                _attention_bwd_dq_kernel,
-                _attention_bwd_dq_kernel_tuned,
-                qkv,
-                lambda bm, bn: triton.cdiv(seqlen, bm) * batch * nheads,
-                (
-                    q,
-                    k,
-                    v,
-                    dout,
-                    lse,
-                    delta,
-                    dq,
-                    mask_arg,
-                    cu_arg,
-                    softmax_scale,
-                    softmax_scale * LOG2E,
-                    dropout_p,
-                    seed,
-                    *_strides4(q, varlen),
-                    *_strides4(k, varlen),
-                    *_strides4(v, varlen),
-                    *_strides4(dout, varlen),
-                    *_strides4(dq, varlen),
-                    stride_lb,
-                    stride_lh,
-                    smb,
-                    sms,
-                    nheads,
-                    seqlen,
-                    bucket,
-                ),
-                dict(HAS_MASK=has_mask, HAS_DROPOUT=has_dropout, DOT_PREC=prec, INTERPRET=_interpreting(), **common),
-                block_d,
-            )
+            _launch(_attention_bwd_dq_kernel, _attention_bwd_dq_kernel_tuned, call.dq(qkv, dout, lse, delta, dq), qkv)
         else:
             dq.copy_(dq_buf)
     return dqkv

@@ -40,15 +40,18 @@ import triton
 import triton.language as tl
 
 from . import linear_tma
+from ._device import interpreting as _interpreting
+from ._device import loop_bound
 from ._linear_common import (  # noqa: F401
     KIND_DW,
     KIND_DX,
     KIND_FWD,
     KIND_OTHER,
+    GemmCall,
     _act_fwd,
     _column_halves,
+    _column_slabs,
     _dot_acc,
-    _interpreting,
     _prune_configs,
     _tanh,
     _tile_coords,
@@ -231,128 +234,49 @@ def _linear_fwd_kernel(
     # tl.dot(a, b, acc); the partial leaves an inner loop, which it cannot fold.) Tensor-core
     # precisions ("native", "tf32") keep the flat loop: their MMAs accumulate as they must.
     IEEE_STEPS: tl.constexpr = 128 // BLOCK_K if BLOCK_K < 128 else 1
-    if INTERPRET:
-        # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound under numpy 2.x
-        # (int() of a 1-element array); while loops there, the pipelinable for loops on the GPU.
-        k = 0
-        while k < num_k:
-            if DOT_PRECISION == "ieee":
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-                k_end = tl.minimum(k + IEEE_STEPS, num_k)
-                while k < k_end:
-                    part = _gemm_step(
-                        part, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION
-                    )
-                    a_ptrs += BLOCK_K * stride_ak
-                    b_ptrs += BLOCK_K * stride_bk
-                    k += 1
-                acc += part
-            else:
-                acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
-                k += 1
-    elif DOT_PRECISION == "ieee":
-        for k0 in range(0, num_k, IEEE_STEPS):
+    if DOT_PRECISION == "ieee":
+        for k0 in range(0, loop_bound(num_k, INTERPRET), IEEE_STEPS):
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-            for k in range(k0, tl.minimum(k0 + IEEE_STEPS, num_k)):
+            for k in range(k0, loop_bound(tl.minimum(k0 + IEEE_STEPS, num_k), INTERPRET)):
                 part = _gemm_step(part, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
             acc += part
     else:
-        for k in range(0, num_k):
+        for k in range(0, loop_bound(num_k, INTERPRET)):
             acc = _gemm_step(acc, a_ptrs, b_ptrs, k, K, mask_m, mask_n, offs_k, BLOCK_K, EVEN_K, DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-    n0 = pid_n * BLOCK_N
-    if EPILOGUE_SPLIT == 2:
-        # the two column halves one after the other (see linear_tma._tile_epilogue: the erf GELU
-        # over a whole 128x256 / 256x128 / 128x128-on-4-warps tile spills, 200-530 B of stack on
-        # sm_90 and sm_80; the halves do not)
-        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
-        _epilogue_store(
-            left,
-            BIAS,
-            Y,
-            Z,
-            offs_m,
-            mask_m,
-            n0,
-            N,
-            stride_ym,
-            stride_yn,
-            stride_zm,
-            stride_zn,
-            HAS_BIAS,
-            ACTIVATION,
-            SAVE_Z,
-            ACC_DTYPE,
-            BLOCK_N // 2,
-        )
-        _epilogue_store(
-            right,
-            BIAS,
-            Y,
-            Z,
-            offs_m,
-            mask_m,
-            n0 + BLOCK_N // 2,
-            N,
-            stride_ym,
-            stride_yn,
-            stride_zm,
-            stride_zn,
-            HAS_BIAS,
-            ACTIVATION,
-            SAVE_Z,
-            ACC_DTYPE,
-            BLOCK_N // 2,
-        )
-    else:
-        _epilogue_store(
-            acc,
-            BIAS,
-            Y,
-            Z,
-            offs_m,
-            mask_m,
-            n0,
-            N,
-            stride_ym,
-            stride_yn,
-            stride_zm,
-            stride_zn,
-            HAS_BIAS,
-            ACTIVATION,
-            SAVE_Z,
-            ACC_DTYPE,
-            BLOCK_N,
-        )
+    # EPILOGUE_SPLIT = 2: the two column halves one after the other (see linear_tma._tile_epilogue:
+    # the erf GELU over a whole 128x256 / 256x128 / 128x128-on-4-warps tile spills, 200-530 B of
+    # stack on sm_90 and sm_80; the halves do not)
+    slabs = _column_slabs(acc, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    outputs = (Y, Z, stride_ym, stride_yn, stride_zm, stride_zn)
+    WIDTH: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for i in tl.static_range(EPILOGUE_SPLIT):
+        n0 = pid_n * BLOCK_N + i * WIDTH
+        _epilogue_store(slabs[i], BIAS, outputs, offs_m, mask_m, n0, N, HAS_BIAS, ACTIVATION, SAVE_Z, ACC_DTYPE, WIDTH)
 
 
 @triton.jit
 def _epilogue_store(
     acc,
     BIAS,
-    Y,
-    Z,
+    outputs,
     offs_m,
     mask_m,
     n0,
     N,
-    stride_ym,
-    stride_yn,
-    stride_zm,
-    stride_zn,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     SAVE_Z: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
-    """+ bias, store z (pre-activation), activation, store y for columns [n0, n0 + WIDTH)."""
+    """+ bias, store z (pre-activation), activation, store y for columns [n0, n0 + WIDTH);
+    ``outputs`` = (Y, Z, stride_ym, stride_yn, stride_zm, stride_zn)."""
+    Y, Z, stride_ym, stride_yn, stride_zm, stride_zn = outputs
     offs_n = n0 + tl.arange(0, WIDTH).to(tl.int64)
     mask_n = offs_n < N
     if HAS_BIAS:
@@ -422,14 +346,8 @@ def _linear_bwd_db_kernel(PARTIAL, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=PARTIAL.dtype.element_ty)
-    if INTERPRET:  # see _linear_fwd_kernel: no runtime range() bound in the interpreter
-        r0 = 0
-        while r0 < R:
-            acc += _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R)
-            r0 += BLOCK_R
-    else:
-        for r0 in range(0, R, BLOCK_R):
-            acc += _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R)
+    for r0 in range(0, loop_bound(R, INTERPRET), BLOCK_R):
+        acc += _db_partial_tile(PARTIAL, r0, R, N, offs_n, mask_n, BLOCK_R)
     tl.store(DB + offs_n, tl.sum(acc, axis=0).to(DB.dtype.element_ty), mask=mask_n)
 
 
@@ -466,52 +384,24 @@ def _launch_gemm(a, b, y, z, bias, activation_code, kind):
     M, K = a.shape
     N = b.shape[1]
     k_bucket = m_bucket(K) if kind == KIND_DW else K
+    call = GemmCall(
+        a, b, y, z, bias, activation_code, kind, m_bucket(M), k_bucket, _dot_precision(a.dtype), _acc_dtype(a.dtype)
+    )
     views = linear_tma.tma_views(a, b, y)
     if views is not None:
-        linear_tma.launch(
-            a,
-            b,
-            y,
-            z,
-            bias,
-            activation_code,
-            kind,
-            m_bucket(M),
-            k_bucket,
-            _dot_precision(a.dtype),
-            _acc_dtype(a.dtype),
-            views,
-        )
+        linear_tma.launch(*call, views)
         return
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-    save_z = z is not None
-    _linear_fwd_kernel[grid](
-        a,
-        b,
-        bias if bias is not None else y,
-        y,
-        z if save_z else y,
-        M,
-        N,
-        K,
-        m_bucket(M),
-        k_bucket,
-        kind,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        y.stride(0),
-        y.stride(1),
-        z.stride(0) if save_z else 0,
-        z.stride(1) if save_z else 0,
-        HAS_BIAS=bias is not None,
-        ACTIVATION=activation_code,
-        SAVE_Z=save_z,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        ACC_DTYPE=_acc_dtype(a.dtype),
-        INTERPRET=_interpreting(),
-    )
+    _linear_fwd_kernel[grid](*_pointer_kernel_args(call), **call.epilogue_meta())
+
+
+def _pointer_kernel_args(call: GemmCall) -> tuple:
+    """_linear_fwd_kernel's run-time arguments; y stands in for an absent bias or z (never read)."""
+    a, b, y, z, bias = call.a, call.b, call.y, call.z, call.bias
+    M, K = a.shape
+    pointers = (a, b, bias if bias is not None else y, y, z if z is not None else y)
+    sizes = (M, b.shape[1], K, call.m_bucket, call.k_bucket, call.kind)
+    return (*pointers, *sizes, *a.stride(), *b.stride(), *y.stride(), *(z.stride() if z is not None else (0, 0)))
 
 
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias, activation=None, save_z: bool = False):
@@ -573,6 +463,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, kind: int = KIND_OTHER) -> torch.Tens
     return y
 
 
+# (BLOCK_M, BLOCK_N) of the dZ kernel and BLOCK_N of the db fold, compiled and in the interpreter
+_DZ_TILES = {False: (64, 128, 128), True: (64, 64, 256)}
+
+
 def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, need_db: bool = True):
     """dz = dy * act'(z) (contiguous, dy's dtype) and db = dz.sum(0) (fp32), each only if asked.
 
@@ -589,7 +483,7 @@ def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, ne
     dz = torch.empty((M, N), device=dy.device, dtype=dy.dtype) if write_dz else None
     if not write_dz and not need_db:
         return (dy if need_dz else None), None
-    BLOCK_M, BLOCK_N = (64, 64) if _interpreting() else (64, 128)
+    BLOCK_M, BLOCK_N, FOLD_N = _DZ_TILES[_interpreting()]
     R = triton.cdiv(M, BLOCK_M)
     acc_torch = torch.float64 if dy.dtype == torch.float64 else torch.float32
     db = torch.zeros((N,), device=dy.device, dtype=acc_torch) if need_db else None
@@ -604,12 +498,9 @@ def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, ne
             partial,
             M,
             N,
-            dy.stride(0),
-            dy.stride(1),
-            zz.stride(0),
-            zz.stride(1),
-            dzz.stride(0),
-            dzz.stride(1),
+            *dy.stride(),
+            *zz.stride(),
+            *dzz.stride(),
             ACTIVATION=act,
             WRITE_DZ=write_dz,
             WRITE_DB=need_db,
@@ -621,9 +512,8 @@ def linear_bwd_dz(dy: torch.Tensor, z, activation=None, need_dz: bool = True, ne
             num_warps=8,
         )
         if need_db:
-            RB_N = 128 if not _interpreting() else 256
-            _linear_bwd_db_kernel[(triton.cdiv(N, RB_N),)](
-                partial, db, R, N, BLOCK_R=32, BLOCK_N=RB_N, INTERPRET=_interpreting(), num_warps=4
+            _linear_bwd_db_kernel[(triton.cdiv(N, FOLD_N),)](
+                partial, db, R, N, BLOCK_R=32, BLOCK_N=FOLD_N, INTERPRET=_interpreting(), num_warps=4
             )
     if not need_dz:
         dz = None

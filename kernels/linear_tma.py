@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._device import smem_per_block
-from ._linear_common import KIND_DW, _act_fwd, _column_halves, _dot_acc, _interpreting, _prune_configs, _tile_coords
+from ._device import interpreting as _interpreting
+from ._device import loop_bound, smem_per_block
+from ._linear_common import KIND_DW, GemmCall, _act_fwd, _column_slabs, _dot_acc, _prune_configs, _tile_coords
 from .tuned_configs import TunedConfigs
 
 _ENV = "BERT_FAST_GEMM_TMA"
@@ -160,17 +161,9 @@ def _tile_main_loop(
     unit; with per-unit bounds it silently leaves the two loops nested, and the next unit's loads no
     longer overlap this unit's epilogue."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    if INTERPRET:
-        # Triton 3.6's interpreter cannot take a runtime scalar as a range() bound (see linear.py)
-        step = 0
-        while step < k_steps:
-            k0 = (k_lo + step) * BLOCK_K
-            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc, DOT_PRECISION)
-            step += 1
-    else:
-        for step in range(0, k_steps):
-            k0 = (k_lo + step) * BLOCK_K
-            acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc, DOT_PRECISION)
+    for step in range(0, loop_bound(k_steps, INTERPRET)):
+        k0 = (k_lo + step) * BLOCK_K
+        acc = _dot_acc(_load_a(a_desc, m0, k0, A_T), _load_b(b_desc, n0, k0, B_T), acc, DOT_PRECISION)
     return acc
 
 
@@ -229,15 +222,16 @@ def _tile_epilogue(
     other: the GELU's fp32 temporaries then exist for half the accumulator at a time (at 128x256
     with erf, the whole tile at once needs more than 255 registers and spills, sm_90 offline
     compile), and the TMA store box (the shared-memory staging buffer) is half as big."""
-    if EPILOGUE_SPLIT == 2:
-        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
+    slabs = _column_slabs(acc, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    WIDTH: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    for i in tl.static_range(EPILOGUE_SPLIT):
         _epilogue_store(
-            left,
+            slabs[i],
             BIAS,
             y_desc,
             z_desc,
             m0,
-            n0,
+            n0 + i * WIDTH,
             N,
             split,
             HAS_BIAS,
@@ -246,42 +240,7 @@ def _tile_epilogue(
             ACC_DTYPE,
             SPLIT_K,
             BLOCK_M,
-            BLOCK_N // 2,
-        )
-        _epilogue_store(
-            right,
-            BIAS,
-            y_desc,
-            z_desc,
-            m0,
-            n0 + BLOCK_N // 2,
-            N,
-            split,
-            HAS_BIAS,
-            ACTIVATION,
-            SAVE_Z,
-            ACC_DTYPE,
-            SPLIT_K,
-            BLOCK_M,
-            BLOCK_N // 2,
-        )
-    else:
-        _epilogue_store(
-            acc,
-            BIAS,
-            y_desc,
-            z_desc,
-            m0,
-            n0,
-            N,
-            split,
-            HAS_BIAS,
-            ACTIVATION,
-            SAVE_Z,
-            ACC_DTYPE,
-            SPLIT_K,
-            BLOCK_M,
-            BLOCK_N,
+            WIDTH,
         )
 
 
@@ -406,64 +365,36 @@ def _linear_tma_kernel(
     (Descriptors carry no dtype the autotuner can see; BIAS, always a tensor of the output dtype,
     puts the dtype into its key.)"""
     num_units = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) * SPLIT_K
-    if INTERPRET:
-        unit = tl.program_id(0)
-        while unit < num_units:
-            _work_unit(
-                unit,
-                a_desc,
-                b_desc,
-                y_desc,
-                z_desc,
-                BIAS,
-                M,
-                N,
-                K,
-                HAS_BIAS,
-                ACTIVATION,
-                SAVE_Z,
-                A_T,
-                B_T,
-                SPLIT_K,
-                DOT_PRECISION,
-                ACC_DTYPE,
-                INTERPRET,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP_M,
-                EPILOGUE_SPLIT,
-            )
-            unit += NUM_SMS
-    else:
-        # flatten=True merges this loop with the K loop into one software-pipelined loop, so TMA
-        # loads of the next unit are issued while this one's epilogue runs.
-        for unit in tl.range(tl.program_id(0), num_units, NUM_SMS, flatten=True):
-            _work_unit(
-                unit,
-                a_desc,
-                b_desc,
-                y_desc,
-                z_desc,
-                BIAS,
-                M,
-                N,
-                K,
-                HAS_BIAS,
-                ACTIVATION,
-                SAVE_Z,
-                A_T,
-                B_T,
-                SPLIT_K,
-                DOT_PRECISION,
-                ACC_DTYPE,
-                INTERPRET,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP_M,
-                EPILOGUE_SPLIT,
-            )
+    # flatten=True merges this loop with the K loop into one software-pipelined loop, so TMA
+    # loads of the next unit are issued while this one's epilogue runs.
+    for unit in tl.range(
+        loop_bound(tl.program_id(0), INTERPRET), loop_bound(num_units, INTERPRET), NUM_SMS, flatten=True
+    ):
+        _work_unit(
+            unit,
+            a_desc,
+            b_desc,
+            y_desc,
+            z_desc,
+            BIAS,
+            M,
+            N,
+            K,
+            HAS_BIAS,
+            ACTIVATION,
+            SAVE_Z,
+            A_T,
+            B_T,
+            SPLIT_K,
+            DOT_PRECISION,
+            ACC_DTYPE,
+            INTERPRET,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+            EPILOGUE_SPLIT,
+        )
 
 
 # ----------------------------------------------------------------------------- host side
@@ -569,18 +500,8 @@ def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_pre
     z_desc = TensorDescriptor(z, [M, N], [z.stride(0), 1], [16, 16]) if z is not None else y_desc
     grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * split_k),)
     args = (a_desc, b_desc, y_desc, z_desc, bias if bias is not None else y, M, N, K, m_bucket_, k_bucket, kind)
-    meta = dict(
-        HAS_BIAS=bias is not None,
-        ACTIVATION=activation_code,
-        SAVE_Z=z is not None,
-        A_T=a_t,
-        B_T=b_t,
-        SPLIT_K=split_k,
-        NUM_SMS=num_sms,
-        DOT_PRECISION=dot_precision,
-        ACC_DTYPE=acc_dtype,
-        INTERPRET=_interpreting(),
-    )
+    call = GemmCall(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype)
+    meta = dict(call.epilogue_meta(), A_T=a_t, B_T=b_t, SPLIT_K=split_k, NUM_SMS=num_sms)
     # the autotuner's key, plus the epilogue and layout (they change the best tile too)
     key = (
         m_bucket_,

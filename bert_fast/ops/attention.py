@@ -35,7 +35,7 @@ import math
 import operator
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -200,9 +200,83 @@ TORCH_ATTENTION = (
 _fwd_checks = attention_bounds.fwd_checks
 
 
-def _bwd_checks(dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t):
+def _bwd_checks(dout, qkv, lay, dropout_p, scale, k, t):
+    # varlen: seqlen is max_seqlen (the bounds read max_seqlen only with cu_seqlens)
+    seqlen = lay.seqlen
     return attention_bounds.bwd_checks(
-        dout, qkv, cu_seqlens, max_seqlen, key_mask, seqlen, dropout_p, scale, k, t, TORCH_ATTENTION
+        dout, qkv, lay.cu_seqlens, seqlen, lay.key_mask, seqlen, dropout_p, scale, k, t, TORCH_ATTENTION
+    )
+
+
+# ----------------------------------------------------------------------------- the kernels, both layouts
+class _Layout(NamedTuple):
+    """Where one call's sequences lie, as the kernels take it: padded (a key mask or None, S) or
+    varlen (cu_seqlens, max_seqlen); the other layout's tensor is None."""
+
+    name: str  # "padded" or "varlen"
+    key_mask: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+    seqlen: int  # S, or max_seqlen
+    batch: int
+
+    def spec(self, qkv: Tensor, dropout_p: float) -> tuple:
+        return _spec(qkv, self.name, self.key_mask is not None, self.seqlen, dropout_p)
+
+
+def _padded(qkv: Tensor, key_mask: Optional[Tensor]) -> _Layout:
+    return _Layout("padded", key_mask, None, qkv.shape[1], qkv.shape[0])
+
+
+def _varlen(cu_seqlens: Tensor, max_seqlen: int) -> _Layout:
+    return _Layout("varlen", None, cu_seqlens, max_seqlen, cu_seqlens.numel() - 1)
+
+
+def _kernel_fwd(qkv: Tensor, lay: _Layout, dropout_p: float, scale: float, seed, fallback):
+    """The Triton forward's (out, lse), checked at first use against ``fallback(keep)``: the torch
+    implementation of the same op."""
+    return _verify.run(
+        "attention",
+        "fwd",
+        lay.spec(qkv, dropout_p),
+        qkv.device,
+        label=KERNEL,
+        dtype=qkv.dtype,
+        kernel=lambda: _kernels().attention_fwd(
+            qkv, lay.key_mask, lay.cu_seqlens, lay.seqlen, scale, dropout_p, _dispatch.seed_value(seed)
+        ),
+        kernel_mask=_kernel_mask(qkv, lay.batch, lay.seqlen, dropout_p, seed),
+        fallback=fallback,
+        checks=lambda k, t, _keep: _fwd_checks(qkv, lay.cu_seqlens, lay.key_mask, lay.seqlen, dropout_p, scale, k, t),
+    )
+
+
+def _kernel_bwd(dout, qkv, lay: _Layout, out, lse, dropout_p: float, scale: float, seed, fallback):
+    """The Triton backward's dqkv, checked at first use against ``fallback(keep)`` (as _kernel_fwd)."""
+    spec = lay.spec(qkv, dropout_p)
+    return _verify.run(
+        "attention",
+        "bwd",
+        _bwd_spec(spec, dout),
+        qkv.device,
+        label=KERNEL,
+        dtype=qkv.dtype,
+        kernel=lambda: _kernels().attention_bwd(
+            dout,
+            qkv,
+            lay.key_mask,
+            lay.cu_seqlens,
+            lay.seqlen,
+            out,
+            lse,
+            scale,
+            dropout_p,
+            _dispatch.seed_value(seed),
+            _dispatch.deterministic(),
+        ),
+        kernel_mask=_kernel_mask(qkv, lay.batch, lay.seqlen, dropout_p, seed),
+        fallback=fallback,
+        checks=lambda k, t, _keep: _bwd_checks(dout, qkv, lay, dropout_p, scale, k, t),
+        follows=("fwd", spec),
     )
 
 
@@ -217,20 +291,8 @@ def attention_fwd(
         return qkv.new_empty((b, s, h, d)), torch.empty((b, h, s), device=qkv.device, dtype=torch.float32)
     impl = _impl(qkv)
     if impl == "kernel":
-        return _verify.run(
-            "attention",
-            "fwd",
-            _spec(qkv, "padded", key_mask is not None, s, dropout_p),
-            qkv.device,
-            label=KERNEL,
-            dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_fwd(
-                qkv, key_mask, None, s, softmax_scale, dropout_p, _dispatch.seed_value(seed)
-            ),
-            kernel_mask=_kernel_mask(qkv, b, s, dropout_p, seed),
-            fallback=lambda keep: torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed, keep=keep),
-            checks=lambda k, t, _keep: _fwd_checks(qkv, None, key_mask, s, dropout_p, softmax_scale, k, t),
-        )
+        fallback = lambda keep: torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed, keep=keep)
+        return _kernel_fwd(qkv, _padded(qkv, key_mask), dropout_p, softmax_scale, seed, fallback)
     if impl == "torch":
         return torch_impl.attention_fwd(qkv, key_mask, dropout_p, softmax_scale, seed)
     mask = _reference_dropout_mask(b, h, s, dropout_p, seed, qkv.device)
@@ -260,35 +322,10 @@ def attention_bwd(
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     impl = _impl(qkv)
     if impl == "kernel":
-        b, s = qkv.shape[0], qkv.shape[1]
-        spec = _spec(qkv, "padded", key_mask is not None, s, dropout_p)
-        return _verify.run(
-            "attention",
-            "bwd",
-            _bwd_spec(spec, dout),
-            qkv.device,
-            label=KERNEL,
-            dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_bwd(
-                dout,
-                qkv,
-                key_mask,
-                None,
-                s,
-                out,
-                lse,
-                softmax_scale,
-                dropout_p,
-                _dispatch.seed_value(seed),
-                _dispatch.deterministic(),
-            ),
-            kernel_mask=_kernel_mask(qkv, b, s, dropout_p, seed),
-            fallback=lambda keep: torch_impl.attention_bwd(
-                dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed, keep=keep
-            ),
-            checks=lambda k, t, _keep: _bwd_checks(dout, qkv, None, None, key_mask, s, dropout_p, softmax_scale, k, t),
-            follows=("fwd", spec),
+        fallback = lambda keep: torch_impl.attention_bwd(
+            dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed, keep=keep
         )
+        return _kernel_bwd(dout, qkv, _padded(qkv, key_mask), out, lse, dropout_p, softmax_scale, seed, fallback)
     if impl == "torch":
         return torch_impl.attention_bwd(dout, qkv, key_mask, out, lse, dropout_p, softmax_scale, seed)
     b, s, _, h, _ = qkv.shape
@@ -337,23 +374,10 @@ def varlen_attention_fwd(
         return qkv.new_empty((t, h, d)), torch.empty((h, t), device=qkv.device, dtype=torch.float32)
     impl = _impl(qkv)
     if impl == "kernel":
-        batch = cu_seqlens.numel() - 1
-        return _verify.run(
-            "attention",
-            "fwd",
-            _spec(qkv, "varlen", False, max_seqlen, dropout_p),
-            qkv.device,
-            label=KERNEL,
-            dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_fwd(
-                qkv, None, cu_seqlens, max_seqlen, softmax_scale, dropout_p, _dispatch.seed_value(seed)
-            ),
-            kernel_mask=_kernel_mask(qkv, batch, max_seqlen, dropout_p, seed),
-            fallback=lambda keep: torch_impl.varlen_attention_fwd(
-                qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, keep=keep
-            ),
-            checks=lambda k, t, _keep: _fwd_checks(qkv, cu_seqlens, None, max_seqlen, dropout_p, softmax_scale, k, t),
+        fallback = lambda keep: torch_impl.varlen_attention_fwd(
+            qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, keep=keep
         )
+        return _kernel_fwd(qkv, _varlen(cu_seqlens, max_seqlen), dropout_p, softmax_scale, seed, fallback)
     if impl == "torch":
         return torch_impl.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
     out = _reference_varlen(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed).contiguous()
@@ -388,36 +412,11 @@ def varlen_attention_bwd(
         return torch.zeros(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     impl = _impl(qkv)
     if impl == "kernel":
-        spec = _spec(qkv, "varlen", False, max_seqlen, dropout_p)
-        return _verify.run(
-            "attention",
-            "bwd",
-            _bwd_spec(spec, dout),
-            qkv.device,
-            label=KERNEL,
-            dtype=qkv.dtype,
-            kernel=lambda: _kernels().attention_bwd(
-                dout,
-                qkv,
-                None,
-                cu_seqlens,
-                max_seqlen,
-                out,
-                lse,
-                softmax_scale,
-                dropout_p,
-                _dispatch.seed_value(seed),
-                _dispatch.deterministic(),
-            ),
-            kernel_mask=_kernel_mask(qkv, cu_seqlens.numel() - 1, max_seqlen, dropout_p, seed),
-            fallback=lambda keep: torch_impl.varlen_attention_bwd(
-                dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, seed, keep=keep
-            ),
-            checks=lambda k, t, _keep: _bwd_checks(
-                dout, qkv, cu_seqlens, max_seqlen, None, max_seqlen, dropout_p, softmax_scale, k, t
-            ),
-            follows=("fwd", spec),
+        fallback = lambda keep: torch_impl.varlen_attention_bwd(
+            dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, seed, keep=keep
         )
+        lay = _varlen(cu_seqlens, max_seqlen)
+        return _kernel_bwd(dout, qkv, lay, out, lse, dropout_p, softmax_scale, seed, fallback)
     if impl == "torch":
         return torch_impl.varlen_attention_bwd(
             dout, qkv, cu_seqlens, max_seqlen, out, lse, dropout_p, softmax_scale, seed
@@ -590,7 +589,7 @@ def attention(
     out, _ = torch.ops.bert_fast.attention_fwd(qkv, key_mask, p, scale, seed)
     if return_dropout_mask:
         b, s, _, h, _ = qkv.shape
-        return out, _dropout_mask(qkv, b, h, s, p, seed, _spec(qkv, "padded", key_mask is not None, s, p))
+        return out, _dropout_mask(qkv, b, h, s, p, seed, _padded(qkv, key_mask).spec(qkv, p))
     return out
 
 
@@ -622,7 +621,6 @@ def varlen_attention(
     seed = _dispatch.draw_seed(p, generator)
     out, _ = torch.ops.bert_fast.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, p, scale, seed)
     if return_dropout_mask:
-        return out, _dropout_mask(
-            qkv, cu_seqlens.numel() - 1, qkv.shape[2], max_seqlen, p, seed, _spec(qkv, "varlen", False, max_seqlen, p)
-        )
+        lay = _varlen(cu_seqlens, max_seqlen)
+        return out, _dropout_mask(qkv, lay.batch, qkv.shape[2], max_seqlen, p, seed, lay.spec(qkv, p))
     return out

@@ -31,7 +31,7 @@ always deterministic.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -94,31 +94,6 @@ def backend(device, dtype) -> str:
     )
 
 
-def _out_rows(input_ids: Tensor, indices: Optional[Tensor]) -> int:
-    return indices.shape[0] if indices is not None else input_ids.numel()
-
-
-def _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows, dropout_p, seed):
-    return {
-        "ids": _ptr(input_ids),
-        "pos": _ptr(position_ids),
-        "tt": _ptr(token_type_ids),
-        "ids_i64": _is64(input_ids),
-        "pos_i64": _is64(position_ids),
-        "tt_i64": _is64(token_type_ids),
-        "indices": _ptr(indices),
-        "rows": int(rows),
-        "seq_len": int(input_ids.shape[-1]) if input_ids.dim() > 0 and input_ids.shape[-1] > 0 else 1,
-        "hidden": int(word.shape[1]),
-        "word": _ptr(word),
-        "posemb": _ptr(pos),
-        "typeemb": _ptr(typ),
-        "dtype": _DTYPE_CODES[word.dtype],
-        "dropout_p": float(dropout_p) if seed is not None else 0.0,
-        "seed": _dispatch.seed_value(seed),
-    }
-
-
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
@@ -130,107 +105,248 @@ def _num_partials(rows: int, device: torch.device) -> int:
     return max(1, min(-(-rows // _WARPS_PER_BLOCK), 4 * sms))
 
 
+# ----------------------------------------------------------------------------- one call's records
+# Built once per call and handed to the kernel launch, the torch implementation and the first-use
+# check, in place of the ops' 16-18 arguments spelled again at each of them.
+class _Gather(NamedTuple):
+    """What every output row gathers from, in the ops' (and torch_impl's) argument order, so that
+    ``*g`` passes it on: ids, positions and types contiguous and of one shape (positions / types
+    may be None: 0..S-1 along the last dimension / 0), indices contiguous int64 or None, tables."""
+
+    input_ids: Tensor
+    position_ids: Optional[Tensor]
+    token_type_ids: Optional[Tensor]
+    indices: Optional[Tensor]
+    word: Tensor
+    pos: Tensor
+    typ: Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.indices.shape[0] if self.indices is not None else self.input_ids.numel()
+
+    @property
+    def hidden(self) -> int:
+        return self.word.shape[1]
+
+    @property
+    def out_shape(self) -> tuple:
+        """[T, H] with indices, else input_ids.shape + (H,)."""
+        if self.indices is not None:
+            return (self.rows, self.hidden)
+        return tuple(self.input_ids.shape) + (self.hidden,)
+
+    def params(self, dropout_p: float, seed: Optional[Tensor]) -> dict:
+        """The kernels' parameters common to forward and backward (pointers, sizes, dropout)."""
+        ids = self.input_ids
+        return {
+            "ids": _ptr(ids),
+            "pos": _ptr(self.position_ids),
+            "tt": _ptr(self.token_type_ids),
+            "ids_i64": _is64(ids),
+            "pos_i64": _is64(self.position_ids),
+            "tt_i64": _is64(self.token_type_ids),
+            "indices": _ptr(self.indices),
+            "rows": int(self.rows),
+            "seq_len": int(ids.shape[-1]) if ids.dim() > 0 and ids.shape[-1] > 0 else 1,
+            "hidden": int(self.hidden),
+            "word": _ptr(self.word),
+            "posemb": _ptr(self.pos),
+            "typeemb": _ptr(self.typ),
+            "dtype": _DTYPE_CODES[self.word.dtype],
+            "dropout_p": float(dropout_p) if seed is not None else 0.0,
+            "seed": _dispatch.seed_value(seed),
+        }
+
+    def spec(self, dropout_p: float) -> tuple:
+        """What the kernels are instantiated for: dtype, hidden size (vectors per lane), the index
+        dtypes and which of positions / types / indices are given, dropout, the row bucket. The
+        backward adds deterministic mode and which gradients it computes."""
+        dt = lambda t: None if t is None else str(t.dtype).replace("torch.", "")
+        return (
+            self.word.dtype,
+            self.hidden,
+            dt(self.input_ids),
+            dt(self.position_ids),
+            dt(self.token_type_ids),
+            self.indices is not None,
+            dropout_p > 0.0,
+            _verify.bucket(self.rows),
+        )
+
+    def kernel_mask(self, dropout_p: float, seed: Optional[Tensor]):
+        """The kernel's keep-mask, for the first-use check (None without dropout)."""
+        if seed is None or dropout_p == 0.0:
+            return None
+        return lambda: embedding_dropout_mask(self.rows, self.hidden, dropout_p, seed, self.word.device)
+
+    def row_ids(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """int64 word/position/type ids of each output row (the kernel's own gather, in torch)."""
+        flat = self.input_ids.reshape(-1).long()
+        src = self.indices if self.indices is not None else torch.arange(flat.numel(), device=flat.device)
+        ids = flat[src]
+        if self.position_ids is not None:
+            pos = self.position_ids.reshape(-1).long()[src]
+        else:
+            pos = src % max(1, self.input_ids.shape[-1])
+        tt = self.token_type_ids.reshape(-1).long()[src] if self.token_type_ids is not None else torch.zeros_like(ids)
+        return ids, pos, tt
+
+    def validate(self) -> None:
+        """Every index tensor of the op in range (one host sync on CUDA), and positions for the
+        sequence length when they are implicit. (indices are checked even when input_ids is empty:
+        any index into no tokens is out of range, and the kernel would read ids[indices[t]] past
+        the end.)"""
+        ids, max_pos = self.input_ids, self.pos.shape[0]
+        check_index_ranges(
+            (
+                ("input_ids", ids, self.word.shape[0], "the word vocabulary size (word_embeddings.shape[0])"),
+                ("position_ids", self.position_ids, max_pos, "the number of positions (position_embeddings.shape[0])"),
+                (
+                    "token_type_ids",
+                    self.token_type_ids,
+                    self.typ.shape[0],
+                    "the token type vocabulary size (token_type_embeddings.shape[0])",
+                ),
+                ("indices", self.indices, ids.numel(), "input_ids.numel()"),
+            )
+        )
+        if self.position_ids is None and ids.numel() > 0 and ids.shape[-1] > max_pos:
+            raise IndexError(
+                f"sequence length {ids.shape[-1]} needs position ids up to "
+                f"{ids.shape[-1] - 1}, out of range [0, {max_pos}) "
+                f"(position_embeddings.shape[0] = {max_pos})"
+            )
+
+
+class _Fwd(NamedTuple):
+    """One forward: what the kernel, the torch implementation and the first-use check take."""
+
+    g: _Gather
+    weight: Tensor
+    bias: Tensor
+    eps: float
+    dropout_p: float
+    seed: Optional[Tensor]
+
+    def run_torch(self, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """torch_impl's (out, mean, rstd); ``keep``: a kernel's keep-mask to apply (_verify)."""
+        return torch_impl.embedding_fwd(*self.g, self.weight, self.bias, self.eps, self.dropout_p, self.seed, keep=keep)
+
+
+class _Bwd(NamedTuple):
+    """One backward: the forward's inputs and statistics, and which gradients to compute."""
+
+    grad_out: Tensor
+    g: _Gather
+    weight: Tensor
+    mean: Tensor
+    rstd: Tensor
+    dropout_p: float
+    seed: Optional[Tensor]
+    pads: Tuple[int, int, int]  # the (word, position, type) rows that get no gradient, -1 for none
+    need: List[bool]  # which of the (word, position, type, weight, bias) gradients to compute
+    deterministic: bool
+
+    def shape(self, i: int):
+        g = self.g
+        return (g.word.shape, g.pos.shape, g.typ.shape, self.weight.shape, self.weight.shape)[i]
+
+    def empty(self) -> Tensor:
+        """A gradient that is not needed (None through autograd)."""
+        return self.g.word.new_empty((0,))
+
+    def zeros(self) -> tuple:
+        """The five gradients of no rows: zero where needed."""
+        word = self.g.word
+        return tuple(
+            torch.zeros(self.shape(i), dtype=word.dtype, device=word.device) if self.need[i] else self.empty()
+            for i in range(5)
+        )
+
+    def accum(self, i: int) -> Optional[Tensor]:
+        """Gradient ``i``'s zeroed fp32 accumulator (float64 for float64; an fp32 table's gradient
+        is its own accumulator), None when not needed."""
+        if not self.need[i]:
+            return None
+        return torch.zeros(self.shape(i), dtype=_acc_dtype(self.g.word.dtype), device=self.g.word.device)
+
+    def cast(self, i: int, acc: Optional[Tensor]) -> Tensor:
+        """Gradient ``i`` from its accumulator, in the tables' dtype."""
+        return acc.to(self.g.word.dtype) if self.need[i] else self.empty()
+
+    def run_torch(self, keep: Optional[Tensor] = None) -> tuple:
+        """torch_impl's five gradients; ``keep``: the kernel forward's keep-mask to apply (_verify)."""
+        pads = self.pads
+        grads = torch_impl.embedding_bwd(
+            self.grad_out,
+            *self.g,
+            self.weight,
+            self.mean,
+            self.rstd,
+            self.dropout_p,
+            self.seed,
+            pads[0],
+            self.need,
+            keep=keep,
+            position_padding_idx=pads[1],
+            token_type_padding_idx=pads[2],
+        )
+        return tuple(x if x is not None else self.empty() for x in grads)
+
+
 # ----------------------------------------------------------------------------- first-use check
 def _kernel_label(word: Tensor) -> str:
     return "bert_fast._C embedding (" + ("CUDA)" if word.is_cuda else "C++ CPU twin)")
 
 
-def _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows) -> tuple:
-    """What the kernels are instantiated for: dtype, hidden size (vectors per lane), the index
-    dtypes and which of positions / types / indices are given, dropout, the row bucket. The backward
-    adds deterministic mode and which gradients it computes."""
-    dt = lambda t: None if t is None else str(t.dtype).replace("torch.", "")
-    return (
-        word.dtype,
-        word.shape[1],
-        dt(input_ids),
-        dt(position_ids),
-        dt(token_type_ids),
-        indices is not None,
-        dropout_p > 0.0,
-        _verify.bucket(rows),
-    )
-
-
-def _kernel_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor], device):
-    if seed is None or dropout_p == 0.0:
-        return None
-    return lambda: embedding_dropout_mask(rows, hidden, dropout_p, seed, device)
-
-
-def _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table):
+def _gathered(g: _Gather):
     """(x, |x| terms, ids, position ids, type ids): the embedding sum recomputed in fp32 (float64 for
     float64) and the sum of its terms' magnitudes, [rows, H]."""
-    ids, pos, tt = torch_impl.embedding_rows(input_ids, position_ids, token_type_ids, indices)
-    rows = ids.numel()
-    if pos is None:  # rows in order: position = row % S
-        pos = torch.arange(rows, device=ids.device) % max(1, input_ids.shape[-1])
-    if tt is None:
-        tt = torch.zeros_like(ids)
-    work = torch.float64 if word.dtype == torch.float64 else torch.float32
-    parts = [
-        table.detach().index_select(0, i.long()).to(work)
-        for table, i in ((word, ids), (pos_table, pos), (type_table, tt))
-    ]
-    return sum(parts), sum(p.abs() for p in parts), ids.long(), pos.long(), tt.long()
+    ids, pos, tt = g.row_ids()
+    work = torch.float64 if g.word.dtype == torch.float64 else torch.float32
+    parts = [table.detach().index_select(0, i).to(work) for table, i in ((g.word, ids), (g.pos, pos), (g.typ, tt))]
+    return sum(parts), sum(p.abs() for p in parts), ids, pos, tt
 
 
-def _fwd_checks(
-    input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table, weight, bias, dropout_p, keep, k, t
-):
+def _fwd_checks(call: _Fwd, keep, k, t):
     # the torch implementation rounds the sum of three rows twice in the dtype (see layer_norm_checks)
-    x, xmag, _, _, _ = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table)
+    x, xmag, _, _, _ = _gathered(call.g)
+    dropout_p = call.dropout_p
     scale = 1.0 / (1.0 - dropout_p) if (keep is not None and dropout_p > 0.0) else 1.0
-    hidden = word.shape[1]
+    hidden = call.g.hidden
     flat = lambda outs: (outs[0].reshape(-1, hidden), outs[1], outs[2])
     return _verify.with_rel(
-        _verify.layer_norm_checks(x, xmag, weight, bias, flat(k), flat(t), scale=scale),
-        _verify.dropout_rel(word.dtype, dropout_p),
+        _verify.layer_norm_checks(x, xmag, call.weight, call.bias, flat(k), flat(t), scale=scale),
+        _verify.dropout_rel(call.g.word.dtype, dropout_p),
     )
 
 
-def _bwd_checks(
-    grad_out,
-    input_ids,
-    position_ids,
-    token_type_ids,
-    indices,
-    word,
-    pos_table,
-    type_table,
-    weight,
-    mean,
-    rstd,
-    dropout_p,
-    pads,
-    need,
-    keep,
-    k,
-    t,
-):
+def _bwd_checks(call: _Bwd, keep, k, t):
     """LayerNorm's backward magnitudes (layer_norm_bwd_magnitudes), then summed into each table row
     the way the gradient is (a table row's gradient adds the rows that gathered it; a padding row,
-    ``pads`` (word, position, type), adds none)."""
-    x, xmag, ids, pos, tt = _gathered(input_ids, position_ids, token_type_ids, indices, word, pos_table, type_table)
+    ``call.pads`` (word, position, type), adds none)."""
+    g, need, dropout_p = call.g, call.need, call.dropout_p
+    x, xmag, ids, pos, tt = _gathered(g)
     rows, hidden = x.shape
-    dy = _verify.absf(grad_out).reshape(rows, hidden)
+    dy = _verify.absf(call.grad_out).reshape(rows, hidden)
     if keep is not None and dropout_p > 0.0:
         dy = dy * keep.reshape(rows, hidden).to(dy.dtype) * (1.0 / (1.0 - dropout_p))
-    dh, dw_terms, ady = _verify.layer_norm_bwd_magnitudes(x, xmag, dy, weight, mean, rstd)
+    dh, dw_terms, ady = _verify.layer_norm_bwd_magnitudes(x, xmag, dy, call.weight, call.mean, call.rstd)
     checks = []
     for i, (name, table, index) in enumerate(
-        (("dword", word, ids), ("dposition", pos_table, pos), ("dtoken_type", type_table, tt))
+        (("dword", g.word, ids), ("dposition", g.pos, pos), ("dtoken_type", g.typ, tt))
     ):
         if need[i]:
             m = torch.zeros(table.shape, dtype=dh.dtype, device=dh.device).index_add_(0, index, dh)
-            if pads[i] >= 0:
-                m[pads[i]] = 0
+            if call.pads[i] >= 0:
+                m[call.pads[i]] = 0
             checks.append(_verify.Check(name, k[i], t[i], mag=2.0 * m, acc=(rows + hidden + 2) * m))
     for i, (name, terms) in ((3, ("dweight", dw_terms)), (4, ("dbias", ady))):
         if need[i]:
             m = terms.sum(dim=0)
             checks.append(_verify.Check(name, k[i], t[i], mag=m, acc=(rows + 2) * m))
-    return _verify.with_rel(checks, _verify.dropout_rel(word.dtype, dropout_p))
+    return _verify.with_rel(checks, _verify.dropout_rel(g.word.dtype, dropout_p))
 
 
 # ----------------------------------------------------------------------------- forward op
@@ -264,141 +380,54 @@ def embedding_layer_norm_fwd(
     ``padding_idx`` / ``position_padding_idx`` / ``token_type_padding_idx`` (-1: none, else in range)
     name the table rows that get no gradient (nn.Embedding's padding_idx): the forward ignores them,
     autograd hands them to the backward."""
-    word = word_embeddings
+    tables = (word_embeddings, position_embeddings, token_type_embeddings)
+    g = _Gather(input_ids, position_ids, token_type_ids, indices, *tables)
     if validate and _dispatch.host_checks_allowed(input_ids):
-        _validate_ranges(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word.shape[0],
-            position_embeddings.shape[0],
-            token_type_embeddings.shape[0],
-        )
-    if _backend(word) == "torch":
-        return torch_impl.embedding_fwd(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            eps,
-            dropout_p,
-            seed,
-        )
-    rows = _out_rows(input_ids, indices)
-    hidden = word.shape[1]
-    if rows == 0:
-        return _launch_fwd(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            eps,
-            dropout_p,
-            seed,
-        )
-    spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
+        g.validate()
+    call = _Fwd(g, weight, bias, eps, dropout_p, seed)
+    if _backend(g.word) == "torch":
+        return call.run_torch()
+    if g.rows == 0:
+        return _launch_fwd(call)
+    return _checked(call, "fwd", g.spec(dropout_p), lambda: _launch_fwd(call), _fwd_checks)
+
+
+def _checked(call, direction: str, spec: tuple, kernel, checks, follows: Optional[tuple] = None):
+    """``kernel()``'s result, checked against the torch implementation (``call.run_torch``) the
+    first time ``spec`` runs (bert_fast/ops/_verify.py); ``checks(call, keep, k, t)``: its bounds."""
+    g = call.g
     return _verify.run(
         "embedding",
-        "fwd",
+        direction,
         spec,
-        word.device,
-        label=_kernel_label(word),
-        dtype=word.dtype,
-        kernel=lambda: _launch_fwd(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            eps,
-            dropout_p,
-            seed,
-        ),
-        kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, word.device),
-        fallback=lambda keep: torch_impl.embedding_fwd(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            eps,
-            dropout_p,
-            seed,
-            keep=keep,
-        ),
-        checks=lambda k, t, keep: _fwd_checks(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            dropout_p,
-            keep,
-            k,
-            t,
-        ),
+        g.word.device,
+        label=_kernel_label(g.word),
+        dtype=g.word.dtype,
+        kernel=kernel,
+        kernel_mask=g.kernel_mask(call.dropout_p, call.seed),
+        fallback=call.run_torch,
+        checks=lambda k, t, keep: checks(call, keep, k, t),
+        follows=follows,
     )
 
 
-def _launch_fwd(
-    input_ids,
-    position_ids,
-    token_type_ids,
-    indices,
-    word,
-    position_embeddings,
-    token_type_embeddings,
-    weight,
-    bias,
-    eps,
-    dropout_p,
-    seed,
-):
+def _launch_fwd(call: _Fwd):
     """The kernel's (out, mean, rstd): CUDA, or the C++ CPU twin on CPU tensors."""
-    rows = _out_rows(input_ids, indices)
-    hidden = word.shape[1]
-    out_shape = (rows, hidden) if indices is not None else tuple(input_ids.shape) + (hidden,)
-    out = torch.empty(out_shape, dtype=word.dtype, device=word.device)
-    mean = torch.empty((rows,), dtype=_acc_dtype(word.dtype), device=word.device)
+    g, word = call.g, call.g.word
+    out = torch.empty(g.out_shape, dtype=word.dtype, device=word.device)
+    mean = torch.empty((g.rows,), dtype=_acc_dtype(word.dtype), device=word.device)
     rstd = torch.empty_like(mean)
-    if rows == 0:
+    if g.rows == 0:
         return out, mean, rstd
-    params = _common_params(
-        input_ids,
-        position_ids,
-        token_type_ids,
-        indices,
-        word,
-        position_embeddings,
-        token_type_embeddings,
-        rows,
-        dropout_p,
-        seed,
+    params = g.params(call.dropout_p, call.seed)
+    params.update(
+        out=_ptr(out),
+        mean=_ptr(mean),
+        rstd=_ptr(rstd),
+        gamma=_ptr(call.weight),
+        beta=_ptr(call.bias),
+        eps=float(call.eps),
     )
-    params.update(out=_ptr(out), mean=_ptr(mean), rstd=_ptr(rstd), gamma=_ptr(weight), beta=_ptr(bias), eps=float(eps))
     if word.is_cuda:  # on word's GPU: _dispatch.op_impl made it the current device
         params["stream"] = _stream(word.device)
         _ext.embedding_fwd_cuda(params)
@@ -408,34 +437,11 @@ def _launch_fwd(
 
 
 @embedding_layer_norm_fwd.register_fake
-def _(
-    input_ids,
-    position_ids,
-    token_type_ids,
-    indices,
-    word_embeddings,
-    position_embeddings,
-    token_type_embeddings,
-    weight,
-    bias,
-    eps,
-    dropout_p,
-    seed,
-    padding_idx,
-    validate=False,
-    position_padding_idx=-1,
-    token_type_padding_idx=-1,
-):
-    word = word_embeddings
-    hidden = word.shape[1]
-    if indices is not None:
-        rows = indices.shape[0]
-        out = word.new_empty((rows, hidden))
-    else:
-        rows = input_ids.numel()
-        out = word.new_empty(tuple(input_ids.shape) + (hidden,))
-    mean = word.new_empty((rows,), dtype=_acc_dtype(word.dtype))
-    return out, mean, torch.empty_like(mean)
+def _(*args):
+    """Shapes and dtypes only: they follow from the gather (the op's first seven arguments)."""
+    g = _Gather(*args[:7])
+    mean = g.word.new_empty((g.rows,), dtype=_acc_dtype(g.word.dtype))
+    return g.word.new_empty(g.out_shape), mean, torch.empty_like(mean)
 
 
 # ----------------------------------------------------------------------------- backward op
@@ -466,314 +472,149 @@ def embedding_layer_norm_bwd(
     ``position_padding_idx`` row of the position table and the ``token_type_padding_idx`` row of the
     type table (each -1: none) get zero, as nn.Embedding's padding_idx rows: RoBERTa / XLM-R gather
     the position row pad_token_id at every pad, and transformers gives that row no gradient."""
+    tables = (word_embeddings, position_embeddings, token_type_embeddings)
+    g = _Gather(input_ids, position_ids, token_type_ids, indices, *tables)
     pads = (int(padding_idx), int(position_padding_idx), int(token_type_padding_idx))
-    word, pos, typ = word_embeddings, position_embeddings, token_type_embeddings
     need = [bool(m) for m in output_mask]
-    dtype, device = word.dtype, word.device
-    hidden = word.shape[1]
-    rows = _out_rows(input_ids, indices)
-    shapes = [word.shape, pos.shape, typ.shape, weight.shape, weight.shape]
-
-    def final(i):
-        return torch.zeros(shapes[i], dtype=dtype, device=device) if need[i] else word.new_empty((0,))
-
-    if rows == 0 or not any(need):
-        return tuple(final(i) for i in range(5))
-    if _backend(word) == "torch":
-        grads = torch_impl.embedding_bwd(
-            grad_out,
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            pos,
-            typ,
-            weight,
-            mean,
-            rstd,
-            dropout_p,
-            seed,
-            padding_idx,
-            need,
-            position_padding_idx=pads[1],
-            token_type_padding_idx=pads[2],
-        )
-        return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
-    spec = _spec(input_ids, position_ids, token_type_ids, indices, word, dropout_p, rows)
-
-    def fallback(keep):
-        grads = torch_impl.embedding_bwd(
-            grad_out,
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            pos,
-            typ,
-            weight,
-            mean,
-            rstd,
-            dropout_p,
-            seed,
-            padding_idx,
-            need,
-            keep=keep,
-            position_padding_idx=pads[1],
-            token_type_padding_idx=pads[2],
-        )
-        return tuple(g if g is not None else word.new_empty((0,)) for g in grads)
-
-    return _verify.run(
-        "embedding",
-        "bwd",
-        spec + (bool(deterministic), tuple(need), _verify.aligned(grad_out)),
-        device,
-        label=_kernel_label(word),
-        dtype=dtype,
-        kernel=lambda: _launch_bwd(
-            grad_out,
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            pos,
-            typ,
-            weight,
-            mean,
-            rstd,
-            dropout_p,
-            seed,
-            pads,
-            need,
-            deterministic,
-        ),
-        kernel_mask=_kernel_mask(rows, hidden, dropout_p, seed, device),
-        fallback=fallback,
-        checks=lambda k, t, keep: _bwd_checks(
-            grad_out,
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word,
-            pos,
-            typ,
-            weight,
-            mean,
-            rstd,
-            dropout_p,
-            pads,
-            need,
-            keep,
-            k,
-            t,
-        ),
-        follows=("fwd", spec),
-    )
+    call = _Bwd(grad_out, g, weight, mean, rstd, dropout_p, seed, pads, need, deterministic)
+    if g.rows == 0 or not any(need):
+        return call.zeros()
+    if _backend(g.word) == "torch":
+        return call.run_torch()
+    spec = g.spec(dropout_p)
+    bwd_spec = spec + (bool(deterministic), tuple(need), _verify.aligned(grad_out))
+    return _checked(call, "bwd", bwd_spec, lambda: _launch_bwd(call), _bwd_checks, follows=("fwd", spec))
 
 
-def _launch_bwd(
-    grad_out,
-    input_ids,
-    position_ids,
-    token_type_ids,
-    indices,
-    word,
-    pos,
-    typ,
-    weight,
-    mean,
-    rstd,
-    dropout_p,
-    seed,
-    pads,
-    need,
-    deterministic,
-):
-    """The kernel's five gradients (empty where not needed): CUDA, or the C++ CPU twin. ``pads``:
-    the (word, position, type) rows that get no gradient, -1 for none."""
-    dtype, device = word.dtype, word.device
-    acc = _acc_dtype(dtype)
-    hidden = word.shape[1]
-    rows = _out_rows(input_ids, indices)
-    shapes = [word.shape, pos.shape, typ.shape, weight.shape, weight.shape]
-    grad_out = grad_out.reshape(rows, hidden).contiguous()
-    params = _common_params(input_ids, position_ids, token_type_ids, indices, word, pos, typ, rows, dropout_p, seed)
+def _launch_bwd(call: _Bwd):
+    """The kernel's five gradients (empty where not needed): CUDA, or the C++ CPU twin."""
+    g = call.g
+    dy = call.grad_out.reshape(g.rows, g.hidden).contiguous()  # referenced until the launch
+    params = g.params(call.dropout_p, call.seed)
     params.update(
-        dy=_ptr(grad_out),
-        gamma=_ptr(weight),
-        mean=_ptr(mean),
-        rstd=_ptr(rstd),
-        padding_idx=pads[0],
-        pos_padding_idx=pads[1],
-        type_padding_idx=pads[2],
+        dy=_ptr(dy),
+        gamma=_ptr(call.weight),
+        mean=_ptr(call.mean),
+        rstd=_ptr(call.rstd),
+        padding_idx=call.pads[0],
+        pos_padding_idx=call.pads[1],
+        type_padding_idx=call.pads[2],
     )
-
-    # fp32 accumulators (float64 for float64); an fp32 table's gradient is its own accumulator.
-    def accum(i):
-        if not need[i]:
-            return None
-        return torch.zeros(shapes[i], dtype=acc, device=device)
-
-    if not word.is_cuda:
-        bufs = [accum(i) for i in range(5)]
+    if not g.word.is_cuda:
+        bufs = [call.accum(i) for i in range(5)]
         params.update(
             dword=_ptr(bufs[0]), dpos=_ptr(bufs[1]), dtype_grad=_ptr(bufs[2]), dgamma=_ptr(bufs[3]), dbeta=_ptr(bufs[4])
         )
         _ext.embedding_bwd_cpu(params)
-        return tuple(bufs[i].to(dtype) if need[i] else word.new_empty((0,)) for i in range(5))
+        return tuple(call.cast(i, bufs[i]) for i in range(5))
+    return _launch_bwd_cuda(call, params)
 
-    # on the tables' GPU: _dispatch.op_impl made it the current device
+
+def _launch_bwd_cuda(call: _Bwd, params: dict) -> tuple:
+    """The CUDA backward, on the tables' GPU (_dispatch.op_impl made it the current device)."""
+    g, need = call.g, call.need
+    device = g.word.device
     stream = _stream(device)
     params["stream"] = stream
-    nparts = _num_partials(rows, device)
+    nparts = _num_partials(g.rows, device)
     params["num_partials"] = nparts
-    dgb = [accum(3), accum(4)]
+    dgb = [call.accum(3), call.accum(4)]
     # Every workspace whose pointer goes into params must stay referenced until its kernels are
     # queued: a temporary would return its block to the caching allocator at once, and the
     # next allocation below (a table accumulator) could get the same memory, which the
     # kernel then writes as both partials and gradient.
     partials = None
     if need[3] or need[4]:
-        partials = torch.empty((nparts, 2, hidden), dtype=torch.float32, device=device)
+        partials = torch.empty((nparts, 2, g.hidden), dtype=torch.float32, device=device)
         params["partials"] = _ptr(partials)
         params.update(dgamma=_ptr(dgb[0]), dbeta=_ptr(dgb[1]))
     tables_needed = need[0] or need[1] or need[2]
-    if not deterministic or not tables_needed:
-        bufs = [accum(i) for i in range(3)]
+    if not call.deterministic or not tables_needed:
+        bufs = [call.accum(i) for i in range(3)]
         params.update(dword=_ptr(bufs[0]), dpos=_ptr(bufs[1]), dtype_grad=_ptr(bufs[2]))
         _ext.embedding_bwd_cuda(params)
-        grads = [bufs[i].to(dtype) if need[i] else word.new_empty((0,)) for i in range(3)]
+        grads = [call.cast(i, bufs[i]) for i in range(3)]
     else:
-        dx = torch.empty((rows, hidden), dtype=torch.float32, device=device)
+        dx = torch.empty((g.rows, g.hidden), dtype=torch.float32, device=device)
         params["dx_ws"] = _ptr(dx)
         _ext.embedding_bwd_cuda(params)
-        ids, pos_ids, tt_ids = _row_ids(input_ids, position_ids, token_type_ids, indices)
-        grads = []
-        for i, (tbl, ids_i) in enumerate(((word, ids), (pos, pos_ids), (typ, tt_ids))):
-            if not need[i]:
-                grads.append(word.new_empty((0,)))
-                continue
-            g = torch.zeros(tbl.shape, dtype=dtype, device=device)
-            perm = torch.argsort(ids_i, stable=True)
-            seg_rows, counts = torch.unique_consecutive(ids_i[perm], return_counts=True)
-            offsets = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=device)
-            torch.cumsum(counts, 0, out=offsets[1:])
-            _ext.embedding_segment_sum_cuda(
-                _ptr(dx),
-                _ptr(perm),
-                _ptr(offsets),
-                _ptr(seg_rows),
-                int(seg_rows.numel()),
-                hidden,
-                pads[i],
-                _ptr(g),
-                _DTYPE_CODES[dtype],
-                stream,
-            )
-            grads.append(g)
-    grads += [
-        dgb[0].to(dtype) if need[3] else word.new_empty((0,)),
-        dgb[1].to(dtype) if need[4] else word.new_empty((0,)),
-    ]
-    return tuple(grads)
+        grads = _segment_sums(call, dx, stream)
+    return tuple(grads + [call.cast(3, dgb[0]), call.cast(4, dgb[1])])
 
 
-def _row_ids(input_ids, position_ids, token_type_ids, indices):
-    """int64 word/position/type ids of each output row (the kernel's own gather, in torch)."""
-    flat = input_ids.reshape(-1).long()
-    n = flat.numel()
-    src = indices if indices is not None else torch.arange(n, device=flat.device)
-    ids = flat[src]
-    if position_ids is not None:
-        pos = position_ids.reshape(-1).long()[src]
-    else:
-        pos = src % max(1, input_ids.shape[-1])
-    tt = token_type_ids.reshape(-1).long()[src] if token_type_ids is not None else torch.zeros_like(ids)
-    return ids, pos, tt
+def _segment_sums(call: _Bwd, dx: Tensor, stream: int) -> List[Tensor]:
+    """Deterministic mode's table gradients: the kernel wrote the dx rows to the workspace ``dx``,
+    and each table row sums its tokens' rows in stable-sorted order (no atomics)."""
+    g = call.g
+    dtype, device = g.word.dtype, g.word.device
+    ids, pos_ids, tt_ids = g.row_ids()
+    grads = []
+    for i, (tbl, ids_i) in enumerate(((g.word, ids), (g.pos, pos_ids), (g.typ, tt_ids))):
+        if not call.need[i]:
+            grads.append(call.empty())
+            continue
+        grad = torch.zeros(tbl.shape, dtype=dtype, device=device)
+        perm = torch.argsort(ids_i, stable=True)
+        seg_rows, counts = torch.unique_consecutive(ids_i[perm], return_counts=True)
+        offsets = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        _ext.embedding_segment_sum_cuda(
+            _ptr(dx),
+            _ptr(perm),
+            _ptr(offsets),
+            _ptr(seg_rows),
+            int(seg_rows.numel()),
+            g.hidden,
+            call.pads[i],
+            _ptr(grad),
+            _DTYPE_CODES[dtype],
+            stream,
+        )
+        grads.append(grad)
+    return grads
 
 
 @embedding_layer_norm_bwd.register_fake
-def _(
-    grad_out,
-    input_ids,
-    position_ids,
-    token_type_ids,
-    indices,
-    word_embeddings,
-    position_embeddings,
-    token_type_embeddings,
-    weight,
-    mean,
-    rstd,
-    dropout_p,
-    seed,
-    padding_idx,
-    output_mask,
-    deterministic,
-    position_padding_idx=-1,
-    token_type_padding_idx=-1,
-):
-    shapes = [word_embeddings.shape, position_embeddings.shape, token_type_embeddings.shape, weight.shape, weight.shape]
-    return tuple(word_embeddings.new_empty(shapes[i] if output_mask[i] else (0,)) for i in range(5))
+def _(grad_out, *args):
+    """Shapes only: each gradient its parameter's shape where output_mask asks for it, else empty."""
+    g = _Gather(*args[:7])
+    weight, _mean, _rstd, _dropout_p, _seed, _padding_idx, output_mask = args[7:14]
+    shapes = [g.word.shape, g.pos.shape, g.typ.shape, weight.shape, weight.shape]
+    return tuple(g.word.new_empty(shapes[i] if output_mask[i] else (0,)) for i in range(5))
 
 
 # ----------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
-    (
-        input_ids,
-        position_ids,
-        token_type_ids,
-        indices,
-        word,
-        pos,
-        typ,
-        weight,
-        bias,
-        eps,
-        dropout_p,
-        seed,
-        padding_idx,
-        _validate,
-        position_padding_idx,
-        token_type_padding_idx,
-    ) = inputs
+    g = _Gather(*inputs[:7])
+    weight, _bias, _eps, dropout_p, seed, padding_idx, _validate, position_padding_idx, token_type_padding_idx = inputs[
+        7:
+    ]
     _, mean, rstd = output
-    ctx.save_for_backward(input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean, rstd)
+    ctx.save_for_backward(*g, weight, seed, mean, rstd)
     ctx.dropout_p = dropout_p
-    ctx.padding_idx = padding_idx
-    ctx.position_padding_idx = position_padding_idx
-    ctx.token_type_padding_idx = token_type_padding_idx
+    ctx.pads = (padding_idx, position_padding_idx, token_type_padding_idx)
 
 
 def _backward(ctx, grad_out, grad_mean, grad_rstd):
-    (input_ids, position_ids, token_type_ids, indices, word, pos, typ, weight, seed, mean, rstd) = ctx.saved_tensors
+    *gather, weight, seed, mean, rstd = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[4:9])
     grads = [None] * 16
     if not any(mask):
         return tuple(grads)
+    padding_idx, position_padding_idx, token_type_padding_idx = ctx.pads
     out = torch.ops.bert_fast.embedding_layer_norm_bwd(
         grad_out,
-        input_ids,
-        position_ids,
-        token_type_ids,
-        indices,
-        word,
-        pos,
-        typ,
+        *gather,
         weight,
         mean,
         rstd,
         ctx.dropout_p,
         seed,
-        ctx.padding_idx,
+        padding_idx,
         mask,
         _dispatch.deterministic(),
-        ctx.position_padding_idx,
-        ctx.token_type_padding_idx,
+        position_padding_idx,
+        token_type_padding_idx,
     )
     for i in range(5):
         if mask[i]:
@@ -784,7 +625,12 @@ def _backward(ctx, grad_out, grad_mean, grad_rstd):
 embedding_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------- public function
+# ----------------------------------------------------------------------------- input checks
+# One home for the checks of the public function's inputs: it runs them once, before choosing the
+# implementation (reference, torch or the custom op), so every implementation sees checked inputs.
+_TABLE_NAMES = ("word_embeddings", "position_embeddings", "token_type_embeddings")
+
+
 def _check_index_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -816,6 +662,74 @@ def _check_padding_idx(name: str, value, rows: int, what: str) -> Optional[int]:
     return value % rows
 
 
+def _check_float_tensors(tables: Sequence[Tensor], weight: Tensor, bias: Tensor) -> None:
+    """The three tables, weight and bias: float tensors of one supported dtype, one hidden size."""
+    named = (*zip(_TABLE_NAMES, tables), ("weight", weight), ("bias", bias))
+    for name, t in named:
+        _dispatch.check_tensor(name, t, ndim=2 if name in _TABLE_NAMES else 1)
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+    _dispatch.check_same_dtype(**dict(named))
+    if tables[0].dtype not in _DTYPE_CODES:
+        raise TypeError(f"word_embeddings must have dtype float32, float16, bfloat16 or float64, got {tables[0].dtype}")
+    hidden = tables[0].shape[1]
+    for name, t in zip(_TABLE_NAMES[1:], tables[1:]):
+        if t.shape[1] != hidden:
+            raise ValueError(f"{name} has hidden size {t.shape[1]}, word_embeddings has {hidden}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.shape[0] != hidden:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({hidden},) (the hidden size)")
+    if hidden == 0:
+        raise ValueError("hidden size must be > 0, got 0")
+    for name, t in zip(_TABLE_NAMES, tables):
+        if t.shape[0] == 0:
+            raise ValueError(f"{name} has no rows (shape {tuple(t.shape)})")
+
+
+def _check_pads(pads: Sequence[Optional[int]], tables: Sequence[Tensor]) -> Tuple[Optional[int], ...]:
+    """The (word, position, type) padding rows, each None or made non-negative."""
+    whats = ("the word vocabulary", "the position table's rows", "the token type vocabulary")
+    names = ("padding_idx", "position_padding_idx", "token_type_padding_idx")
+    return tuple([_check_padding_idx(n, p, t.shape[0], w) for n, p, t, w in zip(names, pads, tables, whats)])
+
+
+def check_embedding_inputs(
+    input_ids, position_ids, token_type_ids, indices, tables, weight, bias, eps, dropout_p, pads
+):
+    """:func:`embedding_layer_norm`'s inputs checked (TypeError / ValueError naming the argument, in
+    this order) and made ready for every implementation: (_Gather, eps, dropout_p, pads) with ids
+    contiguous, positions / types broadcast to the ids' shape, indices int64, the padding rows
+    non-negative. ``tables``: (word, position, token type); ``pads``: their padding_idx arguments."""
+    _check_index_tensor("input_ids", input_ids)
+    if input_ids.dim() == 0:
+        raise ValueError("input_ids must have at least one dimension, got a 0-d tensor")
+    _check_float_tensors(tables, weight, bias)
+    if indices is not None:
+        _check_index_tensor("indices", indices)
+        if indices.dim() != 1:
+            raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    _dispatch.check_same_device(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        token_type_ids=token_type_ids,
+        indices=indices,
+        **dict(zip(_TABLE_NAMES, tables)),
+        weight=weight,
+        bias=bias,
+    )
+    dropout_p = _dispatch.check_dropout_p(dropout_p)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    pads = _check_pads(pads, tables)
+    shape = tuple(input_ids.shape)
+    position_ids = _broadcast_ids("position_ids", position_ids, shape)
+    token_type_ids = _broadcast_ids("token_type_ids", token_type_ids, shape)
+    if indices is not None:
+        indices = indices.to(torch.int64).contiguous()
+    g = _Gather(input_ids.contiguous(), position_ids, token_type_ids, indices, *tables)
+    return g, float(eps), dropout_p, pads
+
+
 def check_index_ranges(checks) -> None:
     """IndexError unless every index tensor lies in [0, limit): ``checks`` holds (name, tensor or
     None, limit, what the limit is) tuples, tensors on one device. One fused min/max reduction,
@@ -833,31 +747,7 @@ def check_index_ranges(checks) -> None:
             raise IndexError(f"{name} contains {hi}, out of range [0, {limit}): must be < {what}")
 
 
-def _validate_ranges(input_ids, position_ids, token_type_ids, indices, vocab, max_pos, type_vocab) -> None:
-    """Every index tensor of the op in range (one host sync on CUDA), and positions for the sequence
-    length when they are implicit. (indices are checked even when input_ids is empty: any index
-    into no tokens is out of range, and the kernel would read ids[indices[t]] past the end.)"""
-    check_index_ranges(
-        (
-            ("input_ids", input_ids, vocab, "the word vocabulary size (word_embeddings.shape[0])"),
-            ("position_ids", position_ids, max_pos, "the number of positions (position_embeddings.shape[0])"),
-            (
-                "token_type_ids",
-                token_type_ids,
-                type_vocab,
-                "the token type vocabulary size (token_type_embeddings.shape[0])",
-            ),
-            ("indices", indices, input_ids.numel(), "input_ids.numel()"),
-        )
-    )
-    if position_ids is None and input_ids.numel() > 0 and input_ids.shape[-1] > max_pos:
-        raise IndexError(
-            f"sequence length {input_ids.shape[-1]} needs position ids up to "
-            f"{input_ids.shape[-1] - 1}, out of range [0, {max_pos}) "
-            f"(position_embeddings.shape[0] = {max_pos})"
-        )
-
-
+# ----------------------------------------------------------------------------- public function
 def embedding_layer_norm(
     input_ids: Tensor,
     position_ids: Optional[Tensor],
@@ -901,158 +791,74 @@ def embedding_layer_norm(
     Returns the output in the tables' dtype. Statistics are fp32; gradients flow to the tables,
     weight and bias (those that require grad).
     """
-    # ---- types and shapes
-    _check_index_tensor("input_ids", input_ids)
-    if input_ids.dim() == 0:
-        raise ValueError("input_ids must have at least one dimension, got a 0-d tensor")
-    names = ("word_embeddings", "position_embeddings", "token_type_embeddings")
     tables = (word_embeddings, position_embeddings, token_type_embeddings)
-    for name, t in zip(names, tables):
-        _dispatch.check_tensor(name, t, ndim=2)
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        _dispatch.check_tensor(name, t, ndim=1)
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
-    _dispatch.check_same_dtype(
-        word_embeddings=word_embeddings,
-        position_embeddings=position_embeddings,
-        token_type_embeddings=token_type_embeddings,
-        weight=weight,
-        bias=bias,
+    pads = (padding_idx, position_padding_idx, token_type_padding_idx)
+    g, eps, dropout_p, pads = check_embedding_inputs(
+        input_ids, position_ids, token_type_ids, indices, tables, weight, bias, eps, dropout_p, pads
     )
-    dtype = word_embeddings.dtype
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(f"word_embeddings must have dtype float32, float16, bfloat16 or float64, got {dtype}")
-    hidden = word_embeddings.shape[1]
-    for name, t in zip(names[1:], tables[1:]):
-        if t.shape[1] != hidden:
-            raise ValueError(f"{name} has hidden size {t.shape[1]}, word_embeddings has {hidden}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t.shape[0] != hidden:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({hidden},) (the hidden size)")
-    if hidden == 0:
-        raise ValueError("hidden size must be > 0, got 0")
-    for name, t in zip(names, tables):
-        if t.shape[0] == 0:
-            raise ValueError(f"{name} has no rows (shape {tuple(t.shape)})")
-    if indices is not None:
-        _check_index_tensor("indices", indices)
-        if indices.dim() != 1:
-            raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-    _dispatch.check_same_device(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        token_type_ids=token_type_ids,
-        indices=indices,
-        word_embeddings=word_embeddings,
-        position_embeddings=position_embeddings,
-        token_type_embeddings=token_type_embeddings,
-        weight=weight,
-        bias=bias,
-    )
-    dropout_p = _dispatch.check_dropout_p(dropout_p)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
-        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
-    vocab = word_embeddings.shape[0]
-    padding_idx = _check_padding_idx("padding_idx", padding_idx, vocab, "the word vocabulary")
-    position_padding_idx = _check_padding_idx(
-        "position_padding_idx", position_padding_idx, position_embeddings.shape[0], "the position table's rows"
-    )
-    token_type_padding_idx = _check_padding_idx(
-        "token_type_padding_idx", token_type_padding_idx, token_type_embeddings.shape[0], "the token type vocabulary"
-    )
-    shape = tuple(input_ids.shape)
-    position_ids = _broadcast_ids("position_ids", position_ids, shape)
-    token_type_ids = _broadcast_ids("token_type_ids", token_type_ids, shape)
-    input_ids = input_ids.contiguous()
-    if indices is not None:
-        indices = indices.to(torch.int64).contiguous()
-    seed = _dispatch.draw_seed(dropout_p, generator)
-    if _backend(word_embeddings) == "reference":
-        if validate and not torch.compiler.is_compiling() and _dispatch.host_checks_allowed(input_ids):
-            _validate_ranges(
-                input_ids,
-                position_ids,
-                token_type_ids,
-                indices,
-                vocab,
-                position_embeddings.shape[0],
-                token_type_embeddings.shape[0],
-            )
-        rows = _out_rows(input_ids, indices)
-        out_shape = (rows, hidden) if indices is not None else shape + (hidden,)
-        mask = _dispatch.reference_dropout_mask(out_shape, dropout_p, seed, word_embeddings.device)
-        return reference.embedding_layer_norm(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            word_embeddings,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            eps,
-            dropout_p,
-            padding_idx,
-            indices,
-            mask,
-            position_padding_idx=position_padding_idx,
-            token_type_padding_idx=token_type_padding_idx,
-        )
-    if (
-        dropout_p == 0.0
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not torch.is_autocast_enabled(word_embeddings.device.type)
-        and _backend(word_embeddings) == "torch"
-    ):
+    call = _Fwd(g, weight, bias, eps, dropout_p, _dispatch.draw_seed(dropout_p, generator))
+    impl = _backend(word_embeddings)
+    if impl == "reference":
+        return _reference_forward(call, pads, validate)
+    if impl == "torch" and _plumbing_buys_nothing(call):
         # No gradient, nothing to trace, no dropout: the custom op's plumbing (~50 us at 128 tokens,
         # ~0.4 ms at 1024 measured) buys nothing; the same torch implementation runs directly.
-        if validate and _dispatch.host_checks_allowed(input_ids):
-            _validate_ranges(
-                input_ids,
-                position_ids,
-                token_type_ids,
-                indices,
-                vocab,
-                position_embeddings.shape[0],
-                token_type_embeddings.shape[0],
-            )
-        return torch_impl.embedding_fwd(
-            input_ids,
-            position_ids,
-            token_type_ids,
-            indices,
-            word_embeddings,
-            position_embeddings,
-            token_type_embeddings,
-            weight,
-            bias,
-            float(eps),
-            0.0,
-            None,
-        )[0]
+        if validate and _dispatch.host_checks_allowed(g.input_ids):
+            g.validate()
+        return torch_impl.embedding_fwd(*g, weight, bias, eps, 0.0, None)[0]
+    return _op_forward(call, pads, validate)
+
+
+def _plumbing_buys_nothing(call: _Fwd) -> bool:
+    """No dropout, no gradient, no tracing, no autocast: nothing the custom op would do."""
+    return (
+        call.dropout_p == 0.0
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(call.g.word.device.type)
+    )
+
+
+def _op_forward(call: _Fwd, pads, validate: bool) -> Tensor:
+    """The custom op's output (autograd, torch.compile): contiguous tables, -1 for no padding row."""
+    g = call.g
+    op_pads = [-1 if p is None else p for p in pads]
+    tensors = [t.contiguous() for t in (*g[4:], call.weight, call.bias)]  # the tables, weight, bias
     out, _, _ = torch.ops.bert_fast.embedding_layer_norm_fwd(
-        input_ids,
-        position_ids,
-        token_type_ids,
-        indices,
-        word_embeddings.contiguous(),
-        position_embeddings.contiguous(),
-        token_type_embeddings.contiguous(),
-        weight.contiguous(),
-        bias.contiguous(),
-        float(eps),
-        dropout_p,
-        seed,
-        -1 if padding_idx is None else padding_idx,
+        *g[:4],
+        *tensors,
+        call.eps,
+        call.dropout_p,
+        call.seed,
+        op_pads[0],
         validate,
-        -1 if position_padding_idx is None else position_padding_idx,
-        -1 if token_type_padding_idx is None else token_type_padding_idx,
+        op_pads[1],
+        op_pads[2],
     )
     return out
+
+
+def _reference_forward(call: _Fwd, pads, validate: bool) -> Tensor:
+    """BERT_FAST_BACKEND=reference: plain torch autograd, the dropout mask from the reference's bits."""
+    g = call.g
+    if validate and not torch.compiler.is_compiling() and _dispatch.host_checks_allowed(g.input_ids):
+        g.validate()
+    mask = _dispatch.reference_dropout_mask(g.out_shape, call.dropout_p, call.seed, g.word.device)
+    return reference.embedding_layer_norm(
+        g.input_ids,
+        g.position_ids,
+        g.token_type_ids,
+        *g[4:],
+        call.weight,
+        call.bias,
+        call.eps,
+        call.dropout_p,
+        pads[0],
+        g.indices,
+        mask,
+        position_padding_idx=pads[1],
+        token_type_padding_idx=pads[2],
+    )
 
 
 def embedding_dropout_mask(rows: int, hidden: int, dropout_p: float, seed: Optional[Tensor], device="cpu") -> Tensor:

@@ -312,10 +312,11 @@ def _selected(key: tuple, qkv: Tensor, check: Callable[[], Optional[str]]) -> bo
     return False
 
 
-def _run(key: tuple, qkv: Tensor, check, call):
-    """``call()`` when the key is selected (checking it first), else None; an exception of the
-    fused call marks the key materialized and returns None."""
-    if not _selected(key, qkv, check):
+def _run(qkv: Tensor, layout: str, direction: str, ti, call):
+    """``call()`` when the key of (qkv, layout, direction) is selected (checking it first, against
+    ``ti``), else None; an exception of the fused call marks the key materialized and returns None."""
+    key = _key(qkv, layout, direction)
+    if not _selected(key, qkv, lambda: _check(qkv, layout, direction, ti)):
         return None
     try:
         return call()
@@ -400,36 +401,20 @@ def _check(qkv: Tensor, layout: str, direction: str, ti) -> Optional[str]:
 # wraps one of them sees it wrapped.
 def padded_fwd(qkv: Tensor, key_mask: Optional[Tensor], scale: float, ti) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) of the fused kernel, or None: the caller runs the materialized path."""
-    key = _key(qkv, "padded", "fwd")
-    return _run(key, qkv, lambda: _check(qkv, "padded", "fwd", ti), lambda: _padded_fwd_raw(qkv, key_mask, scale))
+    return _run(qkv, "padded", "fwd", ti, lambda: _padded_fwd_raw(qkv, key_mask, scale))
 
 
 def padded_bwd(
     dout: Tensor, qkv: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor, scale: float, ti
 ) -> Optional[Tensor]:
-    key = _key(qkv, "padded", "bwd")
-    return _run(
-        key,
-        qkv,
-        lambda: _check(qkv, "padded", "bwd", ti),
-        lambda: _padded_bwd_raw(dout, qkv, key_mask, out, lse, scale),
-    )
+    return _run(qkv, "padded", "bwd", ti, lambda: _padded_bwd_raw(dout, qkv, key_mask, out, lse, scale))
 
 
 def varlen_fwd(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float, ti) -> Optional[Tuple[Tensor, Tensor]]:
-    key = _key(qkv, "varlen", "fwd")
-    return _run(
-        key, qkv, lambda: _check(qkv, "varlen", "fwd", ti), lambda: _varlen_fwd_raw(qkv, cu_seqlens, max_seqlen, scale)
-    )
+    return _run(qkv, "varlen", "fwd", ti, lambda: _varlen_fwd_raw(qkv, cu_seqlens, max_seqlen, scale))
 
 
 def varlen_bwd(
     dout: Tensor, qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, out: Tensor, lse: Tensor, scale: float, ti
 ) -> Optional[Tensor]:
-    key = _key(qkv, "varlen", "bwd")
-    return _run(
-        key,
-        qkv,
-        lambda: _check(qkv, "varlen", "bwd", ti),
-        lambda: _varlen_bwd_raw(dout, qkv, cu_seqlens, max_seqlen, out, lse, scale),
-    )
+    return _run(qkv, "varlen", "bwd", ti, lambda: _varlen_bwd_raw(dout, qkv, cu_seqlens, max_seqlen, out, lse, scale))

@@ -6,7 +6,8 @@
 * every fused path runs the one layer forward (bert_fast/model/layer.py);
 * ruff's lint and format checks pass (configured in pyproject.toml);
 * every `from bert_fast... import name`, in the package, the benchmarks and the tests, names something
-  that exists, including imports inside functions that only a GPU runs.
+  that exists, including imports inside functions that only a GPU runs;
+* no host function (outside Triton kernel bodies) runs over 80 lines.
 """
 
 import shutil
@@ -168,3 +169,34 @@ def test_the_import_scan_catches_a_planted_name(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def f():\n    from bert_fast.training.loop import model_flops, train_flops\n")
     assert _missing_imports([planted]) == ["planted.py:2: from bert_fast.training.loop import model_flops"]
+
+
+def _long_host_functions(paths, limit: int = 80) -> list:
+    """Functions (methods and nested ones too) longer than ``limit`` lines; Triton kernel bodies
+    (decorated with triton.jit or autotune) are exempt: a kernel is one unit the compiler sees."""
+    import ast
+
+    long = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if any("jit" in ast.unparse(d) or "autotune" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            if node.end_lineno - node.lineno + 1 > limit:
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                long.append(f"{where}:{node.lineno}: {node.name} ({node.end_lineno - node.lineno + 1})")
+    return long
+
+
+def test_no_host_function_over_80_lines():
+    """Issue 44: a host function a newcomer can read in one screen; split longer ones into named steps."""
+    paths = [p for d in ("bert_fast", "kernels", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
+    assert not _long_host_functions(paths), "\n".join(_long_host_functions(paths))
+
+
+def test_the_length_scan_catches_a_planted_function(tmp_path):
+    planted = tmp_path / "planted.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(81))
+    planted.write_text(f"@triton.jit\ndef kernel():\n{body}\n\ndef host():\n{body}")
+    assert [u.split(": ")[1] for u in _long_host_functions([planted])] == ["host (82)"]

@@ -1,5 +1,6 @@
-"""Test helpers shared by tests/ and benchmarks/: the tolerance rule of DESIGN.md, test devices, and
-a numpy Philox4x32-10 that pins the kernels' dropout streams bit for bit.
+"""Test helpers shared by tests/ and benchmarks/: the tolerance rule of DESIGN.md, test devices, a
+numpy Philox4x32-10 that pins the kernels' dropout streams bit for bit, and the tiny models, training
+runs and gradient comparisons several test files share.
 
 The rule (after flash-attention's suites): against a float64 oracle, a kernel's error may be at
 most ``factor`` (2) times the error of plain PyTorch run in the same dtype, plus a small floor
@@ -243,3 +244,81 @@ def tiny_train_args(**options) -> list[str]:
         flag = "--" + name.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
     return argv
+
+
+def train_env(**extra) -> dict:
+    """The environment of a ``bert-fast train`` (or torchrun) subprocess in the tests: the reference ops
+    (no interpreter), offline, one thread, unbuffered output; ``extra`` added last."""
+    env = dict(os.environ)
+    env.update(BERT_FAST_BACKEND="reference", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra)
+    return env
+
+
+def tiny_bert_config(
+    hidden=64, heads=4, layers=2, inter=None, act="gelu", vocab=101, max_pos=32, dropout=0.0, **fields
+):
+    """A small transformers BertConfig: no dropout unless ``dropout`` (hidden and attention), an
+    intermediate size of 2 * hidden unless ``inter``; ``fields``: any other BertConfig field."""
+    import transformers
+
+    return transformers.BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_hidden_layers=layers,
+        intermediate_size=inter or 2 * hidden,
+        hidden_act=act,
+        max_position_embeddings=max_pos,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        type_vocab_size=2,
+        **fields,
+    )
+
+
+# BertConfig's field names -> DistilBertConfig's names for the same fields.
+_DISTILBERT_NAMES = {
+    "hidden_size": "dim",
+    "num_attention_heads": "n_heads",
+    "num_hidden_layers": "n_layers",
+    "intermediate_size": "hidden_dim",
+    "hidden_act": "activation",
+    "hidden_dropout_prob": "dropout",
+    "attention_probs_dropout_prob": "attention_dropout",
+}
+
+
+def distilbert_config(**fields):
+    """A transformers DistilBertConfig from fields named as BertConfig names them (hidden_size ->
+    dim, ...), so that a test builds every family from one set of fields; DistilBERT's own names pass."""
+    import transformers
+
+    return transformers.DistilBertConfig(**{_DISTILBERT_NAMES.get(k, k): v for k, v in fields.items()})
+
+
+def padded_key_mask(b: int, s: int, seed: int) -> torch.Tensor:
+    """A random [b, s] bool key mask (about 70% of the keys kept, every row's first one) whose last row
+    is all padding when b > 1: that sequence's attention rows must come out as zeros."""
+    mask = torch.rand(b, s, generator=torch.Generator().manual_seed(seed)) > 0.3
+    mask[:, 0] = True
+    if b > 1:
+        mask[-1] = False
+    return mask
+
+
+def max_grad_diff(model, reference) -> float:
+    """The largest |gradient difference| between two models' same-named parameters after a backward;
+    a parameter whose ``reference`` twin got no gradient must get none (or zeros) either."""
+    ref_params = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        ref = ref_params[name].grad
+        if ref is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        assert p.grad is not None, name
+        worst = max(worst, (p.grad - ref).abs().max().item())
+    return worst

@@ -210,6 +210,17 @@ def pytest_report_header(config):
 
 
 @pytest.fixture
+def fresh_probes():
+    """bert_fast.model.compat's cached probes of transformers' signatures, cleared before and after the
+    test: a test that fakes an upstream change must be probed afresh, and leave no probe behind."""
+    from bert_fast.model import compat
+
+    compat.probe_signatures.cache_clear()
+    yield
+    compat.probe_signatures.cache_clear()
+
+
+@pytest.fixture
 def fake_ceilings(monkeypatch) -> dict:
     """bert_fast.bench.ceilings.measure answers these (0.1 TFLOP/s, 10 GB/s) instead of measuring: a
     bench test's time estimate then does not depend on the machine."""

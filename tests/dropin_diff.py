@@ -22,7 +22,7 @@ import transformers
 from transformers.utils import ModelOutput
 
 from bert_fast.model import compat
-from bert_fast.testing import max_abs_err, reduction_floor, rounding_floor
+from bert_fast.testing import distilbert_config, max_abs_err, reduction_floor, rounding_floor
 
 FAMILIES = ("bert", "roberta", "xlm_roberta", "electra", "distilbert")
 PREFIX = {
@@ -71,36 +71,22 @@ def make_config(
     model_class: str = "",
 ):
     hidden = head_dim * heads
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        hidden_act=act,
+        max_position_embeddings=max_pos,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        pad_token_id=PAD[family],
+    )
     if family == "distilbert":
-        config = transformers.DistilBertConfig(
-            vocab_size=vocab,
-            dim=hidden,
-            n_heads=heads,
-            n_layers=layers,
-            hidden_dim=intermediate,
-            activation=act,
-            max_position_embeddings=max_pos,
-            dropout=dropout,
-            attention_dropout=dropout,
-            seq_classif_dropout=dropout,
-            qa_dropout=dropout,
-            pad_token_id=PAD[family],
-        )
+        config = distilbert_config(**common, seq_classif_dropout=dropout, qa_dropout=dropout)
     else:
-        common = dict(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_hidden_layers=layers,
-            intermediate_size=intermediate,
-            hidden_act=act,
-            max_position_embeddings=max_pos,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-            classifier_dropout=dropout,
-            position_embedding_type=position_embedding_type,
-            pad_token_id=PAD[family],
-        )
+        common.update(classifier_dropout=dropout, position_embedding_type=position_embedding_type)
         if family in ("roberta", "xlm_roberta"):
             common["type_vocab_size"] = 1  # as RoBERTa checkpoints have it
         else:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bert_fast import cli
-from bert_fast.bench import model_bench, model_providers, model_workload
+from bert_fast.bench import model_bench, model_options, model_providers, model_workload
 
 FAST = ["--device", "cpu", "--warmup", "0", "--min-rounds", "3", "--max-rounds", "3", "--inputs", "1", "--no-progress"]
 # for tests whose monkeypatching must reach the providers: built here, not in worker processes
@@ -44,17 +44,14 @@ def tiny_folder(tmp_path_factory):
     return d
 
 
-ALL_CPU = [
-    "bert_fast",
-    "bert_fast-frozen",
-    "bert_fast-int8",
-    "hf-sdpa",
-    "onnxruntime",
-    "onnxruntime-int8",
-    "openvino",
-    "openvino-f32",
-    "openvino-int8",
-]
+ALL_CPU = model_options.CPU_PROVIDERS  # the CPU default; test_cpu_defaults_measure_real_models pins it
+
+
+def _bench(folder, batch: int, seq: int, *options, json_out=None) -> int:
+    """``bert-fast bench`` of a checkpoint folder at ``batch`` x ``seq`` with ``options`` (and ``--json
+    json_out``), in this process."""
+    options += ("--json", str(json_out)) if json_out is not None else ()
+    return cli.main(["bench", "--model", str(folder), "--batch", str(batch), "--seq", str(seq), *options])
 
 
 def fake_caps(monkeypatch, bf16: bool):
@@ -89,6 +86,9 @@ def test_cpu_defaults_measure_real_models(monkeypatch):
     assert models[1] == (model_workload.local_minilm() or "minilm")
     assert args.suite == [(8, 128, "full"), (16, 256, "random:0.2"), (1, 128, "full")]
     assert args.providers == ALL_CPU and args.dtypes == ["fp32", "bf16"] and args.bf16_skipped is None
+    # bert_fast plain / frozen / int8 first, then transformers SDPA, ONNX Runtime and OpenVINO (issues 25, 43)
+    assert ALL_CPU[:4] == ["bert_fast", "bert_fast-frozen", "bert_fast-int8", "hf-sdpa"]
+    assert set(ALL_CPU[4:]) == {"onnxruntime", "onnxruntime-int8", "openvino", "openvino-f32", "openvino-int8"}
     assert any(n.startswith("This measures the CPU path") and f"{args.threads} thread(s)" in n for n in notes)
     cases = model_bench.build_cases(args)
     assert [(c["model_name"], c["batch"], c["seq"], c["lengths"], c["dtype"]) for c in cases][:3] == [
@@ -187,23 +187,8 @@ def test_checkpoint_folder_weights_are_its_own():
 def test_model_folder_with_onnxruntime(tiny_folder, tmp_path, capsys):
     onnxruntime = pytest.importorskip("onnxruntime")
     out_json = tmp_path / "ort.json"
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            str(tiny_folder),
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--lengths",
-            "random:0.5",
-            "--providers",
-            "hf-sdpa,onnxruntime",
-            *FAST,
-            "--json",
-            str(out_json),
-        ]
+    rc = _bench(
+        tiny_folder, 2, 16, "--lengths", "random:0.5", "--providers", "hf-sdpa,onnxruntime", *FAST, json_out=out_json
     )
     assert rc == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out
@@ -241,24 +226,8 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(frozen._PackedLinear, "__call__", counted)
     out_json = tmp_path / "frozen.json"
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            str(tiny_folder),
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--lengths",
-            "random:0.5",
-            "--providers",
-            "bert_fast,bert_fast-frozen,hf-sdpa",
-            *FAST_HERE,
-            "--json",
-            str(out_json),
-        ]
-    )
+    providers = ["--providers", "bert_fast,bert_fast-frozen,hf-sdpa"]
+    rc = _bench(tiny_folder, 2, 16, "--lengths", "random:0.5", *providers, *FAST_HERE, json_out=out_json)
     assert rc == 0, capsys.readouterr().err[-2000:]
     run = json.loads(out_json.read_text())["runs"][0]
     fr = next(r for r in run["results"] if r["provider"] == "bert_fast-frozen")
@@ -267,22 +236,7 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
     assert run["parity_frozen"]["max_abs_diff"] < 1e-4
     assert set(run["speedups_frozen"]) == {"bert_fast", "hf-sdpa"}
     assert "parity bert_fast-frozen vs hf-sdpa" in capsys.readouterr().out
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            str(tiny_folder),
-            "--batch",
-            "2",
-            "--seq",
-            "8",
-            "--mode",
-            "train",
-            "--providers",
-            "bert_fast,bert_fast-frozen",
-            *FAST_HERE,
-        ]
-    )
+    rc = _bench(tiny_folder, 2, 8, "--mode", "train", "--providers", "bert_fast,bert_fast-frozen", *FAST_HERE)
     assert rc == 0
     row = next(ln for ln in capsys.readouterr().out.splitlines() if " bert_fast-frozen " in ln)
     assert "SKIPPED" in row and "CPU inference only" in row
@@ -290,20 +244,7 @@ def test_frozen_provider(tiny_folder, tmp_path, capsys, monkeypatch):
 
 def test_onnxruntime_missing_is_a_one_line_skip(tiny_folder, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime -> ImportError
-    rc = cli.main(
-        [
-            "bench",
-            "--model",
-            str(tiny_folder),
-            "--batch",
-            "1",
-            "--seq",
-            "8",
-            "--providers",
-            "hf-eager,onnxruntime",
-            *FAST_HERE,
-        ]
-    )
+    rc = _bench(tiny_folder, 1, 8, "--providers", "hf-eager,onnxruntime", *FAST_HERE)
     assert rc == 0
     captured = capsys.readouterr()
     row = next(ln for ln in captured.out.splitlines() if " onnxruntime " in ln)
@@ -326,10 +267,7 @@ def test_every_cpu_provider_with_accuracy_in_both_dtypes(tiny_folder, tmp_path, 
     int8_fast = int8_speed.check().faster
     fake_caps(monkeypatch, bf16=True)
     out_json = tmp_path / "bench_cpu.json"
-    rc = cli.main(
-        ["bench", "--model", str(tiny_folder), "--batch", "2", "--seq", "16", "--lengths", "random:0.5"]
-        + ["--dtype", "fp32,bf16", *FAST, "--json", str(out_json)]
-    )
+    rc = _bench(tiny_folder, 2, 16, "--lengths", "random:0.5", "--dtype", "fp32,bf16", *FAST, json_out=out_json)
     assert rc == 0, capsys.readouterr().err[-2000:]
     out = capsys.readouterr().out
     assert out.startswith("CPU: Fake CPU 9000; ") and "min cos" in out and "max|diff|" in out
@@ -407,10 +345,8 @@ def test_a_wrong_provider_shows_a_low_cosine(tiny_folder, tmp_path, capsys, monk
 
     monkeypatch.setattr(model_providers, "openvino_runner", broken)
     out_json = tmp_path / "broken.json"
-    rc = cli.main(
-        ["bench", "--model", str(tiny_folder), "--batch", "4", "--seq", "16", "--dtype", "fp32"]
-        + ["--providers", "hf-sdpa,openvino,openvino-f32", *FAST_HERE, "--json", str(out_json)]
-    )
+    providers = ["--providers", "hf-sdpa,openvino,openvino-f32"]
+    rc = _bench(tiny_folder, 4, 16, "--dtype", "fp32", *providers, *FAST_HERE, json_out=out_json)
     assert rc == 0, capsys.readouterr().err[-2000:]
     res = {r["provider"]: r for r in json.loads(out_json.read_text())["runs"][0]["results"]}
     assert res["openvino"]["accuracy"]["min_cosine"] < 0.5 and res["openvino"]["accuracy"]["max_abs_diff"] > 0.1
@@ -422,10 +358,8 @@ def test_a_wrong_provider_shows_a_low_cosine(tiny_folder, tmp_path, capsys, monk
 def test_missing_engines_are_reported_not_installed(tiny_folder, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     monkeypatch.setitem(sys.modules, "openvino", None)
-    rc = cli.main(
-        ["bench", "--model", str(tiny_folder), "--batch", "1", "--seq", "8", "--dtype", "fp32"]
-        + ["--providers", "hf-sdpa,onnxruntime-int8,openvino,openvino-f32", *FAST_HERE]
-    )
+    providers = ["--providers", "hf-sdpa,onnxruntime-int8,openvino,openvino-f32"]
+    rc = _bench(tiny_folder, 1, 8, "--dtype", "fp32", *providers, *FAST_HERE)
     assert rc == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if " SKIPPED " in ln]
     rows = {next(t for t in ln.split() if t in ALL_CPU): ln for ln in lines}

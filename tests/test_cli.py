@@ -20,6 +20,7 @@ from bert_fast import cli
 from bert_fast.bench import model_bench, model_workload, op_backends, ops_bench, results
 from bert_fast.bench.op_case import OpCase
 from bert_fast.model import facts
+from bert_fast.testing import tiny_bert_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,17 +45,8 @@ QUICK = "--device cpu --warmup 0 --inputs 1 --no-progress".split()
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     """A local checkpoint directory holding only config.json (hidden 32, 1 layer, head dim 16)."""
-    from transformers import BertConfig
-
     d = tmp_path_factory.mktemp("tiny_bert")
-    BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=128,
-        max_position_embeddings=64,
-    ).save_pretrained(d)
+    tiny_bert_config(hidden=32, heads=2, layers=1, vocab=128, max_pos=64, dropout=0.1).save_pretrained(d)
     return d
 
 

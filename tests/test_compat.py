@@ -28,31 +28,15 @@ from torch import nn
 import bert_fast
 from bert_fast import versions
 from bert_fast.model import compat
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import pick_test_device, tiny_bert_config
 
 DEVICE = pick_test_device()
 ROOT = Path(__file__).resolve().parents[1]
 LIBS = ("transformers", "peft", "sentence_transformers", "accelerate")
 
 
-def tiny_config(**kw):
-    base = dict(
-        vocab_size=101,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        max_position_embeddings=32,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    base.update(kw)
-    return transformers.BertConfig(**base)
-
-
 def pair(config=None, attn="sdpa", seed=0):
-    config = config or tiny_config()
+    config = config or tiny_bert_config()
     compat.set_attention_implementation(config, attn)
     torch.manual_seed(seed)
     hf = transformers.BertModel(config).to(DEVICE).eval()
@@ -215,7 +199,7 @@ def test_unfused_pieces_get_a_mask_their_attention_takes(attn, form):
 
 def test_mask_builder_forms():
     keep = torch.tensor([[True, True, False], [True, True, True]])
-    cfg = tiny_config()
+    cfg = tiny_bert_config()
     for attn in ("eager", "sdpa"):
         compat.set_attention_implementation(cfg, attn)
         m = compat.attention_mask_for_modules(keep, torch.bfloat16, cfg)
@@ -230,13 +214,6 @@ def test_mask_builder_forms():
 
 
 # ----------------------------------------------------------------------------- faked upstream changes
-@pytest.fixture
-def fresh_probes():
-    compat.probe_signatures.cache_clear()
-    yield
-    compat.probe_signatures.cache_clear()
-
-
 def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_probes):
     """transformers changes BertSelfOutput.forward (a keyword renamed): optimize() and the
     constructor warn, naming the package, its version and the tested range, and the model keeps
@@ -249,7 +226,7 @@ def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_prob
         return original(self, hidden_states, residual)
 
     monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", changed)
-    config = tiny_config()
+    config = tiny_bert_config()
     hf = transformers.BertModel(config).to(DEVICE).eval()  # inputs() are on DEVICE
     ids, mask = inputs(config)
     version = transformers.__version__
@@ -267,7 +244,7 @@ def test_a_changed_module_signature_is_a_warned_fallback(monkeypatch, fresh_prob
 
 
 def test_a_changed_module_tree_is_a_warned_fallback(fresh_probes):
-    config = tiny_config()
+    config = tiny_bert_config()
     hf = transformers.BertModel(config).eval()
     layer = hf.encoder.layer[1].output
     layer.layer_norm = layer.LayerNorm  # renamed, as another version might
@@ -282,7 +259,7 @@ def test_a_changed_module_tree_is_a_warned_fallback(fresh_probes):
 
 # ----------------------------------------------------------------------------- touch points, on what is installed
 def test_understood_hooks_and_checkpointing_layer():
-    config = tiny_config()
+    config = tiny_bert_config()
     hf, fast = pair(config)
     fast.enable_input_require_grads()
     assert compat.wants_input_grads(fast.embeddings.word_embeddings)
@@ -335,7 +312,7 @@ def test_peft_lora_class_has_what_dropin_reads():
 
 def test_hf_bert_model_builds_the_asked_attention():
     for attn in ("eager", "sdpa"):
-        model = compat.hf_bert_model(tiny_config(), attn)
+        model = compat.hf_bert_model(tiny_bert_config(), attn)
         assert compat.attention_implementation(model.config) == attn
 
 
@@ -354,7 +331,7 @@ def test_forwarded_kwargs_reach_unfused_modules_where_transformers_passes_them()
 
 
 def test_head_forwards_its_kwargs_like_transformers():
-    config = tiny_config()
+    config = tiny_bert_config()
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(config).to(DEVICE).eval()  # inputs() are on DEVICE
     fast = bert_fast.BertForMaskedLM(config).to(DEVICE).eval()
@@ -374,7 +351,7 @@ def test_head_forwards_its_kwargs_like_transformers():
 
 
 def test_use_cache_is_ignored_from_keyword_and_config():
-    config = tiny_config(use_cache=True)
+    config = tiny_bert_config(use_cache=True)
     hf, fast = pair(config)
     ids, mask = inputs(config)
     with torch.no_grad():
@@ -464,7 +441,7 @@ def test_output_attentions_keyword_and_config_give_the_same_error():
 
 
 def test_answers_output_attentions_reads_the_attention_implementation():
-    config = tiny_config()
+    config = tiny_bert_config()
     for attn, answers in (("eager", True), ("sdpa", False)):
         compat.set_attention_implementation(config, attn)
         assert compat.answers_output_attentions(config) is answers
@@ -515,7 +492,7 @@ def test_attention_probabilities_names_a_module_that_returned_none():
 
 
 def test_returns_cross_attentions_is_what_transformers_returns():
-    config = tiny_config()
+    config = tiny_bert_config()
     compat.set_attention_implementation(config, "eager")
     hf = transformers.BertModel(config).to(DEVICE).eval()
     ids, mask = inputs(config)
@@ -527,7 +504,7 @@ def test_returns_cross_attentions_is_what_transformers_returns():
 def test_a_swapped_class_records_outputs_without_being_constructed():
     """register_output_recording: a model whose class is swapped to a bert_fast class (never
     constructed) returns what transformers' own output capture records (4.x: nothing to do)."""
-    config = tiny_config()
+    config = tiny_bert_config()
     compat.set_attention_implementation(config, "eager")
     hf = transformers.BertModel(config).to(DEVICE).eval()
     swapped = type("SwappedBert", (transformers.BertModel,), {})  # a class no instance was built of
@@ -570,7 +547,7 @@ def test_the_position_embedding_type_probe_says_what_transformers_does(model_cls
 
 @pytest.mark.parametrize("head_dim", [8, 160])
 def test_head_dims_the_kernels_do_not_cover_run_correctly(head_dim):
-    config = tiny_config(hidden_size=2 * head_dim, num_attention_heads=2)
+    config = tiny_bert_config(hidden=2 * head_dim, heads=2, inter=128)
     hf, fast = pair(config)
     ids, mask = inputs(config)
     with warnings.catch_warnings():
@@ -585,7 +562,7 @@ def test_gradient_checkpointing_with_an_unfused_piece_matches_transformers():
     """transformers' own gradient_checkpointing_enable() on a head model, with a hook that makes a
     block run unfused (its mask is bert_fast's): loss and gradients equal transformers'. On
     transformers 5.24 this crashed with a TypeError inside forward before compat.py."""
-    config = tiny_config()
+    config = tiny_bert_config()
     torch.manual_seed(0)
     hf = transformers.BertForSequenceClassification(config)
     fast = bert_fast.BertForSequenceClassification(config)

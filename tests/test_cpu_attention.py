@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bert_fast.ops import cpu_attention
-from bert_fast.testing import assert_close_2x
+from bert_fast.testing import assert_close_2x, padded_key_mask
 
 pytestmark = [
     pytest.mark.no_kernels("CPU inference attention, not the Triton kernels"),
@@ -49,12 +49,7 @@ def _qkv(b, s, h, d, seed):
 @pytest.mark.parametrize("masked", [False, True])
 def test_padded_attention_within_2x_of_torch(b, s, h, d, masked):
     qkv = _qkv(b, s, h, d, seed=b * 1000 + s * 10 + d)
-    mask = None
-    if masked:
-        mask = torch.rand(b, s, generator=torch.Generator().manual_seed(s)) > 0.3
-        mask[:, 0] = True
-        if b > 1:
-            mask[-1] = False  # one fully padded sequence: its rows come out as zeros
+    mask = padded_key_mask(b, s, seed=s) if masked else None
     scale = d**-0.5
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     out = cpu_attention.padded(qkv, mask, scale).transpose(1, 2)
@@ -73,27 +68,59 @@ def test_non_contiguous_qkv():
     assert_close_2x(out, _oracle(q, k, v, None, scale, torch.float64), _torch_bf16(q, k, v, None, scale))
 
 
-# the second case's packs (12 heads x 64 dims, ~1,200 token rows) take several of the kernel's 2 MiB
-# chunks: sequences packed in different chunks must not change a value
-@pytest.mark.parametrize(
-    "lengths,h,d", [([5, 1, 17, 64, 33], 3, 32), ([130, 7, 200, 16, 255, 129, 31, 190, 240], 12, 64)]
-)
-def test_varlen_equals_each_sequence_alone(lengths, h, d):
+# The checks that are the same in bf16 and fp32 (tests/test_cpu_attention_f32.py runs them too, with its
+# own _qkv). VARLEN_CASES' second packs (12 heads x 64 dims, ~1,200 token rows) take several of the
+# kernel's 2 MiB chunks: sequences packed in different chunks must not change a value.
+VARLEN_CASES = [([5, 1, 17, 64, 33], 3, 32), ([130, 7, 200, 16, 255, 129, 31, 190, 240], 12, 64)]
+
+
+def check_varlen_equals_each_sequence_alone(make_qkv, lengths, h, d):
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    qkv = _qkv(1, int(cu[-1]), h, d, seed=11)[0]  # [T, 3, h, d]
+    qkv = make_qkv(1, int(cu[-1]), h, d, seed=11)[0]  # [T, 3, h, d]
     out = cpu_attention.varlen(qkv, cu, d**-0.5)
     for i in range(len(lengths)):
-        piece = qkv[cu[i] : cu[i + 1]][None]
-        alone = cpu_attention.padded(piece, None, d**-0.5)[0]
+        alone = cpu_attention.padded(qkv[cu[i] : cu[i + 1]][None], None, d**-0.5)[0]
         assert torch.equal(out[cu[i] : cu[i + 1]], alone)  # no sequence sees another's keys
 
 
-def test_separate_qkv_equals_fused_layout():
+def check_separate_qkv_equals_fused_layout(make_qkv):
     b, s, h, d = 2, 19, 4, 32
-    qkv = _qkv(b, s, h, d, seed=5)
+    qkv = make_qkv(b, s, h, d, seed=5)
     q, k, v = (t.reshape(b * s, h * d) for t in qkv.unbind(2))
     sep = cpu_attention.separate(q, k, v, b, s, h, d**-0.5)
     assert torch.equal(sep, cpu_attention.padded(qkv, None, d**-0.5).reshape(b * s, h * d))
+
+
+def check_choice_is_measured_and_cached(monkeypatch, x):
+    """BERT_FAST_CPU_ATTENTION=auto: a timing decides per (dtype, heads, head dim, threads); a kept
+    verdict is honoured, a missing one measured once and cached."""
+    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "auto")
+    key = (x.dtype, 2, x.shape[-1], torch.get_num_threads())
+    monkeypatch.setattr(cpu_attention, "_CHOICES", {key: False})
+    assert not cpu_attention.eligible(x, 2)  # torch's kernel won the timing: keep it
+    monkeypatch.setattr(cpu_attention, "_CHOICES", {})
+    cpu_attention.eligible(x, 2)
+    assert key in cpu_attention._CHOICES  # measured once, then cached
+
+
+def record_layouts(monkeypatch) -> list:
+    """Our attention kernels forced on (BERT_FAST_CPU_ATTENTION=1); the list returned records the layout
+    of each call (padded, varlen, separate)."""
+    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "1")
+    calls = []
+    for name in ("padded", "varlen", "separate"):
+        real = getattr(cpu_attention, name)
+        monkeypatch.setattr(cpu_attention, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("lengths,h,d", VARLEN_CASES)
+def test_varlen_equals_each_sequence_alone(lengths, h, d):
+    check_varlen_equals_each_sequence_alone(_qkv, lengths, h, d)
+
+
+def test_separate_qkv_equals_fused_layout():
+    check_separate_qkv_equals_fused_layout(_qkv)
 
 
 def test_eligibility_and_switch(monkeypatch):
@@ -104,13 +131,7 @@ def test_eligibility_and_switch(monkeypatch):
     assert not cpu_attention.eligible(torch.zeros(4, 3, 2, 63, dtype=torch.bfloat16), 2)  # odd head dim
     monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "0")
     assert not cpu_attention.eligible(x, 2)
-    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "auto")
-    key = (torch.bfloat16, 2, 64, torch.get_num_threads())
-    monkeypatch.setattr(cpu_attention, "_CHOICES", {key: False})
-    assert not cpu_attention.eligible(x, 2)  # torch's kernel won the timing: keep it
-    monkeypatch.setattr(cpu_attention, "_CHOICES", {})
-    cpu_attention.eligible(x, 2)
-    assert key in cpu_attention._CHOICES  # measured once, then cached
+    check_choice_is_measured_and_cached(monkeypatch, x)
 
 
 def test_bf16_model_takes_it_and_stays_close_to_fp32(monkeypatch):
@@ -121,11 +142,7 @@ def test_bf16_model_takes_it_and_stays_close_to_fp32(monkeypatch):
     import bert_fast
     from bert_fast import BertModel
 
-    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "1")
-    calls = []
-    for name in ("padded", "varlen", "separate"):
-        real = getattr(cpu_attention, name)
-        monkeypatch.setattr(cpu_attention, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    calls = record_layouts(monkeypatch)
     cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=99)
     torch.manual_seed(0)
     ref = BertModel(cfg).eval()

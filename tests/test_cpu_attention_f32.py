@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_attention import (  # the checks of the bf16 tests, run here on fp32 tensors
+    VARLEN_CASES,
+    check_choice_is_measured_and_cached,
+    check_separate_qkv_equals_fused_layout,
+    check_varlen_equals_each_sequence_alone,
+    record_layouts,
+)
 
 from bert_fast.ops import cpu_attention
 from bert_fast.ops import cpu_isa as isa_info
-from bert_fast.testing import assert_close_2x
+from bert_fast.testing import assert_close_2x, padded_key_mask
 
 pytestmark = [
     pytest.mark.no_kernels("CPU inference attention, not the Triton kernels"),
@@ -68,12 +75,7 @@ def _qkv(b, s, h, d, seed):
 @pytest.mark.parametrize("masked", [False, True])
 def test_padded_attention_within_2x_of_torch(isa, b, s, h, d, masked):
     qkv = _qkv(b, s, h, d, seed=b * 1000 + s * 10 + d)
-    mask = None
-    if masked:
-        mask = torch.rand(b, s, generator=torch.Generator().manual_seed(s)) > 0.3
-        mask[:, 0] = True
-        if b > 1:
-            mask[-1] = False  # one fully padded sequence: its rows come out as zeros
+    mask = padded_key_mask(b, s, seed=s) if masked else None
     scale = d**-0.5
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     out = cpu_attention.padded(qkv, mask, scale).transpose(1, 2)
@@ -83,26 +85,13 @@ def test_padded_attention_within_2x_of_torch(isa, b, s, h, d, masked):
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-# the second case's packs (12 heads x 64 dims, ~1,200 token rows) take several of the kernel's 2 MiB
-# chunks: sequences packed in different chunks must not change a value
-@pytest.mark.parametrize(
-    "lengths,h,d", [([5, 1, 17, 64, 33], 3, 32), ([130, 7, 200, 16, 255, 129, 31, 190, 240], 12, 64)]
-)
+@pytest.mark.parametrize("lengths,h,d", VARLEN_CASES)
 def test_varlen_equals_each_sequence_alone(isa, lengths, h, d):
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    qkv = _qkv(1, int(cu[-1]), h, d, seed=11)[0]
-    out = cpu_attention.varlen(qkv, cu, d**-0.5)
-    for i in range(len(lengths)):
-        alone = cpu_attention.padded(qkv[cu[i] : cu[i + 1]][None], None, d**-0.5)[0]
-        assert torch.equal(out[cu[i] : cu[i + 1]], alone)  # no sequence sees another's keys
+    check_varlen_equals_each_sequence_alone(_qkv, lengths, h, d)
 
 
 def test_separate_qkv_equals_fused_layout(isa):
-    b, s, h, d = 2, 19, 4, 32
-    qkv = _qkv(b, s, h, d, seed=5)
-    q, k, v = (t.reshape(b * s, h * d) for t in qkv.unbind(2))
-    sep = cpu_attention.separate(q, k, v, b, s, h, d**-0.5)
-    assert torch.equal(sep, cpu_attention.padded(qkv, None, d**-0.5).reshape(b * s, h * d))
+    check_separate_qkv_equals_fused_layout(_qkv)
 
 
 def test_scalar_cap_keeps_torch(monkeypatch):
@@ -113,14 +102,8 @@ def test_scalar_cap_keeps_torch(monkeypatch):
 
 
 def test_choice_is_measured_per_dtype_and_cached(monkeypatch):
-    x = torch.zeros(4, 3, 2, 64)
-    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "auto")
-    key = (torch.float32, 2, 64, torch.get_num_threads())
-    monkeypatch.setattr(cpu_attention, "_CHOICES", {key: False})
-    assert not cpu_attention.eligible(x, 2)  # torch's kernel won the timing: keep it
-    monkeypatch.setattr(cpu_attention, "_CHOICES", {})
-    cpu_attention.eligible(x, 2)
-    assert key in cpu_attention._CHOICES and len(cpu_attention._CHOICES) == 1
+    check_choice_is_measured_and_cached(monkeypatch, torch.zeros(4, 3, 2, 64))
+    assert len(cpu_attention._CHOICES) == 1
 
 
 @pytest.mark.parametrize("freeze", [False, True])
@@ -132,12 +115,8 @@ def test_fp32_model_takes_it_and_matches_transformers(isa, freeze, monkeypatch):
 
     import bert_fast
 
-    monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "1")
+    calls = record_layouts(monkeypatch)
     monkeypatch.setenv("BERT_FAST_BACKEND", "torch")  # the CPU path users run (not the interpreter's kernels)
-    calls = []
-    for name in ("padded", "varlen", "separate"):
-        real = getattr(cpu_attention, name)
-        monkeypatch.setattr(cpu_attention, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=99)
     torch.manual_seed(0)
     ref = HFBertModel(cfg, add_pooling_layer=False).eval()

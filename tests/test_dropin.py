@@ -16,7 +16,7 @@ import transformers
 from torch import nn
 
 import bert_fast
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import pick_test_device, tiny_bert_config
 
 DEVICE = pick_test_device()
 peft = pytest.importorskip("peft")
@@ -31,20 +31,8 @@ def path(request, monkeypatch):
 
 
 def tiny_config(**kw):
-    base = dict(
-        vocab_size=101,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        max_position_embeddings=32,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    base.update(kw)
-    return transformers.BertConfig(**base)
+    """The tiny BERT with three labels (the classification heads here)."""
+    return tiny_bert_config(**{"num_labels": 3, **kw})
 
 
 def make_pair(hf_cls=transformers.BertModel, fast_cls=bert_fast.BertModel, config=None, seed=0):
@@ -67,6 +55,12 @@ def batch(config, b=2, s=9, pad_last=3):
     mask = torch.ones(b, s, dtype=torch.long)
     mask[-1, s - pad_last :] = 0
     return ids.to(DEVICE), mask.to(DEVICE)
+
+
+@torch.no_grad()
+def last_hidden(model, ids, mask):
+    """The model's last hidden state on a batch, without autograd (inference)."""
+    return model(ids, attention_mask=mask).last_hidden_state
 
 
 def assert_same_real(a, b, mask, atol=1e-5):
@@ -142,14 +136,12 @@ def test_hooks_fire_with_transformers_tensors(path):
 def test_output_modifying_hook_changes_output_as_on_transformers(path):
     hf, fast = make_pair()
     ids, mask = batch(hf.config)
-    with torch.no_grad():
-        untouched = fast(ids, attention_mask=mask).last_hidden_state
+    untouched = last_hidden(fast, ids, mask)
     outs = []
     for model in (hf, fast):
         model.encoder.layer[1].output.dense.register_forward_hook(lambda m, a, o: torch.zeros_like(o))
         model.encoder.layer[0].attention.self.register_forward_hook(lambda m, a, o: (o[0] * 0.5,) + tuple(o[1:]))
-        with torch.no_grad():
-            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+        outs.append(last_hidden(model, ids, mask))
     assert (outs[1] - outs[0]).abs().max().item() <= 1e-5
     assert (outs[1] - untouched)[mask.bool()].abs().max().item() > 1e-2  # the hooks did change it
 
@@ -160,8 +152,7 @@ def test_pre_hook_that_rewrites_input(path):
     outs = []
     for model in (hf, fast):
         model.encoder.layer[0].intermediate.register_forward_pre_hook(lambda m, a: (a[0] * 2.0,))
-        with torch.no_grad():
-            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+        outs.append(last_hidden(model, ids, mask))
     assert (outs[1] - outs[0]).abs().max().item() <= 1e-5
 
 
@@ -175,8 +166,7 @@ def test_global_hook_sees_every_module_call(path):
             lambda m, a, o, seen=seen: seen.append(type(m).__name__)
         )
         try:
-            with torch.no_grad():
-                out = model(ids, attention_mask=mask).last_hidden_state
+            out = last_hidden(model, ids, mask)
         finally:
             h.remove()
         counts[key] = (sorted(seen), out)
@@ -224,8 +214,7 @@ def test_module_customizations_give_transformers_outputs(path, case):
         pytest.skip("torch.ao dynamic quantization runs on the CPU")
     hf, fast = make_pair()
     ids, mask = batch(hf.config)
-    with torch.no_grad():
-        plain = fast(ids, attention_mask=mask).last_hidden_state
+    plain = last_hidden(fast, ids, mask)
     outs = []
     for model in (hf, fast):
         if case == "subclass":
@@ -247,8 +236,7 @@ def test_module_customizations_give_transformers_outputs(path, case):
             model.encoder.layer[0].intermediate.intermediate_act_fn = nn.SiLU()
         elif case == "quantized":
             model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-        with torch.no_grad():
-            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+        outs.append(last_hidden(model, ids, mask))
     assert (outs[1] - outs[0]).abs().max().item() <= 1e-5
     assert (outs[1] - plain)[mask.bool()].abs().max().item() > 1e-3  # the customization mattered
 
@@ -448,8 +436,7 @@ def test_direct_inference_path_equals_custom_ops(monkeypatch):
     monkeypatch.setattr(direct_ops, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     hf, fast = make_pair()
     ids, mask = batch(hf.config)
-    with torch.no_grad():
-        direct = fast(ids, attention_mask=mask).last_hidden_state
+    direct = last_hidden(fast, ids, mask)
     assert calls, "no-grad inference did not take the direct path"
     calls.clear()
     via_ops = fast(ids, attention_mask=mask).last_hidden_state.detach()  # grad mode: the custom ops

@@ -364,42 +364,9 @@ def test_opcheck(device):
         )
     bwd = torch.ops.bert_fast.embedding_layer_norm_bwd.default
     dy = torch.randn_like(out)
-    torch.library.opcheck(
-        bwd,
-        (
-            dy,
-            ids,
-            None,
-            tt,
-            None,
-            *[p.detach() for p in params[:4]],
-            mean,
-            rstd,
-            0.1,
-            seed,
-            2,
-            [True, True, True, True, True],
-            False,
-        ),
-    )
-    torch.library.opcheck(
-        bwd,
-        (
-            dy,
-            ids,
-            None,
-            tt,
-            None,
-            *[p.detach() for p in params[:4]],
-            mean,
-            rstd,
-            0.1,
-            seed,
-            2,
-            [False, True, False, True, False],
-            False,
-        ),
-    )
+    weights = [p.detach() for p in params[:4]]
+    for output_mask in ([True, True, True, True, True], [False, True, False, True, False]):
+        torch.library.opcheck(bwd, (dy, ids, None, tt, None, *weights, mean, rstd, 0.1, seed, 2, output_mask, False))
 
 
 @pytest.fixture

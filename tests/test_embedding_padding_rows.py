@@ -20,7 +20,7 @@ import transformers
 import bert_fast
 from bert_fast.ops import embedding as emb_op
 from bert_fast.ops import embedding_layer_norm
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import distilbert_config, pick_test_device
 
 DEVICE = pick_test_device()
 PAD = 1  # RoBERTa's and XLM-R's pad_token_id: positions start at PAD + 1
@@ -224,18 +224,6 @@ FAMILY_MODELS = {
 
 
 def family_config(family, hidden=48):
-    if family == "distilbert":
-        return transformers.DistilBertConfig(
-            vocab_size=VOCAB,
-            dim=hidden,
-            n_heads=2,
-            n_layers=1,
-            hidden_dim=2 * hidden,
-            max_position_embeddings=MAX_POS,
-            dropout=0.0,
-            attention_dropout=0.0,
-            pad_token_id=PAD,
-        )
     kw = dict(
         vocab_size=VOCAB,
         hidden_size=hidden,
@@ -246,8 +234,10 @@ def family_config(family, hidden=48):
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         pad_token_id=PAD,
-        type_vocab_size=2,
     )
+    if family == "distilbert":
+        return distilbert_config(**kw)
+    kw["type_vocab_size"] = 2
     if family == "electra":
         kw["embedding_size"] = 24
     return FAMILY_MODELS[family][1](**kw)

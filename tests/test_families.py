@@ -21,7 +21,7 @@ import transformers
 
 import bert_fast
 from bert_fast.model import compat, modeling
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import distilbert_config, max_grad_diff, pick_test_device
 
 DEVICE = pick_test_device()
 ATOL = 2e-5 if DEVICE.type == "cpu" else 1e-4  # fp32 parity on real tokens (the Triton GEMMs on CUDA: test_model)
@@ -48,21 +48,7 @@ def make_config(family, hidden=48, heads=2, layers=2, max_pos=40, act="gelu", **
     if family == "xlm_roberta":
         return transformers.XLMRobertaConfig(pad_token_id=PAD, type_vocab_size=1, **common, **kw)
     if family == "distilbert":  # other field names; no dropout in its heads either
-        return transformers.DistilBertConfig(
-            vocab_size=common["vocab_size"],
-            dim=hidden,
-            n_heads=heads,
-            n_layers=layers,
-            hidden_dim=2 * hidden,
-            activation=act,
-            max_position_embeddings=max_pos,
-            dropout=0.0,
-            attention_dropout=0.0,
-            seq_classif_dropout=0.0,
-            qa_dropout=0.0,
-            pad_token_id=0,
-            **kw,
-        )
+        return distilbert_config(**common, seq_classif_dropout=0.0, qa_dropout=0.0, pad_token_id=0, **kw)
     if family == "bert":  # BERT itself, for the tests that cover every family bert_fast runs
         return transformers.BertConfig(type_vocab_size=2, **common, **kw)
     # ELECTRA: embedding_size != hidden_size, so embeddings_project is in the path
@@ -332,16 +318,7 @@ def test_training_step_gradients_match(family, head):
     for model in (hf, fast):
         model.train()
         model(ids, attention_mask=mask, labels=labels).loss.backward()
-    hf_grads = dict(hf.named_parameters())
-    worst = 0.0
-    for name, p in fast.named_parameters():
-        ref = hf_grads[name].grad
-        if ref is None:
-            assert p.grad is None or p.grad.abs().max() == 0, name
-            continue
-        assert p.grad is not None, name
-        worst = max(worst, (p.grad - ref).abs().max().item())
-    assert worst <= GRAD_ATOL
+    assert max_grad_diff(fast, hf) <= GRAD_ATOL
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -462,15 +439,6 @@ def test_unsupported_models_are_named_in_the_type_error(name):
 
 
 # ----------------------------------------------------------------------------- the same guarantees as BERT
-@pytest.fixture
-def fresh_probes():
-    from bert_fast.model import compat
-
-    compat.probe_signatures.cache_clear()
-    yield
-    compat.probe_signatures.cache_clear()
-
-
 def test_a_changed_roberta_module_is_a_warned_fallback(monkeypatch, fresh_probes):
     """transformers changes RobertaSelfOutput.forward: optimize() and the constructor warn and the
     model keeps transformers' forward (as for BertModel, tests/test_compat.py)."""

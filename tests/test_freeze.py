@@ -13,6 +13,7 @@ import transformers
 
 import bert_fast
 from bert_fast.model import frozen
+from bert_fast.testing import tiny_bert_config
 
 pytestmark = [
     pytest.mark.no_kernels("the CPU path (TRITON_INTERPRET=0), not the Triton kernels"),
@@ -42,24 +43,8 @@ def packed_calls(monkeypatch):
     return calls
 
 
-def tiny_config(**kw):
-    base = dict(
-        vocab_size=101,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        max_position_embeddings=32,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-    )
-    base.update(kw)
-    return transformers.BertConfig(**base)
-
-
 def make(config=None, seed=0, padded=False):
-    config = config or tiny_config()
+    config = config or tiny_bert_config(dropout=0.1)
     torch.manual_seed(seed)
     hf = transformers.BertModel._from_config(config, attn_implementation="sdpa").eval()
     with torch.no_grad():  # trained-looking: no bias or LayerNorm near identity
@@ -119,17 +104,26 @@ def test_real_checkpoint_parity(packed_calls):
     assert len(packed_calls) == 4 * hf.config.num_hidden_layers
 
 
-def test_bf16_error_within_twice_transformers(packed_calls):
+def _bf16_case():
+    """The bf16 tests' (hf, fast) pair, ``error(model)``: the largest error of the model's output on the
+    real tokens of a batch against the float64 oracle, and that oracle on those tokens. Skipped where
+    oneDNN has no bf16 on this CPU."""
     if not frozen.dtype_supported(torch.bfloat16):
         pytest.skip("oneDNN bf16 is not supported on this CPU")
     hf, fast = make()
     ids, mask = inputs(b=4, s=16)
     oracle = run(copy.deepcopy(hf).double(), ids, mask)
+    keep = mask.bool()
+    error = lambda model: (run(model, ids, mask).double() - oracle)[keep].abs().max().item()
+    return hf, fast, error, oracle[keep]
+
+
+def test_bf16_error_within_twice_transformers(packed_calls):
+    hf, fast, error, _ = _bf16_case()
     hf16, fast16 = hf.to(torch.bfloat16), fast.to(torch.bfloat16)
     fast16.freeze()
-    keep = mask.bool()
-    err_hf = (run(hf16, ids, mask).double() - oracle)[keep].abs().max().item()
-    err_fast = (run(fast16, ids, mask).double() - oracle)[keep].abs().max().item()
+    err_hf = error(hf16)
+    err_fast = error(fast16)
     assert packed_calls, "the bf16 forward did not run on packed weights"
     assert err_fast <= 2 * err_hf + 1e-3, (err_fast, err_hf)
 
@@ -325,17 +319,12 @@ def test_packing_choice_is_measured_once_per_shape(monkeypatch):
 
 def test_frozen_bf16_matches_plain_bf16(packed_calls):
     """Frozen bf16 (packed weights) against the float64 oracle: within 2x of plain bf16's error."""
-    if not frozen.dtype_supported(torch.bfloat16):
-        pytest.skip("oneDNN bf16 is not supported on this CPU")
-    hf, fast = make()
-    ids, mask = inputs(b=4, s=16)
-    oracle = run(copy.deepcopy(hf).double(), ids, mask)
+    _, fast, error, oracle = _bf16_case()
     fast16 = fast.to(torch.bfloat16)
-    keep = mask.bool()
-    err_plain = (run(fast16, ids, mask).double() - oracle)[keep].abs().max().item()
+    err_plain = error(fast16)
     assert not packed_calls
     fast16.freeze()
-    err_frozen = (run(fast16, ids, mask).double() - oracle)[keep].abs().max().item()
+    err_frozen = error(fast16)
     assert packed_calls, "the bf16 forward did not run on packed weights"
-    floor = torch.finfo(torch.bfloat16).eps * oracle[keep].abs().max().item()
+    floor = torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
     assert err_frozen <= 2 * err_plain + floor, (err_frozen, err_plain)

@@ -15,6 +15,7 @@ import transformers
 import bert_fast
 from bert_fast.model import int8, int8_speed
 from bert_fast.ops import int8_gemm
+from bert_fast.testing import tiny_bert_config
 
 pytestmark = pytest.mark.no_kernels("the CPU int8 path, not the Triton kernels")
 
@@ -33,14 +34,7 @@ def slow(speedup: float = 0.03) -> int8_speed.Int8Speed:
 
 
 def tiny_model():
-    cfg = transformers.BertConfig(
-        vocab_size=120,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_bert_config(hidden=32, heads=2, vocab=120, dropout=0.1)
     torch.manual_seed(0)
     return transformers.BertModel(cfg).eval()
 

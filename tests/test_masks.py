@@ -9,22 +9,13 @@ import torch
 import transformers
 
 import bert_fast
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import pick_test_device, tiny_bert_config
 
 DEVICE = pick_test_device()
 
 
 def _pair():
-    cfg = transformers.BertConfig(
-        vocab_size=61,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    cfg = tiny_bert_config(hidden=32, heads=2, vocab=61, max_pos=16)
     torch.manual_seed(0)
     hf = transformers.BertModel(cfg).to(DEVICE).eval()
     fast = bert_fast.BertModel(cfg).to(DEVICE).eval()

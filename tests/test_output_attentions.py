@@ -16,7 +16,7 @@ import transformers
 
 import bert_fast
 from bert_fast.model import compat
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import distilbert_config, pick_test_device
 
 DEVICE = pick_test_device()
 ATOL = 2e-5 if DEVICE.type == "cpu" else 1e-4  # tests/test_families.py's fp32 parity bands
@@ -53,19 +53,7 @@ def make_config(family, attn="eager", hidden=48, heads=2, layers=2, dropout=0.0)
     elif family == "electra":
         config = transformers.ElectraConfig(embedding_size=24, **common)
     else:
-        config = transformers.DistilBertConfig(
-            vocab_size=61,
-            dim=hidden,
-            n_heads=heads,
-            n_layers=layers,
-            hidden_dim=2 * hidden,
-            max_position_embeddings=40,
-            dropout=dropout,
-            attention_dropout=dropout,
-            seq_classif_dropout=0.0,
-            qa_dropout=0.0,
-            pad_token_id=0,
-        )
+        config = distilbert_config(**common, seq_classif_dropout=0.0, qa_dropout=0.0, pad_token_id=0)
     compat.set_attention_implementation(config, attn)
     return config
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import bert_fast
-from bert_fast.testing import pick_test_device
+from bert_fast.testing import pick_test_device, tiny_bert_config
 
 DEVICE = pick_test_device()
 
@@ -40,15 +40,7 @@ class _Pairs(torch.utils.data.Dataset):
 
 def test_transformers_trainer_fine_tunes_a_bert_fast_head(tmp_path):
     pytest.importorskip("accelerate")
-    cfg = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        num_labels=2,
-    )
+    cfg = tiny_bert_config(hidden=32, heads=2, vocab=50, max_pos=16, dropout=0.1, num_labels=2)
     torch.manual_seed(0)
     model = bert_fast.BertForSequenceClassification(cfg)
     args = transformers.TrainingArguments(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,28 +22,12 @@ import torch
 import transformers
 
 import bert_fast
-from bert_fast.testing import tiny_train_args
+from bert_fast.testing import tiny_bert_config, tiny_train_args, train_env
 from bert_fast.training import checkpoint as ckpt
 from bert_fast.training import cli, collator, data, loop
 
 BASE = tiny_train_args(tokenizer="build")
 CUDA = torch.cuda.is_available()
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env.update(
-        {
-            "BERT_FAST_BACKEND": "reference",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.pop("TRITON_INTERPRET", None)
-    env.update(extra)
-    return env
 
 
 def run_inprocess(monkeypatch, argv):
@@ -72,7 +55,7 @@ def torchrun(argv, nproc=2, timeout=240):
         + BASE
         + list(argv)
     )
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -265,7 +248,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(monkeypatch, tmp_path):
         + BASE
         + ["--max-steps", "100000", "--output-dir", str(out), "--dropout", "0"]
     )
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
@@ -354,16 +337,7 @@ def test_amp_bf16_step_within_2x_transformers(device, kernel_launches):
     attention in bf16 (on the CPU bert_fast's are then torch's, the interpreter's bf16 tl.dot being
     wrong: ratios 1.00-1.02 over 8 seeds); our kernels run where they can (residual_layer_norm, the
     embedding twin)."""
-    cfg = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    cfg = tiny_bert_config(hidden=32, heads=2, vocab=64)
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(cfg).to(device)
     fast = bert_fast.BertForMaskedLM(cfg).to(device)
@@ -420,16 +394,7 @@ def test_convergence_matches_transformers_30_adamw_steps(device, monkeypatch):
     batches (dropout 0): the loss curves agree within fp32 tolerance. Real kernels (the Triton
     interpreter on the CPU)."""
     monkeypatch.delenv("BERT_FAST_BACKEND", raising=False)
-    cfg = transformers.BertConfig(
-        vocab_size=48,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    cfg = tiny_bert_config(hidden=32, heads=2, layers=1, vocab=48, max_pos=16)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(cfg).to(device)

@@ -12,7 +12,6 @@ process, plus a small floor.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,29 +23,13 @@ import pytest
 import torch
 
 from bert_fast.model import compat
-from bert_fast.testing import tiny_train_args
+from bert_fast.testing import tiny_train_args, train_env
 from bert_fast.training import cli, loop
 
 BASE = tiny_train_args(tokenizer="build", max_steps=5, dropout=0, device="cpu")
 FP32_TOL = 2e-5
 
 needs_fsdp2 = pytest.mark.skipif(compat._fsdp_module_class() is None, reason="this torch has no FSDP2")
-
-
-def _env():
-    env = dict(os.environ)
-    env.update(
-        {
-            "BERT_FAST_BACKEND": "reference",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "GLOO_SOCKET_IFNAME": "lo",
-        }
-    )
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 def _free_port() -> int:
@@ -154,7 +137,7 @@ def _probe_run(tmp_path, argv, nproc=2) -> dict:
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
     cmd += [str(script), str(report)] + BASE + list(argv)
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=train_env(GLOO_SOCKET_IFNAME="lo"), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(report.read_text())
 
@@ -240,7 +223,7 @@ def test_two_nodes_on_localhost_match_one_process(strategy, tmp_path, fp32_losse
     procs = [
         subprocess.Popen(
             _node_cmd(r, port, f"test-{strategy}-{port}", argv),
-            env=_env(),
+            env=train_env(GLOO_SOCKET_IFNAME="lo"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

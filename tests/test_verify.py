@@ -32,10 +32,12 @@ REPORT = "bert-fast doctor --json report.json"
 # ----------------------------------------------------------------------------- the ops, small
 class Case:
     """One op at a small shape: its inputs (leaf tensors), how to run it, where its kernel is
-    launched (module, attribute) per direction, and the torch implementation's functions."""
+    launched (module, attribute) per direction, and the torch implementation's functions (torch_impl's
+    ``<name>_fwd`` and ``<name>_bwd``)."""
 
-    def __init__(self, name, label, patch, impl, make, forward, dropout_forward=None):
-        self.name, self.label, self.patch, self.impl = name, label, patch, impl
+    def __init__(self, name, label, patch, make, forward, dropout_forward=None):
+        self.name, self.label, self.patch = name, label, patch
+        self.impl = {"fwd": f"{name}_fwd", "bwd": f"{name}_bwd"}
         self._make, self._forward, self._dropout_forward = make, forward, dropout_forward
 
     def inputs(self, device, seed=0):
@@ -89,6 +91,11 @@ def _key_mask(device):
 CU = [0, 4, 4, 11]
 
 
+def _launchers(module, fwd, bwd):
+    """Where an op's kernels are launched (what the tests patch): ``module``'s functions ``fwd`` and ``bwd``."""
+    return {"fwd": (module, fwd), "bwd": (module, bwd)}
+
+
 def _cases():
     from bert_fast.ops import attention, bias_gelu, linear, residual_layer_norm, varlen_attention
 
@@ -97,8 +104,7 @@ def _cases():
         Case(
             "linear",
             "bert_fast.kernels.linear",
-            {"fwd": ("bert_fast.kernels.linear", "linear_fwd"), "bwd": ("bert_fast.kernels.linear", "gemm")},
-            {"fwd": "linear_fwd", "bwd": "linear_bwd"},
+            _launchers("bert_fast.kernels.linear", "linear_fwd", "gemm"),
             lambda g: {"x": _randn(g, 12, 32), "w": 0.2 * _randn(g, 24, 32), "b": _randn(g, 24)},
             # backend="triton": the GEMM kernel whose launchers are patched above. "auto" takes it
             # on the CPU (the interpreter), but on CUDA an fp32 / small-M call goes to cuBLAS plus
@@ -108,22 +114,14 @@ def _cases():
         Case(
             "bias_gelu",
             "bert_fast.kernels.bias_gelu",
-            {
-                "fwd": ("bert_fast.kernels.bias_gelu", "bias_gelu_fwd"),
-                "bwd": ("bert_fast.kernels.bias_gelu", "bias_gelu_bwd"),
-            },
-            {"fwd": "bias_gelu_fwd", "bwd": "bias_gelu_bwd"},
+            _launchers("bert_fast.kernels.bias_gelu", "bias_gelu_fwd", "bias_gelu_bwd"),
             lambda g: {"x": _randn(g, 6, 40), "b": _randn(g, 40)},
             lambda i: bias_gelu(i["x"], i["b"]),
         ),
         Case(
             "residual_layer_norm",
             "bert_fast.kernels.residual_layer_norm",
-            {
-                "fwd": ("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_fwd"),
-                "bwd": ("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_bwd"),
-            },
-            {"fwd": "residual_layer_norm_fwd", "bwd": "residual_layer_norm_bwd"},
+            _launchers("bert_fast.kernels.residual_layer_norm", "residual_layer_norm_fwd", "residual_layer_norm_bwd"),
             lambda g: {"x": _randn(g, 6, 48), "r": _randn(g, 6, 48), **_ln(g, 48)},
             lambda i: residual_layer_norm(i["x"], i["r"], i["w"], i["b"], 1e-5),
             lambda i, p: residual_layer_norm(i["x"], i["r"], i["w"], i["b"], 1e-5, p),
@@ -131,11 +129,7 @@ def _cases():
         Case(
             "attention",
             "bert_fast.kernels.attention",
-            {
-                "fwd": ("bert_fast.kernels.attention", "attention_fwd"),
-                "bwd": ("bert_fast.kernels.attention", "attention_bwd"),
-            },
-            {"fwd": "attention_fwd", "bwd": "attention_bwd"},
+            _launchers("bert_fast.kernels.attention", "attention_fwd", "attention_bwd"),
             lambda g: {"qkv": _randn(g, 2, 9, 3, 2, 16)},
             lambda i: attention(i["qkv"], _key_mask(i["qkv"].device)),
             lambda i, p: attention(i["qkv"], _key_mask(i["qkv"].device), p),
@@ -143,19 +137,14 @@ def _cases():
         Case(
             "varlen_attention",
             "bert_fast.kernels.attention",
-            {
-                "fwd": ("bert_fast.kernels.attention", "attention_fwd"),
-                "bwd": ("bert_fast.kernels.attention", "attention_bwd"),
-            },
-            {"fwd": "varlen_attention_fwd", "bwd": "varlen_attention_bwd"},
+            _launchers("bert_fast.kernels.attention", "attention_fwd", "attention_bwd"),
             lambda g: {"qkv": _randn(g, 11, 3, 2, 16)},
             lambda i: varlen_attention(i["qkv"], cu(i), 7),
         ),
         Case(
             "embedding",
             "bert_fast._C embedding",
-            {"fwd": ("bert_fast.ops.embedding", "_launch_fwd"), "bwd": ("bert_fast.ops.embedding", "_launch_bwd")},
-            {"fwd": "embedding_fwd", "bwd": "embedding_bwd"},
+            _launchers("bert_fast.ops.embedding", "_launch_fwd", "_launch_bwd"),
             _embedding_make,
             _emb,
             _emb,

@@ -21,6 +21,7 @@ import torch
 
 from bert_fast.bench import model_bench as mb
 from bert_fast.bench import model_workload as mw
+from bert_fast.bench.timing import INTERVAL_FIELDS
 from bert_fast.model import facts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="model benchmarks need a CUDA GPU")
@@ -36,13 +37,7 @@ CASE_SECONDS = float(os.environ.get("BERT_FAST_BENCH_CASE_SECONDS", "5"))
 KEYS = (
     "status",
     "error",
-    "median_ms",
-    "p20_ms",
-    "p80_ms",
-    "ci_low_ms",
-    "ci_high_ms",
-    "ci_rel",
-    "unstable",
+    *INTERVAL_FIELDS,
     "tokens_per_s",
     "peak_mem_bytes",
     "speedup_of_bert_fast",

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bert_fast.bench.ops_bench import discover_modules
-from bert_fast.bench.timing import ProviderUnavailable, measure
+from bert_fast.bench.timing import INTERVAL_FIELDS, ProviderUnavailable, measure
 
 INPUT_SETS = 3
 DTYPE = torch.bfloat16
@@ -66,20 +66,7 @@ def measure_case(case, device, budget_s=CASE_SECONDS, timer=None, warmup=5):
             continue
         sec = t.median_ms * 1e-3
         out["providers"][provider] = {
-            **{
-                k: getattr(t, k)
-                for k in (
-                    "median_ms",
-                    "p20_ms",
-                    "p80_ms",
-                    "ci_low_ms",
-                    "ci_high_ms",
-                    "ci_rel",
-                    "unstable",
-                    "iters",
-                    "method",
-                )
-            },
+            **{k: getattr(t, k) for k in (*INTERVAL_FIELDS, "iters", "method")},
             "TFLOP/s": case.flops / sec / 1e12 if case.flops else None,
             "GB/s": case.bytes / sec / 1e9 if case.bytes else None,
         }

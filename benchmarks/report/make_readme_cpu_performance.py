@@ -45,18 +45,7 @@ def _sp_frozen(run: dict, provider: str, key: str = "speedups_frozen") -> str:
     return f"{v['value']:.2f}x ({lo:.2f}-{hi:.2f})" + (" unstable" if v.get("unstable") else "")
 
 
-# Column order and names of the providers (others follow in the order the run has them).
-_ORDER = (
-    "bert_fast",
-    "bert_fast-frozen",
-    "bert_fast-int8",
-    "hf-sdpa",
-    "onnxruntime",
-    "onnxruntime-int8",
-    "openvino",
-    "openvino-f32",
-    "openvino-int8",
-)
+# Column names of the providers, in column order (others follow in the order the run has them).
 _NAMES = {
     "bert_fast": "bert_fast",
     "bert_fast-frozen": "bert_fast frozen",
@@ -68,6 +57,7 @@ _NAMES = {
     "openvino-f32": "OpenVINO f32",
     "openvino-int8": "OpenVINO int8",
 }
+_ORDER = tuple(_NAMES)
 
 
 def _cell(r: dict) -> str:

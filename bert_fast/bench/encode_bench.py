@@ -75,15 +75,14 @@ def run_encode_case(
     case: Dict[str, Any],
     device,
     *,
-    warmup: int,
-    min_rounds: int,
-    max_rounds: int,
-    target: float,
+    rounds: Dict[str, Any],
     max_seconds: Optional[float],
     ceilings: Dict[str, Any],
     timer=None,
     on_round=None,
 ) -> Dict[str, Any]:
+    """Time the --encode case's providers side by side; ``rounds``: measure()'s warmup, min_rounds,
+    max_rounds and target (model_options.rounds_args)."""
     from bert_fast.bench.timing import measure
 
     recs: Dict[str, Dict[str, Any]] = {}
@@ -93,18 +92,8 @@ def run_encode_case(
         _count_tokens(case, st)
     _parity(case, _first_calls(fns, recs))
     if fns:
-        m = measure(
-            fns,
-            device,
-            warmup=warmup,
-            min_rounds=min_rounds,
-            max_rounds=max_rounds,
-            target=target,
-            budget_s=max_seconds,
-            timer=timer,
-            on_round=on_round,
-        )
-        case["timing"] = m.summary(target_rel=target)
+        m = measure(fns, device, **rounds, budget_s=max_seconds, timer=timer, on_round=on_round)
+        case["timing"] = m.summary(target_rel=rounds["target"])
         _fill_rates(case, m, recs, ceilings.get("matmul_tflops"))
         fill_speedups(case, m, subject=SUBJECT, frozen=FROZEN)
     models.clear()

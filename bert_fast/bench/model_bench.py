@@ -734,7 +734,7 @@ def _run_one(args, case, host, device, dtype, by_dtype, progress, save) -> None:
         from bert_fast.bench.encode_bench import run_encode_case
 
         run_encode_case(
-            case, device, **rounds_args(args), max_seconds=args.max_seconds, ceilings=ceilings, on_round=on_round
+            case, device, rounds=rounds_args(args), max_seconds=args.max_seconds, ceilings=ceilings, on_round=on_round
         )
         return
     run_case(

@@ -133,6 +133,11 @@ def summarize(times_ms: Sequence[float], confidence: float = CONFIDENCE) -> dict
     }
 
 
+# A timed provider's median and its interval, the figures every benchmark suite reports
+# (benchmarks/model/bench_model.py, benchmarks/ops/bench_ops.py).
+INTERVAL_FIELDS = ("median_ms", "p20_ms", "p80_ms", "ci_low_ms", "ci_high_ms", "ci_rel", "unstable")
+
+
 @dataclass
 class Timing:
     """The figures of one timed provider. Times are milliseconds per call."""

@@ -206,12 +206,12 @@ setup(
             "peft>=0.13.2",
             "accelerate>=0.30.1",
             "datasets>=2.14",
-            # tests/test_training_run.py: `bert-fast train --tensorboard` (optional at run time)
+            # tests/training/test_training_run.py: `bert-fast train --tensorboard` (optional at run time)
             "tensorboard>=2.14",
-            # tests/test_architecture.py: the import layering contracts and the style checks
+            # tests/project/test_architecture.py: the import layering contracts and the style checks
             "import-linter>=2.1",
             "ruff>=0.6",
-            # tests/test_docs.py: `mkdocs build --strict` of the docs site (the "docs" extra's tools)
+            # tests/docs/test_docs.py: `mkdocs build --strict` of the docs site (the "docs" extra's tools)
             "mkdocs>=1.6",
             "mkdocs-material>=9.5",
             "mkdocstrings[python]>=0.26",

@@ -69,7 +69,7 @@ def reduction_floor(oracle: torch.Tensor, dtype: torch.dtype, rows: int) -> floa
     in fp16/bf16 it is below 1% of an ulp. (The rule this replaces multiplied 4 eps of the output
     dtype by sqrt(rows), as if every addition rounded to bf16/fp16, which no kernel does: at 129 rows
     the bf16 floor was 35% of the largest value, more than one row's whole contribution, so a kernel
-    that dropped a row passed. tests/test_tolerance.py shows that every dropped row fails this rule
+    that dropped a row passed. tests/ops/test_tolerance.py shows that every dropped row fails this rule
     and that a round-once result passes it with room.)
     """
     scale = max(1.0, oracle.detach().abs().max().item()) if oracle.numel() else 1.0

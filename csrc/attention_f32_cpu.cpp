@@ -15,7 +15,7 @@
 //   key_mask:  uint8 [nseq, mask_stride], nonzero = attend, or null (every key of the sequence)
 // A query row whose keys are all masked comes out as zeros (as torch's flash kernel does).
 // The sums run in fp32 with fused multiply-adds, in another order than torch's: held to the 2x rule
-// against a float64 oracle (tests/test_cpu_attention_f32.py).
+// against a float64 oracle (tests/cpu/test_cpu_attention_f32.py).
 #include <pybind11/pybind11.h>
 
 #include <algorithm>

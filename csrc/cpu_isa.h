@@ -5,7 +5,7 @@
 //
 // BERT_FAST_CPU_ISA caps what is used: "scalar" (portable code only), "avx2", "avx512" or
 // "avx512_bf16" (unset or empty: whatever the CPU has). With it, a machine with AVX-512 runs what
-// an AVX2-only machine runs (tests/test_cpu_isa.py), and a user can rule a vector path out.
+// an AVX2-only machine runs (tests/cpu/test_cpu_isa.py), and a user can rule a vector path out.
 #pragma once
 
 #include <algorithm>

@@ -33,7 +33,7 @@ constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 using RowsFn = void (*)(uint8_t*, int64_t, int64_t, int64_t, uint64_t, uint32_t);
 
 // Rows [r0, r1) of the [rows, cols] mask, one Philox call at a time; `thr` is the keep threshold
-// (< 2^32). The portable version, and the oracle of the vector ones (tests/test_keep_mask.py).
+// (< 2^32). The portable version, and the oracle of the vector ones (tests/ops/test_keep_mask.py).
 void keep_rows_scalar(uint8_t* out, int64_t r0, int64_t r1, int64_t cols, uint64_t seed, uint32_t thr) {
   for (int64_t r = r0; r < r1; ++r) row_keep_mask(seed, thr, r, cols, out + r * cols);
 }

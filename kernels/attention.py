@@ -666,7 +666,7 @@ def _configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device, 
     sm_86/89 and consumer Blackwell sm_120 (99 KB) get small ones (a big-tile config there fails
     at launch with "out of resources: shared memory"). Every config was compiled offline for
     sm_90 and sm_80 (fp16/bf16/fp32, head dims 16..128, mask, dropout, varlen, both dQ paths) and
-    fits with margin; see tests/test_attention.py::test_configs_fit_shared_memory.
+    fits with margin; see tests/ops/test_attention.py::test_configs_fit_shared_memory.
     fp32 (tests only) uses small tiles. ``dropout``: the forward's Philox draw needs registers, so
     the forward uses BLOCK_N = 64 with it (128 x 128 needed 1 KB of stack per thread on sm_90 with one
     Philox call per score element, 8 B with one per 4).

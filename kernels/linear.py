@@ -226,7 +226,7 @@ def _linear_fwd_kernel(
     # fp32 "ieee" dots run on the FMA units, and tl.dot(a, b, acc) continues one FMA chain per
     # output element: carried through the whole K loop, every output was a sequential sum of K
     # products, whose rounding grows like sqrt(K). cuBLAS (split-K / blocked reductions) is ~6x more
-    # accurate at K = 1000-3000: on an H200 dX and y failed the 2x rule there (tests/test_linear.py,
+    # accurate at K = 1000-3000: on an H200 dX and y failed the 2x rule there (tests/ops/test_linear.py,
     # e.g. 7.3e-6 vs 2 x 1.35e-6 + 3.2e-6 at K = 1152). So the "ieee" path sums IEEE_STEPS slices of
     # BLOCK_K (128 values of K) into a fresh partial and adds the partials: chains of 128, then of
     # K / 128 (about 4x less error at K = 1000, 6x at K = 3000), one tile add per 128 values of K.

@@ -17,7 +17,7 @@ Writes:
                                 machine, command and a link to the full page
 
 --check: write nothing, exit 1 when a page or a README block differs from what would be written
-(tests/test_docs.py runs it). The pages need only the standard library; the PNGs need matplotlib.
+(tests/docs/test_docs.py runs it). The pages need only the standard library; the PNGs need matplotlib.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _load(path: Path) -> Optional[Dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- the summary per case
 # The same rule as `bert-fast bench`'s summary (bert_fast.bench.results.summarize_case), restated here
-# so that the pages need only the standard library; tests/test_docs.py checks that both agree.
+# so that the pages need only the standard library; tests/docs/test_docs.py checks that both agree.
 COS_EPS = 1e-6
 
 

@@ -3,8 +3,8 @@
 Why one module: those libraries change every few weeks (transformers 5.24 changed the signature of a
 private method bert_fast called, and every unfused forward crashed with a TypeError). Everything of
 theirs that bert_fast relies on beyond their documented public API lives here, with the reason it is
-needed; each use has a test in tests/test_compat.py. Outside this module bert_fast uses only public
-names of those libraries, and ``grep`` proves it (tests/test_compat.py::test_no_private_use_outside_compat).
+needed; each use has a test in tests/dropin/test_compat.py. Outside this module bert_fast uses only public
+names of those libraries, and ``grep`` proves it (tests/dropin/test_compat.py::test_no_private_use_outside_compat).
 
 What bert_fast relies on, and the versions each form was tested on (CI runs the newest releases
 that resolve, and the floor of setup.py; the README's "tested with" line names the exact versions):
@@ -27,7 +27,7 @@ transformers (floor and tested range: bert_fast/versions.py; tested 4.41.2 ... 5
     BertIntermediate(h), BertOutput(f, h1), BertLayer(h, mask), BertEncoder(h, attention_mask=mask).
     Tuples in 4.x, tensors or tuples in 5.x. Their keyword ``**kwargs`` exist from 5.0
     (``accepts_var_kwargs``). Checked by ``probe_signatures``, per family (Roberta*, XLMRoberta*,
-    Electra* take the same calls: tests/test_families.py).
+    Electra* take the same calls: tests/model/test_families.py).
   * The attention mask those modules take, built by bert_fast itself (``attention_mask_for_modules``):
     eager and sdpa take an additive float mask broadcastable to [B, heads, S, S] (4.41: eager
     [B,1,1,S] from get_extended_attention_mask, sdpa [B,1,S,S]; 5.x: [B,1,S,S] float or bool from

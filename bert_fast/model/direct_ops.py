@@ -9,7 +9,7 @@ implementation functions (bert_fast.ops.torch_impl) directly: same code, same nu
 checks the two paths agree bit for bit), minus the overhead. Dropout is never on here (eval only).
 One exception: attention in bf16 (AVX-512 BF16) or fp32 (AVX-512 or AVX2) runs bert_fast.ops.cpu_attention
 (our kernels, where they measured faster than torch's flash CPU kernel; held to the 2x rule against
-the float64 oracle in tests/test_cpu_attention.py and tests/test_cpu_attention_f32.py), since
+the float64 oracle in tests/cpu/test_cpu_attention.py and tests/cpu/test_cpu_attention_f32.py), since
 inference needs no log-sum-exp for a backward.
 
 The object mirrors the subset of ``bert_fast.ops`` the model uses, so a layer runs unchanged on

@@ -77,7 +77,7 @@ u_tf32 dot + u_acc acc (worst case over rounding, not a statistical estimate: th
 LayerNorm magnitudes are upper bounds from Cauchy-Schwarz and sum p <= 1); the difference of two
 such results is within twice that, and the factor 4 leaves another 2x for second-order terms and
 the few-ulp error of exp/erf/tanh (the ``16 u_acc`` term). It is the 2x rule of
-bert_fast.testing with the float64 oracle replaced by this worst case. tests/test_verify.py runs
+bert_fast.testing with the float64 oracle replaced by this worst case. tests/ops/test_verify.py runs
 every op test file with ``BERT_FAST_VERIFY=strict`` (no false alarm on any parity case) and shows
 that a perturbation of one element by (1 + max |T|) fails it. It is looser than the 2x rule where
 the inputs are badly conditioned (large scores, rows whose mean dwarfs their spread), as it must

@@ -41,7 +41,7 @@ checks). An exception, NaN/Inf or a difference over the bound marks that key "ma
 rest of the process, with one :class:`FusedAttentionWarning`; any later exception of a fused call
 does the same. During CUDA-graph capture no check runs (it synchronizes): a kept verdict is used,
 an unchecked key takes the materialized path. Meta plumbing and the selection logic are tested on
-the CPU (tests/test_fused_sdpa.py); the kernels themselves only where a GPU runs the suite.
+the CPU (tests/ops/test_fused_sdpa.py); the kernels themselves only where a GPU runs the suite.
 """
 
 from __future__ import annotations

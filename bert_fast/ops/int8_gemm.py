@@ -8,7 +8,7 @@ channel (bert_fast/model/int8.py builds the weights and guards the accuracy):
     y        = act(dequantize(acc, s_x, s_w, b))  one pass over acc with the GELU in it (bert_fast._C),
                                               or 3-4 torch ops and the GELU
 
-The torch-op versions are the oracle of the C++ ones (equal bit for bit: tests/test_int8_gemm.py)
+The torch-op versions are the oracle of the C++ ones (equal bit for bit: tests/cpu/test_int8_gemm.py)
 and the fallback where the extension was built without them.
 """
 

@@ -318,7 +318,7 @@ def _use_flash_bwd(qkv: Tensor, keep: Optional[Tensor]) -> bool:
 def _key_bias(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     """Additive [B, 1, 1, S] bias (0 attend, -inf masked) in the query dtype, as the flash CPU
     kernel wants it (it rejects bool masks). A row whose keys are all masked comes out as zeros
-    with zero gradients (the kernel's handling, pinned by tests/test_cpu_path.py)."""
+    with zero gradients (the kernel's handling, pinned by tests/cpu/test_cpu_path.py)."""
     if key_mask is None:
         return None
     km = key_mask.to(torch.bool)

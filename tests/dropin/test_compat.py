@@ -31,7 +31,7 @@ from bert_fast.model import compat
 from bert_fast.testing import pick_test_device, tiny_bert_config
 
 DEVICE = pick_test_device()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIBS = ("transformers", "peft", "sentence_transformers", "accelerate")
 
 
@@ -424,7 +424,7 @@ def test_hidden_states_selection_probe_reads_the_installed_transformers():
 
 def test_output_attentions_keyword_and_config_give_the_same_error():
     """On an sdpa model: the keyword and (where transformers' config accepts it) the config give one
-    error, naming what to do; on an eager model both answer (tests/test_output_attentions.py)."""
+    error, naming what to do; on an eager model both answer (tests/model/test_output_attentions.py)."""
     hf, fast = pair(attn="sdpa")
     ids, mask = inputs(hf.config)
     with pytest.raises(ValueError, match="attn_implementation='eager'") as by_keyword:

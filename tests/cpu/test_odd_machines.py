@@ -1,6 +1,6 @@
 """Odd machines and late changes take a correct path with at most one warning (issue #32 item 8): a CPU
 whose flags cannot be read, a head dim the native kernels do not cover, and a hook added after the
-first forward of a plain, frozen or int8 model. (A torch without the CPU int8 op: tests/test_int8_speed.py.)"""
+first forward of a plain, frozen or int8 model. (A torch without the CPU int8 op: tests/cpu/test_int8_speed.py.)"""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ returned attentions=None and hidden_states=None, unless some test earlier in the
 constructed a ``bert_fast.DistilBertModel``. So each family runs here in a new Python process that
 constructs no bert_fast model before its checks: every transformers class ``optimize()`` converts
 (base and heads), eager, with the flags as keywords and through the config, alone and together,
-against transformers (structure and values, tests/dropin_diff.py); the same flags on an sdpa
+against transformers (structure and values, tests/dropin/dropin_diff.py); the same flags on an sdpa
 model (hidden states answered, attentions refused); then the bert_fast classes themselves.
 """
 

@@ -426,7 +426,7 @@ def test_direct_inference_path_equals_custom_ops(monkeypatch):
     """No-grad inference on the torch implementation skips the custom-op plumbing
     (bert_fast.model.direct_ops): the same functions, so the same numbers as through the ops. (Its one
     deliberate difference, our CPU attention kernels where they time faster, is held to the float64
-    oracle in tests/test_cpu_attention*.py; here torch's kernel runs on both paths.)"""
+    oracle in tests/cpu/test_cpu_attention*.py; here torch's kernel runs on both paths.)"""
     _torch_implementation(monkeypatch)
     monkeypatch.setenv("BERT_FAST_CPU_ATTENTION", "0")
     from bert_fast.model import direct_ops

@@ -1,5 +1,5 @@
 """bert_fast against transformers, output by output: what the fresh-process tests and the
-differential fuzzer share (tests/test_fresh_process_outputs.py, tests/dropin_fuzz.py).
+differential fuzzer share (tests/dropin/test_fresh_process_outputs.py, tests/dropin/dropin_fuzz.py).
 
 * ``make_config``: a tiny config of any family, with the knobs the fuzzer draws.
 * ``MODEL_CLASSES``: per family, the transformers classes ``optimize()`` converts (base + heads).

@@ -779,7 +779,7 @@ def test_configs_fit_shared_memory(arch, smem):
 def _compile_offline(arch, smem, mode):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT, str(arch), str(smem), "64,128", mode],

@@ -1,7 +1,7 @@
 """CPU low precision through optimize() (issue #25): bf16 on real weights (plain, frozen, heads,
 sentence-transformers), int8 behind its accuracy guard, and a clear word for every precision a
 CPU would run slowly. The ops' bf16 forwards against the float64 oracle (the 2x rule) are in
-tests/test_cpu_path.py; frozen bf16 against plain bf16 in tests/test_freeze.py."""
+tests/cpu/test_cpu_path.py; frozen bf16 against plain bf16 in tests/model/test_freeze.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def cpu_path(monkeypatch):
 def int8_numerics_whatever_its_speed(monkeypatch):
     """These tests hold int8's numbers and its accuracy guard, which must be right on every CPU, also
     where its speed check refuses int8 (CPUs without VNNI: there torch's int8 GEMM is a slow loop,
-    still correct). The speed check itself is tested in tests/test_int8_speed.py."""
+    still correct). The speed check itself is tested in tests/cpu/test_int8_speed.py."""
     from bert_fast.model import int8_speed
 
     monkeypatch.setattr(int8_speed.Int8Speed, "faster", property(lambda self: True))

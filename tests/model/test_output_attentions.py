@@ -19,7 +19,7 @@ from bert_fast.model import compat
 from bert_fast.testing import distilbert_config, pick_test_device
 
 DEVICE = pick_test_device()
-ATOL = 2e-5 if DEVICE.type == "cpu" else 1e-4  # tests/test_families.py's fp32 parity bands
+ATOL = 2e-5 if DEVICE.type == "cpu" else 1e-4  # tests/model/test_families.py's fp32 parity bands
 PAD = 1  # RoBERTa's pad_token_id
 
 BASE = {

@@ -251,7 +251,7 @@ def test_tune_linear_dispatch_merges_a_partial_run():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ops" / "tune_linear_dispatch.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ops" / "tune_linear_dispatch.py"
     spec = importlib.util.spec_from_file_location("tune_linear_dispatch", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

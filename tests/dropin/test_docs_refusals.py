@@ -3,7 +3,7 @@
 Each row of the table (between ``<!-- refusals:start -->`` and ``<!-- refusals:end -->``) has a
 trigger here: the call it describes, which must raise the documented exception with the documented
 words in its message. A row without a trigger, or a trigger without a row, fails; so does a refusal
-class of the differential fuzzer (tests/dropin_diff.REFUSALS) that no documented row raises. Rows
+class of the differential fuzzer (tests/dropin/dropin_diff.REFUSALS) that no documented row raises. Rows
 that depend on the installed transformers ("where transformers honours it") must answer where it
 does not.
 """
@@ -21,7 +21,7 @@ from dropin_diff import PREFIX, REFUSALS, make_config
 import bert_fast
 from bert_fast.model import compat
 
-DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "models.md")
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "models.md")
 IDS = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]])
 NOT_HERE = object()  # a trigger's answer where the installed transformers makes the row not apply
 
@@ -143,7 +143,7 @@ def test_every_refusal_the_fuzzer_accepts_is_documented():
     messages = [str(e) for e in map(_raised, TRIGGERS) if isinstance(e, BaseException)]
     for reason, pattern in REFUSALS.items():
         if reason.startswith("int8 slower"):
-            continue  # machine-dependent: docs/cpu-inference.md, tests/test_int8_speed.py
+            continue  # machine-dependent: docs/cpu-inference.md, tests/cpu/test_int8_speed.py
         if (
             reason == "mask form transformers reads otherwise"
             and _raised(

@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(cpu_isa._ext is None, reason="bert_fast._C was built without the run-time ISA check"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # One process per cap: what each native pass runs, and answers to compare across caps.
 PROBE = r"""

@@ -68,7 +68,7 @@ def test_non_contiguous_qkv():
     assert_close_2x(out, _oracle(q, k, v, None, scale, torch.float64), _torch_bf16(q, k, v, None, scale))
 
 
-# The checks that are the same in bf16 and fp32 (tests/test_cpu_attention_f32.py runs them too, with its
+# The checks that are the same in bf16 and fp32 (tests/cpu/test_cpu_attention_f32.py runs them too, with its
 # own _qkv). VARLEN_CASES' second packs (12 heads x 64 dims, ~1,200 token rows) take several of the
 # kernel's 2 MiB chunks: sequences packed in different chunks must not change a value.
 VARLEN_CASES = [([5, 1, 17, 64, 33], 3, 32), ([130, 7, 200, 16, 255, 129, 31, 190, 240], 12, 64)]

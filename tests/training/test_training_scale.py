@@ -4,7 +4,7 @@ DDP and FSDP2, and bf16-pure's fp32 master weights.
 
 Every distributed run uses gloo and the reference backend (the point is the distributed and
 precision logic, not kernels); tiny model, 5 steps. Loss tolerances: fp32 runs that only differ in
-reduction order agree to 2e-5 (as tests/test_training.py); a bf16 run follows DESIGN.md's
+reduction order agree to 2e-5 (as tests/training/test_training.py); a bf16 run follows DESIGN.md's
 tolerance rule: its distance to the fp32 oracle is at most 2x that of plain bf16 autocast on one
 process, plus a small floor.
 """

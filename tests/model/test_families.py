@@ -441,7 +441,7 @@ def test_unsupported_models_are_named_in_the_type_error(name):
 # ----------------------------------------------------------------------------- the same guarantees as BERT
 def test_a_changed_roberta_module_is_a_warned_fallback(monkeypatch, fresh_probes):
     """transformers changes RobertaSelfOutput.forward: optimize() and the constructor warn and the
-    model keeps transformers' forward (as for BertModel, tests/test_compat.py)."""
+    model keeps transformers' forward (as for BertModel, tests/dropin/test_compat.py)."""
     from transformers.models.roberta import modeling_roberta
 
     original = modeling_roberta.RobertaSelfOutput.forward

@@ -1,10 +1,10 @@
-"""The differential fuzzer of the drop-in (tests/dropin_fuzz.py), one new process per family.
+"""The differential fuzzer of the drop-in (tests/dropin/dropin_fuzz.py), one new process per family.
 
 In the suite: a fixed seed and a bounded number of cases per family (BERT_FAST_FUZZ_EXAMPLES,
 default 60; BERT_FAST_FUZZ_SEED, default 0), each family within BERT_FAST_FUZZ_BUDGET_S seconds
 of cases (default 90). A longer run on demand, e.g. 2,000+ cases:
-    BERT_FAST_FUZZ_EXAMPLES=500 BERT_FAST_FUZZ_SEED=7 python -m pytest tests/test_dropin_fuzz.py -s
-or ``python tests/dropin_fuzz.py --examples 500 --seed 7``. Each family prints its report: how
+    BERT_FAST_FUZZ_EXAMPLES=500 BERT_FAST_FUZZ_SEED=7 python -m pytest tests/dropin/test_dropin_fuzz.py -s
+or ``python tests/dropin/dropin_fuzz.py --examples 500 --seed 7``. Each family prints its report: how
 many cases ran, how many were answered (and with what), and the refusals by reason.
 """
 

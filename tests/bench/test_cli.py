@@ -22,7 +22,7 @@ from bert_fast.bench.op_case import OpCase
 from bert_fast.model import facts
 from bert_fast.testing import tiny_bert_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # The JSON schema is declared once, in bert_fast/bench/results.py (its key constants and
@@ -65,7 +65,7 @@ def test_parser_subcommands_and_defaults():
 
 
 def test_cpu_defaults_measure_real_models_not_a_toy():
-    """(tests/test_bench_cpu.py checks the whole CPU suite.)"""
+    """(tests/bench/test_bench_cpu.py checks the whole CPU suite.)"""
     args = cli.build_parser().parse_args(["bench", "--device", "cpu"])
     device, notes = model_bench.apply_defaults(args)
     assert device.type == "cpu" and "tiny" not in args.model and args.dtype == "fp32"
@@ -600,7 +600,7 @@ def test_pytest_counts_parse_xdist_output():
     log = (
         "created: 4/4 workers\n4 workers [812 items]\n\n...s..F. [  8%]\n"
         "[gw2] node down: Not properly terminated\nreplacing crashed worker gw2\n"
-        "SKIPPED [2] tests/test_attention.py:554: needs 2 passed GPUs\n"
+        "SKIPPED [2] tests/ops/test_attention.py:554: needs 2 passed GPUs\n"
         "1 failed, 800 passed, 11 skipped, 2 warnings in 312.54s (0:05:12)\n"
     )
     c = parse_pytest_counts(log)

@@ -289,7 +289,7 @@ def test_pytest_benchmark_suites_measure_interleaved_on_toy_cases():
 
     import torch
 
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
 
     def load(rel):
         path = root / f"{rel}.py"

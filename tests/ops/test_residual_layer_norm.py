@@ -393,7 +393,7 @@ def test_bad_inputs(device):
 @pytest.mark.no_kernels("offline sm_80/sm_90 compile in a subprocess")
 def test_kernels_compile_for_sm90_sm80():
     """Compile fwd/bwd (dropout on/off, every dtype) and the mask kernel for sm_90 and sm_80 without
-    a GPU and without the interpreter (see tests/test_bias_gelu.py::run_offline_compile)."""
+    a GPU and without the interpreter (see tests/ops/test_bias_gelu.py::run_offline_compile)."""
     from test_bias_gelu import run_offline_compile
 
     rows = run_offline_compile(r"""

@@ -631,7 +631,7 @@ _PLANT = """
 
 
 def test_strict_mode_keeps_kernel_bugs_visible_to_the_parity_tests(tmp_path):
-    """A kernel bug planted under tests/test_bias_gelu.py's parity test: with the default
+    """A kernel bug planted under tests/ops/test_bias_gelu.py's parity test: with the default
     BERT_FAST_VERIFY=first the op quietly returns the torch implementation's result and the parity
     test passes (the bug is hidden); with strict, the mode the test session runs in, it fails."""
     (tmp_path / "plant_bias_gelu.py").write_text(textwrap.dedent(_PLANT))
@@ -659,7 +659,7 @@ def test_strict_mode_keeps_kernel_bugs_visible_to_the_parity_tests(tmp_path):
                 "-k",
                 "test_bias_gelu_2x and none-7-312",
             ],
-            cwd=tests_dir.parent,
+            cwd=tests_dir.parents[1],
             env=env,
             capture_output=True,
             text=True,

@@ -147,7 +147,7 @@ def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
 
     from bert_fast.bench import results
 
-    script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh").read_text()
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh").read_text()
     lease, full = _plans(script)
     order = [full.index(f"run_stage {name} ") for name in ("doctor", "tests", "tune-dispatch", "bench-dense")]
     assert order == sorted(order)

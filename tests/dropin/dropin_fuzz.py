@@ -10,16 +10,16 @@ token_type_ids, position_ids, inputs_embeds, head_mask where transformers takes 
 
 Every case must end one of two ways:
   answered: the same outputs as transformers (structure and values by the 2x rule against
-            transformers in float64, at the positions bert_fast promises: tests/dropin_diff.py),
+            transformers in float64, at the positions bert_fast promises: tests/dropin/dropin_diff.py),
             and where it trains, the same gradients;
-  refused:  a clear error (tests/dropin_diff.REFUSALS) raised before any output; or transformers
+  refused:  a clear error (tests/dropin/dropin_diff.REFUSALS) raised before any output; or transformers
             refuses the same call and so does bert_fast.
 Anything else fails: a None where transformers gives a value, a missing field, another shape or
 number, a crash.
 
-Run by tests/test_dropin_fuzz.py (one process per family, a fixed seed, a bounded number of
+Run by tests/dropin/test_dropin_fuzz.py (one process per family, a fixed seed, a bounded number of
 cases), or longer on demand:
-    python tests/dropin_fuzz.py --examples 400 --seed 1 [--family bert ...]
+    python tests/dropin/dropin_fuzz.py --examples 400 --seed 1 [--family bert ...]
 It prints how many cases ran, how many were answered and the refusals by reason (JSON).
 """
 

@@ -86,12 +86,14 @@ def dequantize(
             return y
         return torch._C._nn.gelu_(y, approximate=gelu).to(dtype)
     m, n = acc.shape
+    # bound here: a `.contiguous()` copy made inside the call's arguments is freed before the C++ pass reads it
+    acc, sx = acc.contiguous(), sx.contiguous()
     y = torch.empty((m, n), dtype=dtype)
     _ext.int8_dequantize(
-        acc.contiguous().data_ptr(),
+        acc.data_ptr(),
         m,
         n,
-        sx.contiguous().data_ptr(),
+        sx.data_ptr(),
         sw.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         y.data_ptr(),
@@ -137,12 +139,13 @@ def dequantize_residual_ln(
     m, n = acc.shape
     residual = residual.reshape(m, n).contiguous()
     w, b = ln_w.float().contiguous(), ln_b.float().contiguous()  # no copy for fp32 weights
+    acc, sx = acc.contiguous(), sx.contiguous()  # bound: see dequantize
     y = torch.empty((m, n), dtype=residual.dtype)
     _ext.int8_dequantize_residual_ln(
-        acc.contiguous().data_ptr(),
+        acc.data_ptr(),
         m,
         n,
-        sx.contiguous().data_ptr(),
+        sx.data_ptr(),
         sw.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         residual.data_ptr(),

@@ -213,3 +213,22 @@ def test_a_pass_split_over_threads_equals_one_thread(gelu):
     sx, sw, bias = torch.rand(m, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g)
     one, two = (native_dequantize(acc, sx, sw, bias, torch.float32, threads, gelu=gelu) for threads in (1, 2))
     assert torch.equal(one, two)
+
+
+@native
+def test_the_passes_read_non_contiguous_inputs_whole():
+    """A transposed accumulator and a strided scale: their contiguous copies must live through the C++
+    pass (made inside its argument list, they were freed before it read them)."""
+    g = torch.Generator().manual_seed(3)
+    m, n = 64, 96
+    acc = torch.randint(-(10**6), 10**6, (n, m), dtype=torch.int32, generator=g).t()
+    sx = torch.rand(m, 2, generator=g)[:, 0]
+    sw, bias = torch.rand(n, generator=g), torch.randn(n, generator=g)
+    assert not acc.is_contiguous() and not sx.is_contiguous()
+    for _ in range(3):  # allocations in between would reuse a freed copy's memory
+        y = int8_gemm.dequantize(acc, sx, sw, bias, torch.float32)
+        assert torch.equal(y, int8_gemm.dequantize_torch(acc, sx, sw, bias, torch.float32))
+    residual, w, b = torch.randn(m, n, generator=g), torch.rand(n, generator=g), torch.randn(n, generator=g)
+    y = int8_gemm.dequantize_residual_ln(acc, sx, sw, bias, residual, w, b, 1e-12)
+    ref = int8_gemm.dequantize_residual_ln_torch(acc, sx, sw, bias, residual, w, b, 1e-12)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

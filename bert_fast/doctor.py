@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from bert_fast.bench.op_case import seeded_randn
 from bert_fast.bench.op_cases import attention as attention_cases
 from bert_fast.bench.op_cases import bias_gelu as bias_gelu_cases
 from bert_fast.bench.op_cases import embedding as embedding_cases
@@ -147,12 +148,11 @@ class _Op:
         self.dims = _dims(check)
         self.p = check["dropout"]
         self.gen = torch.Generator().manual_seed(1000 + check["id"])
+        self._randn = seeded_randn(self.gen, device, self.dtype)
         self.mask = None
 
     def randn(self, *shape, scale=1.0):
-        import torch
-
-        return (torch.randn(*shape, generator=self.gen) * scale).to(self.device, self.dtype)
+        return self._randn(*shape, scale=scale)
 
 
 class _Linear(_Op):

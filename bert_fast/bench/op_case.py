@@ -8,7 +8,8 @@ backward case the factory runs the forward itself and the timed callable is the 
 
 Each op module also defines ``sample_inputs(...)``: the named tensors of one call of the op at a
 shape, from a ``randn(*shape, scale=1.0)`` it is given. The same definition feeds the bench's
-factories (``device_randn``: fresh values) and ``bert-fast doctor``'s checks (values seeded per check).
+factories (``device_randn``: fresh values), ``bert-fast doctor``'s checks and the op's tests in
+tests/ops (``seeded_randn``: values drawn on the CPU from a seeded generator, the same on any device).
 
 A provider that cannot run on the device or build at hand is not a failure: ``cases()`` names it
 in ``OpCase.unavailable`` with a one-line reason when that is known up front (say a cuBLAS path on
@@ -66,6 +67,20 @@ def device_randn(device, dtype) -> Callable[..., Any]:
     def randn(*shape, scale=1.0):
         x = torch.randn(*shape, device=device, dtype=dtype)
         return x if scale == 1.0 else x * scale
+
+    return randn
+
+
+def seeded_randn(generator, device, dtype) -> Callable[..., Any]:
+    """The ``randn(*shape, scale=1.0)`` of the doctor's and the tests' inputs: values drawn on the CPU
+    from ``generator`` (a torch.Generator, or an int seed for a new one), then moved to ``device`` and
+    cast to ``dtype``, so a seed gives the same inputs on the CPU and on a GPU."""
+    import torch
+
+    gen = torch.Generator().manual_seed(generator) if isinstance(generator, int) else generator
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
 
     return randn
 

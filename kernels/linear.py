@@ -444,6 +444,23 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias, activation=None, sav
     return y, z
 
 
+def linear_fwd_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int):
+    """The partial products [split_k, M, N] (fp32; fp64 for fp64) of x [M, K] @ weight[N, K]^T over
+    split_k K-slices, for an epilogue the next kernel applies (a GEMM at small M that fills the GPU:
+    linear_tma.forward_splits); None where the TMA kernel does not take these operands."""
+    _check_2d("x", x)
+    _check_2d("weight", weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    part = torch.empty((split_k, M, N), device=x.device, dtype=linear_tma.partial_dtype(x.dtype))
+    b = weight.t()
+    views = linear_tma.tma_views(x, b, part[0])
+    if views is None or M == 0 or N == 0 or K == 0:
+        return None
+    linear_tma.partials(x, b, part, views, m_bucket(M), _dot_precision(x.dtype), _acc_dtype(x.dtype))
+    return part
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, kind: int = KIND_OTHER) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> contiguous [M, N] in a's dtype, any strides of a and b, fp32 accumulate."""
     _check_2d("a", a)

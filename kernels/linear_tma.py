@@ -43,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import interpreting as _interpreting
 from ._device import loop_bound, smem_per_block
-from ._linear_common import KIND_DW, GemmCall, _act_fwd, _column_slabs, _dot_acc, _prune_configs, _tile_coords
+from ._linear_common import KIND_DW, KIND_FWD, GemmCall, _act_fwd, _column_slabs, _dot_acc, _prune_configs, _tile_coords
 from .tuned_configs import TunedConfigs
 
 _ENV = "BERT_FAST_GEMM_TMA"
@@ -81,8 +81,10 @@ def _configs():
     the halved staging box is what lets 128x256 run 4 stages deep."""
     if _interpreting():
         return [_cfg(32, 32, 32, 4, 1, split=2)]
-    if os.environ.get("BERT_FAST_AUTOTUNE", "1") == "0":
-        return [_cfg(128, 128, 64, 8, 3, split=2)]
+    if _fixed():
+        # one tile per GEMM, no sweep: the large one, or at small M (see _prune) 64x64, which gives
+        # BERT-base's 128-token GEMMs 24-96 tiles for 132 SMs where 128x128 gives 6-24
+        return [_cfg(128, 128, 64, 8, 3, split=2), _cfg(64, 64, 64, 4, 4)]
     return [
         _cfg(128, 256, 64, 8, 4, split=2),
         _cfg(128, 256, 64, 8, 3, split=2),
@@ -109,9 +111,19 @@ def fits_shared_memory(cfg: triton.Config, split_k: int) -> bool:
     return ring + box + 1024 <= _SMEM_LIMIT
 
 
+def _fixed() -> bool:
+    """BERT_FAST_AUTOTUNE=0: fixed tiles, no autotune sweep (runs that visit many shapes once)."""
+    return os.environ.get("BERT_FAST_AUTOTUNE", "1") == "0"
+
+
+SMALL_M = 256  # M_BUCKET up to which the fixed choice is the 64x64 tile
+
+
 def _prune(configs, named_args, **kwargs):
     """_prune_configs' small-M rule, and under split-K the tiles whose fp32 staging box no longer
-    fits (128x256 at 4 stages: 262 KB)."""
+    fits (128x256 at 4 stages: 262 KB). Fixed tiles (BERT_FAST_AUTOTUNE=0): exactly one, by M."""
+    if _fixed() and len(configs) == 2:
+        return configs[1:] if named_args.get("M_BUCKET", 1 << 30) <= SMALL_M else configs[:1]
     split_k = kwargs.get("SPLIT_K", 1)
     kept = [c for c in _prune_configs(configs, named_args, **kwargs) if fits_shared_memory(c, split_k)]
     return kept or configs[-1:]
@@ -479,8 +491,37 @@ def _split_k(kind: int, M: int, N: int, K: int, num_sms: int) -> int:
     return max(1, min(num_sms // tiles, 8, K // 2048))
 
 
-def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype, views):
-    """y (and z) = epilogue(a @ b) through TMA; ``views`` = tma_views(a, b, y), not None."""
+def forward_splits(M: int, N: int, K: int, device: torch.device) -> int:
+    """K-slices for a forward GEMM at small M whose epilogue another kernel applies to the fp32
+    partials (kernels/residual_layer_norm.py, partials_residual_layer_norm_fwd): 1 where its
+    64 x 64 tiles already fill half the SMs, else enough slices to fill them, each >= 256 of K, at
+    most 8. BERT-base at 128 tokens: the attention output (N = K = 768) 3 slices (72 units), the
+    FFN down-projection (K = 3072) 5 (120 units), on 132 SMs."""
+    num_sms = _num_sms(device)
+    tiles = triton.cdiv(M, 64) * triton.cdiv(N, 64)
+    if tiles == 0 or 2 * tiles > num_sms:
+        return 1
+    return max(1, min(num_sms // tiles, K // 256, 8))
+
+
+def partials(a, b, part, views, m_bucket_: int, dot_precision: str, acc_dtype) -> None:
+    """part [S, M, N] (fp32, contiguous) = the partial products of a [M, K] @ b [K, N] over S
+    K-slices (slice s: K-tiles s * ceil(tiles / S) onwards), no epilogue; ``views`` =
+    tma_views(a, b, part[0])."""
+    y = part[0]  # stands in for the output: the descriptors and the key read its dtype only
+    launch(a, b, y, None, None, 0, KIND_FWD, m_bucket_, a.shape[1], dot_precision, acc_dtype, views, part)
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of split-K partial sums of ``dtype`` operands: fp32 (fp64 for fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def launch(
+    a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_precision, acc_dtype, views, workspace=None
+):
+    """y (and z) = epilogue(a @ b) through TMA; ``views`` = tma_views(a, b, y), not None. With a
+    ``workspace`` [S, M, N] the S K-slices' fp32 partials go there instead (no epilogue, y unused)."""
     M, K = a.shape
     N = b.shape[1]
     num_sms = _num_sms(a.device)
@@ -490,10 +531,11 @@ def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_pre
     # block shapes are placeholders: the config's pre-hook sets the real ones
     a_desc = TensorDescriptor(a, a_shape, a_strides, [16, 16])
     b_desc = TensorDescriptor(b, b_shape, b_strides, [16, 16])
-    if split_k > 1:
-        part = torch.empty(
-            (split_k, M, N), device=y.device, dtype=torch.float64 if y.dtype == torch.float64 else torch.float32
-        )
+    part = workspace
+    if part is None and split_k > 1:
+        part = torch.empty((split_k, M, N), device=y.device, dtype=partial_dtype(y.dtype))
+    if part is not None:
+        split_k = part.shape[0]
         y_desc = TensorDescriptor(part, [split_k, M, N], [M * N, N, 1], [1, 16, 16])
     else:
         y_desc = TensorDescriptor(y, [M, N], [y.stride(0), 1], [16, 16])
@@ -517,5 +559,5 @@ def launch(a, b, y, z, bias, activation_code, kind, m_bucket_, k_bucket, dot_pre
         b_t,
     )
     _TUNED.launch(grid, a.device, key, args, **meta)
-    if split_k > 1:
+    if part is not None and workspace is None:
         y.copy_(part.sum(dim=0))  # torch's reduction: fixed order, fp32, no atomics

@@ -94,7 +94,14 @@ def _residual_layer_norm_fwd_kernel(
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, rows, 0, N, dropout_p, BLOCK_M, BLOCK_N)
         x = tl.where(keep, x * dropout_scale, 0.0)
-    h = x + r
+    _layer_norm_store(x + r, rows, cols, rmask, cmask, W, B, Y, MEAN, RSTD, N, stride_ym, eps, COMPUTE)
+
+
+@triton.jit
+def _layer_norm_store(h, rows, cols, rmask, cmask, W, B, Y, MEAN, RSTD, N, stride_ym, eps, COMPUTE: tl.constexpr):
+    """Y[rows] = LayerNorm(h) * W + B over the N columns (h [BLOCK_M, BLOCK_N], zero where masked),
+    and each row's mean and rstd."""
+    mask = rmask[:, None] & cmask[None, :]
     mean = tl.sum(h, axis=1) / N
     d = tl.where(mask, h - mean[:, None], 0.0)
     var = tl.sum(d * d, axis=1) / N
@@ -105,6 +112,44 @@ def _residual_layer_norm_fwd_kernel(
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + rows, mean.to(MEAN.dtype.element_ty), mask=rmask)
     tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _partials_residual_layer_norm_kernel(
+    P,
+    XB,
+    R,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_rm,
+    stride_ym,
+    eps,
+    SLICES: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Y = LayerNorm(sum_s P[s] + XB + R) * W + B: the epilogue of a split-K GEMM (P: its SLICES fp32
+    partials [SLICES, M, N], contiguous, summed in slice order; XB: its bias [N]) with the residual
+    add and the LayerNorm of a BERT output projection (inference: no dropout)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    x = tl.load(P + offs, mask=mask, other=0.0).to(COMPUTE)
+    for s in tl.static_range(1, SLICES):
+        x += tl.load(P + s * tl.cast(M, tl.int64) * N + offs, mask=mask, other=0.0).to(COMPUTE)
+    x += tl.load(XB + cols, mask=cmask, other=0.0).to(COMPUTE)[None, :]
+    r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+    _layer_norm_store(x + r, rows, cols, rmask, cmask, W, B, Y, MEAN, RSTD, N, stride_ym, eps, COMPUTE)
 
 
 @triton.jit
@@ -280,6 +325,44 @@ def residual_layer_norm_fwd(
         seed,
         HAS_DROPOUT=has_dropout,
         COMPUTE=_compute(x2d.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return y, mean, rstd
+
+
+def partials_residual_layer_norm_fwd(part, x_bias, res2d, weight, bias, eps: float):
+    """(y, mean, rstd): y = LayerNorm(part.sum(0) + x_bias + res2d) for a split-K GEMM's fp32
+    partials ``part`` [S, M, N] and its bias ``x_bias`` [N] (kernels/linear.py, linear_fwd_partials);
+    y contiguous [M, N] in res2d's dtype, mean and rstd [M] fp32 (fp64 for fp64)."""
+    _check_2d(res2d, res2d, weight, bias, extra=(("x_bias", x_bias),))
+    S, M, N = part.shape
+    if (M, N) != tuple(res2d.shape) or tuple(x_bias.shape) != (N,) or not part.is_contiguous():
+        raise ValueError(f"partials {tuple(part.shape)} must be contiguous [S, M, N] over res2d {tuple(res2d.shape)}")
+    y = torch.empty((M, N), dtype=res2d.dtype, device=res2d.device)
+    mean = torch.zeros((M,), dtype=_stat_dtype(res2d.dtype), device=res2d.device)
+    rstd = torch.zeros((M,), dtype=_stat_dtype(res2d.dtype), device=res2d.device)
+    if M == 0 or N == 0:
+        return y, mean, rstd
+    res2d = _row_contiguous(res2d)
+    block_m, block_n, num_warps = _config(N)
+    _partials_residual_layer_norm_kernel[(triton.cdiv(M, block_m),)](
+        part,
+        x_bias.contiguous(),
+        res2d,
+        weight.contiguous(),
+        bias.contiguous(),
+        y,
+        mean,
+        rstd,
+        M,
+        N,
+        res2d.stride(0),
+        y.stride(0),
+        float(eps),
+        SLICES=S,
+        COMPUTE=_compute(res2d.dtype),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,

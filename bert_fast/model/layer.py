@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from bert_fast import ops
-from bert_fast.model import compat, direct_ops, frozen, int8
+from bert_fast.model import compat, direct_ops, dropin, frozen, int8
 from bert_fast.model.gemms import ModuleGemms, cast
 from bert_fast.model.padding import Unpadded
 
@@ -230,6 +230,14 @@ def _gemm_residual_ln(
         y = fused(x, residual, ln.weight, ln.bias, ln.eps)
         if y is not None:
             return y
+    if o is ops and not training and isinstance(getattr(gemm, "__self__", None), ModuleGemms):
+        # The module's own weights on the kernel path: one op, which at small M splits the GEMM
+        # over K to fill the GPU and sums the slices inside the LayerNorm kernel
+        # (ops/linear_residual_layer_norm.py); elsewhere the same two ops as below.
+        lin, ln = dropin.linear_terms(out_module.dense), out_module.LayerNorm
+        if not lin.lora:
+            w, b, lw, lb = (cast(t, dtype) for t in (lin.weight, lin.bias, ln.weight, ln.bias))
+            return ops.linear_residual_layer_norm(x, w, b, residual, lw, lb, ln.eps)
     y = gemm(x, out_dtype=dtype) if int8.is_int8_linear(gemm) else gemm(x)
     return _residual_ln(o, cast(y, dtype), residual, out_module, dtype, training)
 

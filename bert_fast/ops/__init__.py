@@ -10,6 +10,7 @@ from bert_fast.ops.attention import attention, varlen_attention
 from bert_fast.ops.bias_gelu import bias_gelu
 from bert_fast.ops.embedding import embedding_dropout_mask, embedding_layer_norm
 from bert_fast.ops.linear import linear
+from bert_fast.ops.linear_residual_layer_norm import linear_residual_layer_norm
 from bert_fast.ops.residual_layer_norm import residual_layer_norm, residual_layer_norm_dropout_mask
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "embedding_dropout_mask",
     "embedding_layer_norm",
     "linear",
+    "linear_residual_layer_norm",
     "residual_layer_norm",
     "residual_layer_norm_dropout_mask",
     "varlen_attention",

@@ -181,6 +181,12 @@ SOURCES = {
     ),
     "bias_gelu": ("bert_fast.kernels.bias_gelu", "bert_fast.ops.bias_gelu"),
     "residual_layer_norm": ("bert_fast.kernels.residual_layer_norm", "bert_fast.ops.residual_layer_norm"),
+    "linear_residual_layer_norm": (
+        "bert_fast.kernels.linear",
+        "bert_fast.kernels.linear_tma",
+        "bert_fast.kernels.residual_layer_norm",
+        "bert_fast.ops.linear_residual_layer_norm",
+    ),
     "attention": ("bert_fast.kernels.attention", "bert_fast.kernels._device", "bert_fast.ops.attention"),
     "embedding": ("bert_fast._C", "bert_fast.ops.embedding"),
 }

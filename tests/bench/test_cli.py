@@ -115,13 +115,21 @@ def test_bench_ops_default_providers_exit_0_on_the_cpu(tmp_path, monkeypatch, ca
     providers that cannot run here (torch-sdpa-efficient: "No viable backend for
     scaled_dot_product_attention"; the GPU-only linear backends) are skipped with a one-line reason
     and the command exits 0 (it exited 1)."""
-    from bert_fast.bench.op_cases import attention, bias_gelu, embedding, linear, residual_layer_norm
+    from bert_fast.bench.op_cases import (
+        attention,
+        bias_gelu,
+        embedding,
+        linear,
+        linear_residual_layer_norm,
+        residual_layer_norm,
+    )
 
     for mod, values in (
         (attention, dict(TOKENS=64, SEQLENS=(32,), PADDED_SEQLEN=32, HEADS=2, HEAD_DIM=16)),
         (linear, dict(HIDDEN=(32,), TOKENS=(16,))),
         (bias_gelu, dict(HIDDEN=(32,), TOKENS=(16,))),
         (residual_layer_norm, dict(HIDDEN=(32,), TOKENS=(16,))),
+        (linear_residual_layer_norm, dict(HIDDEN=(32,), TOKENS=(16,))),
         (embedding, dict(TOKENS=64, SEQ=32, HIDDEN=(32,), VOCAB=100)),
     ):
         for name, value in values.items():
@@ -132,7 +140,14 @@ def test_bench_ops_default_providers_exit_0_on_the_cpu(tmp_path, monkeypatch, ca
     assert rc == 0, captured.err[-3000:]
     doc = json.loads(out_json.read_text())
     status = {(c["op"], r["provider"]): (r["status"], r["error"]) for c in doc["cases"] for r in c["results"]}
-    assert set(op for op, _ in status) == {"embedding", "linear", "bias_gelu", "residual_layer_norm", "attention"}
+    assert set(op for op, _ in status) == {
+        "embedding",
+        "linear",
+        "bias_gelu",
+        "residual_layer_norm",
+        "linear_residual_layer_norm",
+        "attention",
+    }
     st, why = status[("attention", "torch-sdpa-efficient")]
     assert st == "skipped" and "No viable backend" in why and "\n" not in why
     assert status[("linear", "bert_fast-cublas")] == ("skipped", "cuBLAS needs a CUDA GPU")

@@ -76,8 +76,9 @@ def test_two_ops_elsewhere(device, tma, monkeypatch, case):
     """Training, dropout, BERT_FAST_GEMM_LN=0 and an M whose tiles fill the GPU run linear then
     residual_layer_norm: bit for bit what calling the two ops gives."""
     monkeypatch.setattr(linear_tma, "partials", lambda *a: pytest.fail("the split-K path ran"))
-    m = 300 if case == "large_m" else 16  # 300 rows: 5 x 1 tiles of 64 fill 4 "SMs"
-    x, w, b, r, lw, lb = _inputs(m, 64, 520, device, torch.float32, seed=7)
+    # tiles of 64 x 64 that fill half the SMs: 5 for the interpreter's 4, 70 for an H100's 132
+    m = (300 if device.type == "cpu" else 4480) if case == "large_m" else 16
+    x, w, b, r, lw, lb = _inputs(m, 64, 520, device, DTYPES[0], seed=7)
     p = 0.1 if case == "dropout" else 0.0
     if case == "env_off":
         monkeypatch.setenv("BERT_FAST_GEMM_LN", "0")
@@ -107,7 +108,7 @@ def test_model_runs_it_for_its_output_projections(device, tma, monkeypatch):
     ids = torch.randint(1, 101, (1, 16), device=device)
     with torch.no_grad():
         ref64 = hf.double()(ids).last_hidden_state
-        model = bert_fast.optimize(hf.float())
+        model = bert_fast.optimize(hf.to(DTYPES[0]))  # fp32 in the interpreter; fp16 on a GPU (TMA)
         monkeypatch.setenv("BERT_FAST_GEMM_LN", "0")
         unfused = model(ids).last_hidden_state
         monkeypatch.delenv("BERT_FAST_GEMM_LN")

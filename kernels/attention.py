@@ -956,9 +956,23 @@ def _launch(kernel, tuned, launch: _Launch, qkv: torch.Tensor) -> None:
     if _autotuning(qkv):
         tuned[launch.grid](*launch.args, **launch.meta)
     else:
-        meta = launch.meta
-        cfg = _configs(launch.kind, meta["BLOCK_D"], qkv.dtype, qkv.device, meta["HAS_DROPOUT"])
-        kernel[launch.grid(cfg)](*launch.args, **meta, **cfg)
+        cfg = _fixed_config(launch, qkv)
+        kernel[launch.grid(cfg)](*launch.args, **launch.meta, **cfg)
+
+
+def _fixed_config(launch: _Launch, qkv: torch.Tensor) -> dict:
+    """_configs' choice for this launch; for a forward whose 128-row query tiles would leave more
+    than half the SMs idle (batch 1 at 128 tokens: 12 heads x 1 tile = 12 CTAs on 132 SMs), 64-row
+    tiles on 4 warps instead, twice the CTAs (a _TUNE_SPACE tile, compiled offline for sm_80/sm_90)."""
+    meta = launch.meta
+    cfg = _configs(launch.kind, meta["BLOCK_D"], qkv.dtype, qkv.device, meta["HAS_DROPOUT"])
+    if launch.kind == "fwd" and cfg["BLOCK_M"] == 128 and 2 * launch.grid(cfg)[0] < _num_sms(qkv.device):
+        cfg = dict(cfg, BLOCK_M=64, num_warps=4)
+    return cfg
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 # ----------------------------------------------------------------------------- launchers

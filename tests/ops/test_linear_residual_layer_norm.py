@@ -157,17 +157,6 @@ for cc in (90, 80):
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, f"{cubin.stem}: register spills"
 
 
-@pytest.mark.no_kernels("the fixed tile choice: no launch")
-def test_fixed_tiles_take_64x64_at_small_m(monkeypatch):
-    """BERT_FAST_AUTOTUNE=0 (a GPU lease's benchmarks) keeps exactly one tile: 64 x 64 up to 256
-    rows, so that a 128-token GEMM has 24-96 tiles (and split-K fills the rest), 128 x 128 above."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("BERT_FAST_AUTOTUNE", "0")
-    configs = linear_tma._configs()
-    tile = lambda m: [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in linear_tma._prune(configs, {"M_BUCKET": m})]
-    assert tile(128) == tile(256) == [(64, 64)] and tile(512) == tile(16384) == [(128, 128)]
-
-
 @pytest.mark.no_kernels("offline sm_90 compile in a subprocess")
 def test_forward_split_gemm_compiles_to_tma_wgmma_without_spills(tmp_path):
     """The forward GEMM writing fp32 K-slice partials (x row-major, W stored [N, K]), at the fixed

@@ -19,6 +19,8 @@ import torch
 import torch.utils.checkpoint
 
 from bert_fast import reference
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import attention as attention_cases
 from bert_fast.ops import _dispatch, attention, varlen_attention
 from bert_fast.testing import assert_close_2x, dtypes_for, philox4x32_10, pick_test_device, uint32_to_uniform_float
 
@@ -37,12 +39,21 @@ else:  # interpreter: every length and a subset of head dims (26 and 80 included
     SHAPES = [(1, 64), (17, 26), (97, 80), (129, 16), (257, 40), (64, 128), (33, 48), (40, 96)]
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+def _padded(seed, b, s, h, d, device, dtype, scale=1.0, keep=0.7, empty_row=None):
+    """A padded call's qkv [B, S, 3, h, d] (attention_cases.sample_inputs), a cotangent dout
+    [B, S, h, d] and a random key mask (_random_key_mask), all from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    randn = seeded_randn(g, device, dtype)
+    qkv, _ = attention_cases.sample_inputs([s] * b, s, h, d, randn, device, varlen=False, scale=scale)
+    return qkv, randn(b, s, h, d), _random_key_mask(b, s, g, device, keep, empty_row)
 
 
-def _rand(shape, g, device, dtype, scale=1.0):
-    return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype)
+def _varlen(seed, lengths, h, d, device, dtype):
+    """A varlen call's qkv [T, 3, h, d] and cu_seqlens (attention_cases.sample_inputs) and a
+    cotangent dout [T, h, d], from one seed."""
+    randn = seeded_randn(seed, device, dtype)
+    qkv, cu = attention_cases.sample_inputs(lengths, max(lengths), h, d, randn, device, varlen=True)
+    return qkv, cu, randn(sum(lengths), h, d)
 
 
 def _fwd_bwd(fn, qkv, dout, *args, **kwargs):
@@ -54,6 +65,7 @@ def _fwd_bwd(fn, qkv, dout, *args, **kwargs):
 
 
 def _random_key_mask(b, s, g, device, keep=0.7, empty_row=None):
+    """Keys kept at random (not a prefix: holes anywhere), key 0 of row 0 always, row ``empty_row`` none."""
     m = torch.rand(b, s, generator=g) < keep
     m[0, 0] = True
     if empty_row is not None:
@@ -81,19 +93,13 @@ def _check_padded(qkv, mask, dout, dropout_p=0.0, scale=None, name=""):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("s,d", SHAPES)
 def test_attention_2x_key_padding(device, s, d, dtype):
-    g = _gen(1000 * s + d)
-    b, h = 2, 2
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, empty_row=1 if s % 2 else None)
+    qkv, dout, mask = _padded(1000 * s + d, 2, s, 2, d, device, dtype, empty_row=1 if s % 2 else None)
     _check_padded(qkv, mask, dout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_no_mask_and_scale(device, dtype):
-    g = _gen(7)
-    qkv = _rand((2, 65, 3, 3, 32), g, device, dtype)
-    dout = _rand((2, 65, 3, 32), g, device, dtype)
+    qkv, dout, _ = _padded(7, 2, 65, 3, 32, device, dtype)
     _check_padded(qkv, None, dout)
     _check_padded(qkv, None, dout, scale=0.3, name=" (scale 0.3)")
 
@@ -104,21 +110,13 @@ def test_attention_zero_and_negative_scale(device, scale):
     c > 0); zero and negative scales take the other path: a zero scale is uniform attention over
     the kept keys (no NaN from -inf * 0 at the masked ones), a negative one favours the lowest
     scores. Key padding with a fully masked row, 70 keys: a full block and a tail block."""
-    g = _gen(71)
-    b, s, h, d = 2, 70, 2, 32
-    qkv = _rand((b, s, 3, h, d), g, device, DTYPES[-1])
-    dout = _rand((b, s, h, d), g, device, DTYPES[-1])
-    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    qkv, dout, mask = _padded(71, 2, 70, 2, 32, device, DTYPES[-1], empty_row=1)
     out, _ = _check_padded(qkv, mask, dout, scale=scale, name=f" (scale {scale})")
     assert torch.isfinite(out).all()
 
 
 def test_attention_fully_masked_row(device):
-    g = _gen(3)
-    b, s, h, d = 3, 40, 2, 32
-    qkv = _rand((b, s, 3, h, d), g, device, torch.float32, scale=3.0)
-    dout = _rand((b, s, h, d), g, device, torch.float32)
-    mask = _random_key_mask(b, s, g, device)
+    qkv, dout, mask = _padded(3, 3, 40, 2, 32, device, torch.float32, scale=3.0)
     mask[1] = False  # a row (sequence) with no key at all
     out, dqkv = _check_padded(qkv, mask, dout)
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
@@ -132,11 +130,7 @@ def test_attention_fully_masked_row(device):
 def test_fully_masked_row_dtypes_dropout(device, dtype, dropout_p):
     """A sequence without keys next to real ones, in every dtype, with and without dropout:
     zeros and never NaN (on the GPU exp2 of -inf - -inf would be NaN), forward and backward."""
-    g = _gen(8)
-    b, s, h, d = 2, 70, 2, 26
-    qkv = _rand((b, s, 3, h, d), g, device, dtype, scale=3.0)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    qkv, dout, mask = _padded(8, 2, 70, 2, 26, device, dtype, scale=3.0, empty_row=1)
     torch.manual_seed(6)
     out, dqkv = _fwd_bwd(attention, qkv, dout, mask, dropout_p)
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
@@ -146,9 +140,7 @@ def test_fully_masked_row_dtypes_dropout(device, dtype, dropout_p):
 
 
 def test_attention_integer_mask_equals_bool(device):
-    g = _gen(4)
-    qkv = _rand((2, 33, 3, 2, 16), g, device, torch.float32)
-    mask = _random_key_mask(2, 33, g, device)
+    qkv, _, mask = _padded(4, 2, 33, 2, 16, device, torch.float32)
     as_int = mask.to(torch.int64) * 2  # any nonzero means "attend"
     torch.testing.assert_close(attention(qkv, as_int), attention(qkv, mask), rtol=0, atol=0)
     torch.testing.assert_close(attention(qkv, mask.to(torch.int32)), attention(qkv, mask), rtol=0, atol=0)
@@ -156,27 +148,22 @@ def test_attention_integer_mask_equals_bool(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_noncontiguous(device, dtype):
-    g = _gen(5)
+    g = torch.Generator().manual_seed(5)
+    randn = seeded_randn(g, device, dtype)
     b, s, h, d = 2, 50, 2, 40
-    big = _rand((b, s, 4, h + 1, d + 8), g, device, dtype)
-    qkv = big[:, :, 1:, 1:, 4 : 4 + d]  # a strided view of a bigger tensor
-    dout = _rand((b, h, s, d), g, device, dtype).transpose(1, 2)  # non-contiguous cotangent
+    big, _ = attention_cases.sample_inputs([s] * b, s, h + 1, d + 8, randn, device, varlen=False)
+    qkv = big[:, :, :, 1:, 4 : 4 + d]  # a strided view of a bigger tensor
+    dout = randn(b, h, s, d).transpose(1, 2)  # non-contiguous cotangent
     assert not qkv.is_contiguous() and not dout.is_contiguous()
     mask = _random_key_mask(b, s, g, device)
     _check_padded(qkv, mask, dout)
 
 
 # ----------------------------------------------------------------------------- varlen
-def _cu_seqlens(lengths, device):
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return cu.to(device)
-
-
 def _pack(qkv_padded, lengths):
     """Real tokens of a right-padded [B, S, ...] batch -> ([T, ...], cu_seqlens int32)."""
     parts = [qkv_padded[i, :n] for i, n in enumerate(lengths)]
-    return torch.cat(parts, 0), _cu_seqlens(lengths, qkv_padded.device)
+    return torch.cat(parts, 0), attention_cases.cu_seqlens(lengths, qkv_padded.device)
 
 
 def _check_varlen(qkv, cu, max_seqlen, dout, dropout_p=0.0, name=""):
@@ -197,26 +184,18 @@ def _check_varlen(qkv, cu, max_seqlen, dout, dropout_p=0.0, name=""):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths,d", [([5, 0, 97, 33], 26), ([129, 1, 64], 80), ([17], 64)])
 def test_varlen_2x(device, lengths, d, dtype):
-    g = _gen(sum(lengths) + d)
-    h = 2
-    t = sum(lengths)
-    qkv = _rand((t, 3, h, d), g, device, dtype)
-    dout = _rand((t, h, d), g, device, dtype)
+    qkv, cu, dout = _varlen(sum(lengths) + d, lengths, 2, d, device, dtype)
     max_s = max(lengths) + 3  # max_seqlen may exceed the longest sequence
-    _check_varlen(qkv, _cu_seqlens(lengths, device), max_s, dout)
+    _check_varlen(qkv, cu, max_s, dout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_varlen_equals_padded(device, dtype):
-    g = _gen(11)
     lengths = [17, 3, 70, 1]
     b, s, h, d = len(lengths), 70, 2, 48
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    mask = torch.zeros(b, s, dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = True
-    mask = mask.to(device)
-    dout = _rand((b, s, h, d), g, device, dtype) * mask[:, :, None, None]  # no cotangent on pads
+    randn = seeded_randn(11, device, dtype)
+    qkv, mask = attention_cases.sample_inputs(lengths, s, h, d, randn, device, varlen=False)
+    dout = randn(b, s, h, d) * mask[:, :, None, None]  # no cotangent on pads
     out_p, g_p = _fwd_bwd(attention, qkv, dout, mask)
     qkv_v, cu = _pack(qkv, lengths)
     dout_v, _ = _pack(dout, lengths)
@@ -228,14 +207,13 @@ def test_varlen_equals_padded(device, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_varlen_noncontiguous(device, dtype):
-    g = _gen(12)
     lengths = [40, 9]
     t, h, d = sum(lengths), 3, 26
-    big = _rand((t, 3, 2 * h, d + 6), g, device, dtype)
+    randn = seeded_randn(12, device, dtype)
+    big, cu = attention_cases.sample_inputs(lengths, 40, 2 * h, d + 6, randn, device, varlen=True)
     qkv = big[:, :, ::2, 3 : 3 + d]
-    dout = _rand((h, t, d), g, device, dtype).transpose(0, 1)
+    dout = randn(h, t, d).transpose(0, 1)
     assert not qkv.is_contiguous() and not dout.is_contiguous()
-    cu = torch.tensor([0, 40, 49], dtype=torch.int32, device=device)
     out, dqkv = _fwd_bwd(varlen_attention, qkv, dout, cu, 40)
     out64, g64 = _fwd_bwd(reference.varlen_attention, qkv.double(), dout.double(), cu, 40)
     outt, gt = _fwd_bwd(reference.varlen_attention, qkv, dout, cu, 40)
@@ -251,27 +229,19 @@ def test_dropout_mask_rebuilds_reference(device, dtype, dq_path, monkeypatch):
     orientation and tile: [query, key] in the forward and dQ, [key, query] in dK/dV)."""
     if dq_path == "separate":
         monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
-    g = _gen(21)
-    b, s, h, d = 2, 45, 2, 32
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device)
+    qkv, dout, mask = _padded(21, 2, 45, 2, 32, device, dtype)
     _check_padded(qkv, mask, dout, dropout_p=0.2, name=" (dropout)")
 
 
 def test_dropout_varlen_rebuilds_reference(device):
-    g = _gen(22)
-    lengths, h, d = [30, 0, 7], 2, 16
-    t = sum(lengths)
-    qkv = _rand((t, 3, h, d), g, device, torch.float32)
-    dout = _rand((t, h, d), g, device, torch.float32)
-    keep = _check_varlen(qkv, _cu_seqlens(lengths, device), 30, dout, dropout_p=0.3)
-    assert keep.shape == (3, h, 30, 30) and keep.dtype == torch.bool
+    qkv, cu, dout = _varlen(22, [30, 0, 7], 2, 16, device, torch.float32)
+    keep = _check_varlen(qkv, cu, 30, dout, dropout_p=0.3)
+    assert keep.shape == (3, 2, 30, 30) and keep.dtype == torch.bool
 
 
 def test_dropout_varlen_mask_equals_padded_mask(device):
     """Same seed: varlen and padded draw the same bits for the same (sequence, head, query, key)."""
-    qkv = torch.randn(2, 20, 3, 2, 16, device=device)
+    qkv = _padded(9, 2, 20, 2, 16, device, torch.float32)[0]
     assert _dispatch.use_triton(qkv, uses_dot=True), "the attention kernel must run here (tests/conftest.py)"
     torch.manual_seed(9)
     _, keep_p = attention(qkv, None, 0.4, return_dropout_mask=True)
@@ -307,7 +277,7 @@ def test_dropout_mask_matches_numpy_philox(device):
 
 def test_dropout_keep_fraction_binomial(device):
     b, s, h, p = 2, 128, 2, 0.3
-    qkv = torch.randn(b, s, 3, h, 16, device=device)
+    qkv = _padded(0, b, s, h, 16, device, torch.float32)[0]
     torch.manual_seed(0)
     _, keep = attention(qkv, None, p, return_dropout_mask=True)
     n = keep.numel()
@@ -323,9 +293,7 @@ def test_dropout_keep_fraction_binomial(device):
 
 
 def test_dropout_same_seed_same_output(device):
-    g = _gen(23)
-    qkv = _rand((2, 30, 3, 2, 16), g, device, torch.float32)
-    mask = _random_key_mask(2, 30, g, device)
+    qkv, _, mask = _padded(23, 2, 30, 2, 16, device, torch.float32)
     torch.manual_seed(42)
     a = attention(qkv, mask, 0.25)
     torch.manual_seed(42)
@@ -339,9 +307,7 @@ def test_dropout_same_seed_same_output(device):
 
 
 def test_dropout_checkpoint_recompute(device):
-    g = _gen(24)
-    qkv = _rand((2, 30, 3, 2, 16), g, device, torch.float32)
-    dout = _rand((2, 30, 2, 16), g, device, torch.float32)
+    qkv, dout, _ = _padded(24, 2, 30, 2, 16, device, torch.float32)
 
     def f(x):
         return attention(x, None, 0.3) * 2.0
@@ -367,16 +333,12 @@ def deterministic_mode():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_deterministic_bitwise(device, dtype, deterministic_mode):
-    g = _gen(31)
-    b, s, h, d = 2, 97, 2, 26
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    qkv, dout, mask = _padded(31, 2, 97, 2, 26, device, dtype, empty_row=1)
     _, g1 = _fwd_bwd(attention, qkv, dout, mask, 0.1, generator=torch.Generator().manual_seed(1))
     _, g2 = _fwd_bwd(attention, qkv, dout, mask, 0.1, generator=torch.Generator().manual_seed(1))
     assert torch.equal(g1, g2)
     _check_padded(qkv, mask, dout, name=" (deterministic)")
-    cu = torch.tensor([0, 60, 60, 97], dtype=torch.int32, device=device)
+    cu = attention_cases.cu_seqlens([60, 0, 37], device)
     qv, dv = qkv[0], dout[0]
     _, g3 = _fwd_bwd(varlen_attention, qv, dv, cu, 60)
     _, g4 = _fwd_bwd(varlen_attention, qv, dv, cu, 60)
@@ -385,18 +347,15 @@ def test_deterministic_bitwise(device, dtype, deterministic_mode):
 
 # ----------------------------------------------------------------------------- op registration
 def test_opcheck(device):
-    g = _gen(41)
-    qkv = _rand((2, 17, 3, 2, 16), g, device, torch.float32)
-    mask = _random_key_mask(2, 17, g, device).view(torch.uint8)
+    qkv, dout, mask = _padded(41, 2, 17, 2, 16, device, torch.float32)
+    mask = mask.view(torch.uint8)
     seed = torch.tensor([123], dtype=torch.int64)
     torch.library.opcheck(torch.ops.bert_fast.attention_fwd.default, (qkv, mask, 0.0, 0.25, None))
     torch.library.opcheck(torch.ops.bert_fast.attention_fwd.default, (qkv, None, 0.2, 0.25, seed))
-    qv = _rand((20, 3, 2, 16), g, device, torch.float32)
-    cu = torch.tensor([0, 3, 20], dtype=torch.int32, device=device)
+    qv, cu, _ = _varlen(41, [3, 17], 2, 16, device, torch.float32)
     torch.library.opcheck(torch.ops.bert_fast.varlen_attention_fwd.default, (qv, cu, 17, 0.0, 0.25, None))
     torch.library.opcheck(torch.ops.bert_fast.varlen_attention_fwd.default, (qv, cu, 17, 0.2, 0.25, seed))
     out, lse = torch.ops.bert_fast.attention_fwd(qkv, mask, 0.0, 0.25, None)
-    dout = torch.randn_like(out)
     torch.library.opcheck(
         torch.ops.bert_fast.attention_bwd.default,
         (dout, qkv, mask, out, lse, 0.0, 0.25, None),
@@ -408,12 +367,12 @@ def test_opcheck(device):
 def test_gradcheck_float64(device):
     """float64 runs the torch implementation (its materialized path): checks the op plumbing
     (autograd, masks) end to end."""
-    g = _gen(42)
-    qkv = _rand((2, 5, 3, 1, 16), g, device, torch.float64).requires_grad_(True)
+    qkv = _padded(42, 2, 5, 1, 16, device, torch.float64)[0].requires_grad_(True)
+    # a hole in row 0's keys, none in row 1
     mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool, device=device)
     assert torch.autograd.gradcheck(lambda x: attention(x, mask), (qkv,), fast_mode=True)
-    qv = _rand((6, 3, 1, 16), g, device, torch.float64).requires_grad_(True)
-    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    qv, cu, _ = _varlen(42, [2, 4], 1, 16, device, torch.float64)
+    qv.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: varlen_attention(x, cu, 4), (qv,), fast_mode=True)
 
 
@@ -423,10 +382,7 @@ def test_reference_backend(device, monkeypatch, dropout_p):
     """BERT_FAST_BACKEND=reference (the oracle, forced): the ops' analytic backward equals
     autograd through bert_fast.reference with the mask the op reports."""
     monkeypatch.setenv("BERT_FAST_BACKEND", "reference")
-    g = _gen(44)
-    qkv = _rand((2, 9, 3, 2, 16), g, device, torch.float32)
-    dout = _rand((2, 9, 2, 16), g, device, torch.float32)
-    mask = _random_key_mask(2, 9, g, device, empty_row=1)
+    qkv, dout, mask = _padded(44, 2, 9, 2, 16, device, torch.float32, empty_row=1)
     torch.manual_seed(0)
     x = qkv.detach().requires_grad_(True)
     out, keep = attention(x, mask, dropout_p, return_dropout_mask=True)
@@ -434,7 +390,7 @@ def test_reference_backend(device, monkeypatch, dropout_p):
     out_r, g_r = _fwd_bwd(reference.attention, qkv, dout, mask, dropout_p, None, keep)
     torch.testing.assert_close(out, out_r)
     torch.testing.assert_close(dqkv, g_r)
-    cu = torch.tensor([0, 9, 9, 12], dtype=torch.int32, device=device)
+    cu = attention_cases.cu_seqlens([9, 0, 3], device)
     qv, dv = qkv.reshape(18, 3, 2, 16)[:12], dout.reshape(18, 2, 16)[:12]
     torch.manual_seed(0)
     x = qv.detach().requires_grad_(True)
@@ -446,9 +402,8 @@ def test_reference_backend(device, monkeypatch, dropout_p):
 
 
 def test_lse_matches_reference(device):
-    g = _gen(43)
-    qkv = _rand((2, 33, 3, 2, 16), g, device, torch.float32)
-    mask = _random_key_mask(2, 33, g, device, empty_row=1).view(torch.uint8)
+    qkv, _, mask = _padded(43, 2, 33, 2, 16, device, torch.float32, empty_row=1)
+    mask = mask.view(torch.uint8)
     _, lse = torch.ops.bert_fast.attention_fwd(qkv, mask, 0.0, 0.25, None)
     q, k = qkv[:, :, 0].transpose(1, 2).double(), qkv[:, :, 1].transpose(1, 2).double()
     s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
@@ -482,9 +437,7 @@ def test_empty_varlen(device):
 def test_varlen_compiles_without_a_graph_break(device):
     """The default validate=True reads cu_seqlens on the host; under torch.compile that check is
     skipped rather than breaking the graph (fullgraph=True raises on a break)."""
-    g = _gen(31)
-    qkv = _rand((7, 3, 2, 16), g, device, torch.float32)
-    cu = _cu_seqlens([3, 4], device)
+    qkv, cu, _ = _varlen(31, [3, 4], 2, 16, device, torch.float32)
     eager = varlen_attention(qkv, cu, 4)
     compiled = torch.compile(lambda x, c: varlen_attention(x, c, 4), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(qkv, cu), eager)
@@ -540,23 +493,15 @@ def test_bad_inputs(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("s,d", [(1024, 64), (2048, 128), (4096, 64), (1500, 80)])
 def test_long_sequences_cuda(device, s, d, dtype):
-    g = _gen(s + d)
-    b, h = 1, 2
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, keep=0.9)
+    qkv, dout, mask = _padded(s + d, 1, s, 2, d, device, dtype, keep=0.9)
     _check_padded(qkv, mask, dout)
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_long_varlen_dropout_cuda(device, dtype):
-    g = _gen(51)
-    lengths, h, d = [4096, 1000, 1], 2, 64
-    t = sum(lengths)
-    qkv = _rand((t, 3, h, d), g, device, dtype)
-    dout = _rand((t, h, d), g, device, dtype)
-    _check_varlen(qkv, _cu_seqlens(lengths, device), 4096, dout, dropout_p=0.1)
+    qkv, cu, dout = _varlen(51, [4096, 1000, 1], 2, 64, device, dtype)
+    _check_varlen(qkv, cu, 4096, dout, dropout_p=0.1)
 
 
 # ----------------------------------------------------------------------------- every config of the search space
@@ -609,11 +554,9 @@ def test_every_config_tile(device, kind, bm, bn, dtype, monkeypatch, kernel_laun
     monkeypatch.setattr(A, "_autotuning", lambda t: False)
     if kind == "dq":
         monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
-    g = _gen(bm + 3 * bn)
     step = bm if kind == "dkdv" else bn  # the block its loop walks: queries for dK/dV, else keys
-    b, s, h, d = 2, max(2 * step, bm, bn) + 9, 1, 26
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    s = max(2 * step, bm, bn) + 9
+    qkv, dout, mask = _padded(bm + 3 * bn, 2, s, 1, 26, device, dtype, empty_row=1)
     if kind == "fwd":
         torch.manual_seed(1234)
         out, keep = attention(qkv, mask, 0.2, return_dropout_mask=True)
@@ -624,7 +567,7 @@ def test_every_config_tile(device, kind, bm, bn, dtype, monkeypatch, kernel_laun
             name=f"out ({kind} {bm}x{bn})",
         )
     else:
-        _check_padded(qkv, mask, _rand((b, s, h, d), g, device, dtype), dropout_p=0.2, name=f" ({kind} {bm}x{bn})")
+        _check_padded(qkv, mask, dout, dropout_p=0.2, name=f" ({kind} {bm}x{bn})")
     ran = {(t["BLOCK_M"], t["BLOCK_N"]) for t in kernel_launches.tiles(_KERNEL_OF[kind])}
     assert ran == {(bm, bn)}, ran
 
@@ -671,19 +614,13 @@ def test_autotuned_launch_2x(device, autotuned_attention, dq_path, monkeypatch):
     if dq_path == "separate":
         monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
     dtype = torch.bfloat16 if CUDA else torch.float32
-    g = _gen(97)
-    b, s, h, d = 2, 70, 2, 32
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    qkv, dout, mask = _padded(97, 2, 70, 2, 32, device, dtype, empty_row=1)
     _check_padded(qkv, mask, dout, dropout_p=0.2, name=" (autotuned)")
     assert A._attention_fwd_kernel_tuned.cache and A._attention_bwd_dkdv_kernel_tuned.cache
     if dq_path == "separate":
         assert A._attention_bwd_dq_kernel_tuned.cache
-    lengths = [70, 0, 33]
-    qv = _rand((sum(lengths), 3, h, d), g, device, dtype)
-    dv = _rand((sum(lengths), h, d), g, device, dtype)
-    _check_varlen(qv, _cu_seqlens(lengths, device), 70, dv, name=" (autotuned varlen)")
+    qv, cu, dv = _varlen(98, [70, 0, 33], 2, 32, device, dtype)
+    _check_varlen(qv, cu, 70, dv, name=" (autotuned varlen)")
 
 
 @pytest.mark.no_kernels("a host-side helper")
@@ -837,17 +774,10 @@ def test_dropout_head_dims_dq_paths_cuda(device, d, dtype, dq_path, monkeypatch)
     kernel's own mask."""
     if dq_path == "separate":
         monkeypatch.setenv("BERT_FAST_ATTN_DQ", "separate")
-    g = _gen(61 + d)
-    b, s, h = 2, 193, 3
-    qkv = _rand((b, s, 3, h, d), g, device, dtype)
-    dout = _rand((b, s, h, d), g, device, dtype)
-    mask = _random_key_mask(b, s, g, device, empty_row=1)
+    qkv, dout, mask = _padded(61 + d, 2, 193, 3, d, device, dtype, empty_row=1)
     _check_padded(qkv, mask, dout, dropout_p=0.15, name=f" (dropout, {dq_path} dQ)")
-    lengths = [150, 0, 1, 193, 64]
-    t = sum(lengths)
-    qv = _rand((t, 3, h, d), g, device, dtype)
-    dv = _rand((t, h, d), g, device, dtype)
-    _check_varlen(qv, _cu_seqlens(lengths, device), 193, dv, dropout_p=0.15, name=f" (varlen dropout, {dq_path} dQ)")
+    qv, cu, dv = _varlen(161 + d, [150, 0, 1, 193, 64], 3, d, device, dtype)
+    _check_varlen(qv, cu, 193, dv, dropout_p=0.15, name=f" (varlen dropout, {dq_path} dQ)")
 
 
 @needs_cuda
@@ -861,13 +791,10 @@ def test_int64_offsets_cuda(device):
     free, _ = torch.cuda.mem_get_info(device)
     if free < need + (2 << 30):
         pytest.skip(f"needs {need / 2**30:.1f} GiB free on the GPU")
-    g = _gen(71)
-    compact = _rand((s, 3, h, d), g, device, torch.float16)
-    dout = _rand((s, h, d), g, device, torch.float16)
+    compact, cu, dout = _varlen(71, [s], h, d, device, torch.float16)
     buf = torch.zeros(s * row, device=device, dtype=torch.float16)
     big = buf.as_strided((s, 3, h, d), (row, h * d, d, 1))
     big.copy_(compact)
-    cu = torch.tensor([0, s], dtype=torch.int32, device=device)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # separate dQ: bitwise comparable
     try:
@@ -889,10 +816,7 @@ def test_tensor_on_second_gpu_cuda():
     """Launch on the tensor's GPU (not the current one) with that GPU's configs."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    g = _gen(81)
-    qkv = _rand((2, 77, 3, 2, 64), g, "cuda:0", torch.float16)
-    dout = _rand((2, 77, 2, 64), g, "cuda:0", torch.float16)
-    mask = _random_key_mask(2, 77, g, "cuda:0")
+    qkv, dout, mask = _padded(81, 2, 77, 2, 64, torch.device("cuda:0"), torch.float16)
     torch.manual_seed(0)
     out0, g0 = _fwd_bwd(attention, qkv, dout, mask, 0.1)
     with torch.cuda.device(0):
@@ -911,16 +835,13 @@ def test_head_dims_outside_the_kernel_run_torch_with_one_warning(device, d, monk
     varlen), equal to the reference, with one warning where a kernel would otherwise run."""
     attention_mod = sys.modules["bert_fast.ops.attention"]
     monkeypatch.setattr(attention_mod, "_WARNED_HEAD_DIMS", set())
-    g = _gen(5)
-    qkv = _rand((2, 7, 3, 2, d), g, device, torch.float32)
-    mask = torch.ones(2, 7, dtype=torch.bool, device=device)
-    mask[1, 4:] = False
+    randn = seeded_randn(5, device, torch.float32)
+    qkv, mask = attention_cases.sample_inputs([7, 4], 7, 2, d, randn, device, varlen=False)
     kernel_would_run = attention_mod._dispatch.implementation(qkv, uses_dot=True) == "kernel"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = attention(qkv, mask)
-        cu = _cu_seqlens([7, 4], device)
-        packed = torch.cat([qkv[0], qkv[1, :4]])
+        packed, cu = _pack(qkv, [7, 4])
         out_varlen = varlen_attention(packed, cu, 7)
     ref = reference.attention(qkv.double(), mask).float()
     torch.testing.assert_close(out[mask], ref[mask], atol=1e-5, rtol=1e-5)

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from bert_fast import reference
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import embedding as embedding_cases
 from bert_fast.ops import _dispatch, embedding_layer_norm
 from bert_fast.ops import embedding as emb
 from bert_fast.testing import assert_close_2x, dtypes_for, philox4x32_10
@@ -21,22 +23,17 @@ NAMES = ("word", "position", "token_type", "weight", "bias")
 
 
 def make_params(device, dtype, hidden, vocab=VOCAB, max_pos=MAX_POS, types=TYPES, requires_grad=True):
-    g = torch.Generator().manual_seed(hidden)
-    params = [
-        torch.randn(vocab, hidden, generator=g),
-        torch.randn(max_pos, hidden, generator=g) * 0.5,
-        torch.randn(types, hidden, generator=g) * 0.5,
-        1.0 + 0.2 * torch.randn(hidden, generator=g),
-        0.2 * torch.randn(hidden, generator=g),
-    ]
-    return [p.to(device=device, dtype=dtype).requires_grad_(requires_grad) for p in params]
+    """The op's float inputs (embedding_cases.sample_inputs) in its order, seeded by ``hidden``."""
+    randn = seeded_randn(hidden, device, dtype)
+    params = embedding_cases.sample_inputs(hidden, vocab, randn, max_pos=max_pos, types=types).values()
+    return [p.requires_grad_(requires_grad) for p in params]
 
 
 def make_ids(device, batch, seq, id_dtype=torch.int64, vocab=VOCAB, types=TYPES, seed=0):
+    """(word ids, token-type ids) of embedding_cases.sample_ids, seeded."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device=device, dtype=id_dtype)
-    tt = torch.randint(0, types, (batch, seq), generator=g).to(device=device, dtype=id_dtype)
-    return ids, tt
+    ids, tt = embedding_cases.sample_ids(batch, seq, vocab, device, g, types=types)
+    return ids.to(id_dtype), tt.to(id_dtype)
 
 
 def ragged_indices(device, batch, seq):
@@ -55,8 +52,7 @@ def run_all(
 
     def grads(fn, ps):
         out = fn(ps)
-        g = torch.Generator().manual_seed(dy_seed)
-        dy = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
+        dy = seeded_randn(dy_seed, out.device, out.dtype)(*out.shape)
         return (out,) + torch.autograd.grad(out, ps, dy)
 
     def ours(ps):
@@ -583,7 +579,7 @@ def test_misaligned_tables_and_grad_out(device, hidden):
         # misaligned grad_out (the backward vector-loads dy)
         params = [p.clone().requires_grad_() for p in base]
         out = embedding_layer_norm(ids, None, tt, *params, indices=indices)
-        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+        dy = seeded_randn(1, device, dtype)(*out.shape)
         g_aligned = torch.autograd.grad(out, params, dy, retain_graph=True)
         g_mis = torch.autograd.grad(out, params, _misaligned_copy(dy))
         # The table gradients are fp32 sums (CUDA: atomicAdd, in whatever order the blocks run; the
@@ -638,7 +634,7 @@ def test_cuda_generic_backward_poisoned_workspace(hidden, deterministic):
     for dtype in (torch.float32, torch.bfloat16):
         params = make_params(device, dtype, hidden)
         out = embedding_layer_norm(ids, None, tt, *params, indices=indices, padding_idx=3)
-        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
+        dy = seeded_randn(2, device, dtype)(*out.shape)
         _poison_cuda_cache()
         torch.use_deterministic_algorithms(deterministic)
         try:

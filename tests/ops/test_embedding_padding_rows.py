@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import transformers
 
 import bert_fast
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import embedding as embedding_cases
 from bert_fast.ops import embedding as emb_op
 from bert_fast.ops import embedding_layer_norm
 from bert_fast.testing import distilbert_config, pick_test_device
@@ -67,17 +69,15 @@ def impl(request, monkeypatch):
 
 
 def padded_batch(device, vocab=VOCAB, pad=PAD, types=2, seed=0):
-    """Ids with pads where a tokenizer writes them: right-padded rows of several lengths, one
-    left-padded row and one fully padded row; random token types (pads included)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (5, SEQ), generator=g)
+    """Ids (embedding_cases.sample_ids) with pads where a tokenizer writes them: right-padded rows of
+    several lengths, one left-padded row and one fully padded row; random token types (pads included)."""
+    ids, tt = embedding_cases.sample_ids(5, SEQ, vocab, "cpu", torch.Generator().manual_seed(seed), types=types)
     ids = ids.masked_fill(ids == pad, pad + 1)  # pads only where the mask says
     mask = torch.zeros(5, SEQ, dtype=torch.long)
     for i, n in enumerate([11, 7, 1]):
         mask[i, :n] = 1
     mask[3, 4:] = 1  # left padded
     ids = ids.masked_fill(mask == 0, pad)
-    tt = torch.randint(0, types, (5, SEQ), generator=g)
     return ids.to(device), tt.to(device), mask.to(device)
 
 
@@ -124,8 +124,7 @@ def test_roberta_padding_rows_match_transformers(impl, family, unpad, hidden):
     assert emb.position_embeddings.padding_idx == PAD and emb.word_embeddings.padding_idx == PAD
     ids, tt, _ = padded_batch(device)
     pos = make_positions(ids, PAD)
-    g = torch.Generator().manual_seed(1)
-    dy = torch.randn(ids.shape + (hidden,), generator=g).to(device)
+    dy = seeded_randn(1, device, torch.float32)(*ids.shape, hidden)
 
     hf_params = [getattr(emb, t).weight for t in TABLES] + [emb.LayerNorm.weight, emb.LayerNorm.bias]
     want_out = emb(input_ids=ids, token_type_ids=tt)
@@ -168,21 +167,15 @@ def test_every_table_padding_row_as_nn_embedding(impl, implicit):
     type paths (position_ids None: row % S; token_type_ids None: type 0), negative indices too."""
     name, device = impl
     hidden = 40
-    g = torch.Generator().manual_seed(3)
-    tables = [
-        torch.randn(VOCAB, hidden, generator=g),
-        torch.randn(MAX_POS, hidden, generator=g) * 0.5,
-        torch.randn(3, hidden, generator=g) * 0.5,
-        1.0 + 0.2 * torch.randn(hidden, generator=g),
-        0.2 * torch.randn(hidden, generator=g),
-    ]
+    randn = seeded_randn(3, device, torch.float32)
+    tables = embedding_cases.sample_inputs(hidden, VOCAB, randn, max_pos=MAX_POS, types=3).values()
     ids, tt, _ = padded_batch(device, types=3)
     pads = {"padding_idx": PAD, "position_padding_idx": 3, "token_type_padding_idx": 0 if implicit else 2}
     pos = None if implicit else make_positions(ids, 3)  # position 3 at pads: gathered, no gradient
     tt = None if implicit else tt
-    dy = torch.randn(ids.shape + (hidden,), generator=g).to(device)
+    dy = randn(*ids.shape, hidden)
 
-    ref = [t.to(device).requires_grad_() for t in tables]
+    ref = [t.clone().requires_grad_() for t in tables]
     p_ref = torch.arange(SEQ, device=device).expand(ids.shape) if pos is None else pos
     t_ref = torch.zeros_like(ids) if tt is None else tt
     x = (
@@ -192,7 +185,7 @@ def test_every_table_padding_row_as_nn_embedding(impl, implicit):
     )
     want = grads_of(ref, F.layer_norm(x, (hidden,), ref[3], ref[4], 1e-12), dy)
 
-    ours_params = [t.to(device).requires_grad_() for t in tables]
+    ours_params = [t.clone().requires_grad_() for t in tables]
     # negative indices count from the end, as nn.Embedding's
     neg = {k: v - (VOCAB, MAX_POS, 3)[i] for i, (k, v) in enumerate(pads.items())}
     out = embedding_layer_norm(ids, pos, tt, *ours_params, **neg)
@@ -206,7 +199,7 @@ def test_every_table_padding_row_as_nn_embedding(impl, implicit):
 @pytest.mark.no_kernels("input validation")
 @pytest.mark.parametrize("key,rows", [("position_padding_idx", MAX_POS), ("token_type_padding_idx", 2)])
 def test_bad_table_padding_idx_raises(key, rows):
-    tables = [torch.randn(VOCAB, 8), torch.randn(MAX_POS, 8), torch.randn(2, 8), torch.ones(8), torch.zeros(8)]
+    tables = embedding_cases.sample_inputs(8, VOCAB, seeded_randn(0, "cpu", torch.float32), max_pos=MAX_POS).values()
     ids = torch.zeros(2, 3, dtype=torch.long)
     for bad in (rows, -rows - 1, 1.0, True):
         with pytest.raises(ValueError, match=key):
@@ -265,7 +258,7 @@ def test_model_embedding_gradients_match_transformers(family, backend, monkeypat
     for label, model in (("hf", hf), ("fast", fast)):
         h0 = model(ids, attention_mask=mask, output_hidden_states=True, **kw).hidden_states[0]
         if dy is None:
-            dy = torch.randn(h0.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+            dy = seeded_randn(2, DEVICE, torch.float32)(*h0.shape)
         h0.backward(dy)
         got[label] = {n: p.grad for n, p in model.embeddings.named_parameters()}
     assert got["fast"].keys() == got["hf"].keys()

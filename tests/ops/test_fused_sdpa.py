@@ -17,6 +17,8 @@ import warnings
 import pytest
 import torch
 
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import attention as attention_cases
 from bert_fast.ops import fused_sdpa, torch_impl
 
 pytestmark = pytest.mark.no_kernels("the torch implementation's fused CUDA path, emulated on the CPU")
@@ -26,11 +28,6 @@ A = torch.ops.aten
 
 def _ceil(n, m):
     return (n + m - 1) // m * m
-
-
-def _rand(shape, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _meta(x):
@@ -301,22 +298,21 @@ def emulate(monkeypatch):
 
 
 def _padded_problem(dtype, d=32, seed=3):
-    b, s, h = 3, 33, 2
-    qkv = _rand((b, s, 3, h, d), seed, dtype)
-    mask = torch.ones(b, s, dtype=torch.bool)
-    mask[0, 9:] = False
-    mask[2] = False  # a sequence without keys
-    dout = _rand((b, s, h, d), seed + 1, dtype)
-    return qkv, mask, dout, 0.8 / math.sqrt(d)
+    """qkv [3, 33, 3, 2, d] and its key-padding mask (attention_cases.sample_inputs; the last sequence
+    without keys), a cotangent, the softmax scale."""
+    lengths, s, h = [9, 33, 0], 33, 2
+    randn = seeded_randn(seed, "cpu", dtype)
+    qkv, mask = attention_cases.sample_inputs(lengths, s, h, d, randn, "cpu", varlen=False)
+    return qkv, mask, randn(len(lengths), s, h, d), 0.8 / math.sqrt(d)
 
 
 def _varlen_problem(dtype, d=32, seed=5):
-    lengths = [17, 5, 40]
-    t, h = sum(lengths), 2
-    qkv = _rand((t, 3, h, d), seed, dtype)
-    cu = torch.tensor([0, 17, 22, 62], dtype=torch.int32)
-    dout = _rand((t, h, d), seed + 1, dtype)
-    return qkv, cu, max(lengths), dout, 0.8 / math.sqrt(d)
+    """qkv [62, 3, 2, d] and cu_seqlens of 3 packed sequences (attention_cases.sample_inputs), their
+    max length, a cotangent, the softmax scale."""
+    lengths, h = [17, 5, 40], 2
+    randn = seeded_randn(seed, "cpu", dtype)
+    qkv, cu = attention_cases.sample_inputs(lengths, max(lengths), h, d, randn, "cpu", varlen=True)
+    return qkv, cu, max(lengths), randn(sum(lengths), h, d), 0.8 / math.sqrt(d)
 
 
 def _padded_op(qkv, mask, dout, scale):

@@ -94,12 +94,13 @@ def key_padding_mask(lengths, seq, device):
     return (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).to(device)
 
 
-def sample_inputs(lengths, seq, heads, head_dim, randn, device, varlen: bool):
+def sample_inputs(lengths, seq, heads, head_dim, randn, device, varlen: bool, scale: float = 1.0):
     """One call's inputs, (qkv, layout): varlen, qkv [T, 3, heads, d] of the real tokens packed and
-    their cu_seqlens; padded, qkv [B, S, 3, heads, d] and its key-padding mask."""
+    their cu_seqlens; padded, qkv [B, S, 3, heads, d] and its key-padding mask. ``scale``: the
+    standard deviation of q, k and v (above 1, sharper softmax rows)."""
     if varlen:
-        return randn(sum(lengths), 3, heads, head_dim), cu_seqlens(lengths, device)
-    return randn(len(lengths), seq, 3, heads, head_dim), key_padding_mask(lengths, seq, device)
+        return randn(sum(lengths), 3, heads, head_dim, scale=scale), cu_seqlens(lengths, device)
+    return randn(len(lengths), seq, 3, heads, head_dim, scale=scale), key_padding_mask(lengths, seq, device)
 
 
 def _make_inputs(provider, lengths, seqlen, device, dtype):

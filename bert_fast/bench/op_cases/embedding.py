@@ -31,18 +31,18 @@ DROPOUT_P = 0.1
 EPS = 1e-12
 
 
-def sample_ids(batch: int, seq: int, vocab: int, device, generator=None):
+def sample_ids(batch: int, seq: int, vocab: int, device, generator=None, types: int = TYPES):
     """(word ids, token-type ids) [B, S]: random ids from 1 with the padding id 0 last in every row,
-    random token types."""
+    random token types below ``types``."""
     ids = torch.randint(1, vocab, (batch, seq), generator=generator).to(device)
     ids[:, -1] = 0  # a padding-index token in every row
-    return ids, torch.randint(0, TYPES, (batch, seq), generator=generator).to(device)
+    return ids, torch.randint(0, types, (batch, seq), generator=generator).to(device)
 
 
-def sample_inputs(h: int, vocab: int, randn) -> dict:
-    """One call's float inputs, in the op's order: the word, position and token-type tables, the
-    LayerNorm's weight (near 1) and bias."""
-    tables = {"word": randn(vocab, h), "position": randn(MAX_POS, h), "token_type": randn(TYPES, h)}
+def sample_inputs(h: int, vocab: int, randn, max_pos: int = MAX_POS, types: int = TYPES) -> dict:
+    """One call's float inputs, in the op's order: the word, position and token-type tables (vocab,
+    max_pos and types rows), the LayerNorm's weight (near 1) and bias."""
+    tables = {"word": randn(vocab, h), "position": randn(max_pos, h), "token_type": randn(types, h)}
     return {**tables, "weight": 1.0 + randn(h, scale=0.1), "bias": randn(h, scale=0.1)}
 
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from bert_fast import reference
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import bias_gelu as bias_gelu_cases
 from bert_fast.ops import bias_gelu
 from bert_fast.testing import assert_close_2x, assert_reduction_close_2x, dtypes_for, pick_test_device
 
@@ -11,6 +13,14 @@ from bert_fast.testing import assert_close_2x, assert_reduction_close_2x, dtypes
 pytestmark = pytest.mark.kernels("bias_gelu")
 # bf16 too on the CPU: the kernels have no tl.dot, the interpreter runs them right in bf16
 DTYPES = dtypes_for(pick_test_device(), uses_dot=False)
+
+
+def _inputs(m, n, dtype, device, seed, x_scale=1.0):
+    """x [M, N] and the bias [N]: bias_gelu's sample_inputs (the bias at scale 1, GELU's input spread
+    wider than the bench's), and an upstream gradient dy [M, N] from the same seeded randn."""
+    randn = seeded_randn(seed, device, dtype)
+    x, b = bias_gelu_cases.sample_inputs(m, n, randn, x_scale=x_scale, bias_scale=1.0).values()
+    return x, b, randn(m, n)
 
 
 def _fwd_bwd(fn, x, b, dy, approximate, dtype=None):
@@ -39,54 +49,43 @@ def _check_2x(x, b, dy, approximate):
 @pytest.mark.parametrize("m", [1, 7, 129])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_bias_gelu_2x(device, approximate, m, n, dtype):
-    g = torch.Generator().manual_seed(1000 * m + n)
-    x = (torch.randn(m, n, generator=g) * 2).to(device, dtype)
-    b = torch.randn(n, generator=g).to(device, dtype)
-    dy = torch.randn(m, n, generator=g).to(device, dtype)
+    x, b, dy = _inputs(m, n, dtype, device, seed=1000 * m + n, x_scale=2.0)
     _check_2x(x, b, dy, approximate)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_bias_gelu_noncontiguous(device, approximate, dtype):
-    g = torch.Generator().manual_seed(0)
     n = 1000
-    big = torch.randn(2 * 17, n + 24, generator=g).to(device, dtype)
-    x = big[::2, 8 : 8 + n]  # strided rows and a column offset
-    b = torch.randn(2 * n, generator=g).to(device, dtype)[::2]  # strided bias
-    dy = torch.randn(n, 17, generator=g).to(device, dtype).t()  # transposed gradient
+    randn = seeded_randn(0, device, dtype)
+    big, b2 = bias_gelu_cases.sample_inputs(2 * 17, 2 * n, randn, bias_scale=1.0).values()
+    x, b = big[::2, 8 : 8 + n], b2[::2]  # strided rows and a column offset; a strided bias
+    dy = randn(n, 17).t()  # transposed gradient
     assert not x.is_contiguous() and not dy.is_contiguous() and not b.is_contiguous()
     _check_2x(x, b, dy, approximate)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_gelu_leading_dims(device, dtype):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 5, 384, generator=g).to(device, dtype)
-    b = torch.randn(384, generator=g).to(device, dtype)
-    dy = torch.randn(2, 5, 384, generator=g).to(device, dtype)
+    x, b, dy = _inputs(10, 384, dtype, device, seed=1)
+    x, dy = x.view(2, 5, 384), dy.view(2, 5, 384)
     _check_2x(x, b, dy, "none")
     # a [B, S, N] view whose rows cannot be flattened without a copy
-    xt = torch.randn(5, 2, 384, generator=g).to(device, dtype).transpose(0, 1)
+    xt = x.reshape(5, 2, 384).transpose(0, 1)
     _check_2x(xt, b, dy, "tanh")
 
 
 def test_bias_gelu_grad_only_where_required(device):
-    x = torch.randn(3, 312, device=device, requires_grad=True)
-    b = torch.randn(312, device=device)
-    bias_gelu(x, b).sum().backward()
+    x, b, _ = _inputs(3, 312, torch.float32, device, seed=4)
+    bias_gelu(x.requires_grad_(True), b).sum().backward()
     assert x.grad is not None and b.grad is None
-    x2 = torch.randn(3, 312, device=device)
-    b2 = torch.randn(312, device=device, requires_grad=True)
+    x2, b2 = x.detach(), b.detach().requires_grad_(True)
     bias_gelu(x2, b2).sum().backward()
     assert b2.grad is not None and x2.grad is None
 
 
 def test_bias_gelu_deterministic_dbias(device):
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(129, 1000, generator=g).to(device)
-    b = torch.randn(1000, generator=g).to(device)
-    dy = torch.randn(129, 1000, generator=g).to(device)
+    x, b, dy = _inputs(129, 1000, torch.float32, device, seed=2)
     dbs = [_fwd_bwd(bias_gelu, x, b, dy, "none")[2] for _ in range(2)]
     assert torch.equal(dbs[0], dbs[1])
 
@@ -116,17 +115,15 @@ _FP64_GRADCHECK = (
 @_FP64_GRADCHECK
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_bias_gelu_gradcheck_fp64(device, approximate):
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
-    b = torch.randn(5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    x, b, _ = (t.requires_grad_(True) for t in _inputs(3, 5, torch.float64, device, seed=3))
     assert torch.autograd.gradcheck(lambda x, b: bias_gelu(x, b, approximate), (x, b))
 
 
 def test_bias_gelu_opcheck(device):
-    x = torch.randn(4, 312, device=device, requires_grad=True)
-    b = torch.randn(312, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.bert_fast.bias_gelu_fwd.default, (x, b, "tanh"))
-    dy = torch.randn(4, 312, device=device)
+    x, b, dy = _inputs(4, 312, torch.float32, device, seed=5)
+    torch.library.opcheck(
+        torch.ops.bert_fast.bias_gelu_fwd.default, (x.requires_grad_(True), b.requires_grad_(True), "tanh")
+    )
     torch.library.opcheck(torch.ops.bert_fast.bias_gelu_bwd.default, (dy, x.detach(), b.detach(), "none"))
 
 

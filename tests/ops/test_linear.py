@@ -14,6 +14,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from bert_fast import reference
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import linear as linear_cases
 from bert_fast.ops import _dispatch
 from bert_fast.ops.linear import linear
 from bert_fast.testing import (
@@ -49,13 +51,12 @@ def _kernels_of_the_backend(request):
             request.applymarker(pytest.mark.kernels("bias_gelu"))
 
 
-def _inputs(device, dtype, m_shape, k, n, bias=True, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(*m_shape, k, generator=g).to(device, dtype)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
-    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
-    dy = torch.randn(*m_shape, n, generator=g).to(device, dtype)
-    return x, w, b, dy
+def _inputs(device, dtype, m, k, n, seed=0):
+    """x [M, K], W [N, K], b [N]: linear's sample_inputs (the bias at scale 1, to spread the
+    activation's input), and an upstream gradient dy [M, N] from the same seeded randn."""
+    randn = seeded_randn(seed, device, dtype)
+    x, w, b = linear_cases.sample_inputs(m, n, k, randn, bias_scale=1.0).values()
+    return x, w, b, randn(m, n)
 
 
 def _fwd_bwd(fn, x, w, b, dy):
@@ -69,24 +70,16 @@ def _fwd_bwd(fn, x, w, b, dy):
     return [y.detach()] + list(grads)
 
 
-def _check(x, w, b, act, dy, backend, x_view=None):
-    """Compare linear(...) against the float64 oracle with the 2x rule; x_view(leaf) -> the x fed in."""
-    view = x_view or (lambda t: t)
-    ours = _fwd_bwd(lambda a, c, d: linear(view(a), c, d, act, backend=backend), x, w, b, dy)
-    oracle = _fwd_bwd(
-        lambda a, c, d: reference.linear(view(a), c, d, act),
-        x.double(),
-        w.double(),
-        None if b is None else b.double(),
-        dy.double(),
-    )
-    same = _fwd_bwd(lambda a, c, d: reference.linear(view(a), c, d, act), x, w, b, dy)
-    _check_2x(ours, oracle, same, rows=dy.numel() // dy.shape[-1], label=f" ({backend}, {act}, {x.dtype})")
-
-
-def _check_2x(ours, oracle, same, rows, label=""):
-    """y, dx: the 2x rule; dw, db (sums over the ``rows`` rows of x): the 2x rule with the
-    weight-gradient floor of bert_fast.testing.reduction_floor."""
+def _check(x, w, b, act, dy, backend, x_view=None, w_view=None):
+    """Compare linear(...) against the float64 oracle: y, dx by the 2x rule; dw, db (sums over the rows
+    of x) by the 2x rule with the weight-gradient floor of bert_fast.testing.reduction_floor.
+    x_view(leaf), w_view(leaf): the x and the W fed in."""
+    xv, wv = x_view or (lambda t: t), w_view or (lambda t: t)
+    ours = _fwd_bwd(lambda a, c, d: linear(xv(a), wv(c), d, act, backend=backend), x, w, b, dy)
+    ref = lambda a, c, d: reference.linear(xv(a), wv(c), d, act)
+    oracle = _fwd_bwd(ref, x.double(), w.double(), None if b is None else b.double(), dy.double())
+    same = _fwd_bwd(ref, x, w, b, dy)
+    rows, label = dy.numel() // dy.shape[-1], f" ({backend}, {act}, {x.dtype})"
     for name, a, o, s in zip(["y", "dx", "dw", "db"], ours, oracle, same):
         if name in ("dw", "db"):
             assert_reduction_close_2x(a, o, s, rows, name=name + label)
@@ -100,14 +93,14 @@ def _check_2x(ours, oracle, same, rows, label=""):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_matches_reference(device, dtype, act, mkn, backend):
     m, k, n = mkn
-    x, w, b, dy = _inputs(device, dtype, (m,), k, n)
+    x, w, b, dy = _inputs(device, dtype, m, k, n)
     _check(x, w, b, act, dy, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_129x312x1000(device, backend):
     # all of M, N, K off the tiles at once (one case only: ~5 s per GEMM triple in the interpreter)
-    x, w, b, dy = _inputs(device, DTYPES[-1], (129,), 312, 1000, seed=13)
+    x, w, b, dy = _inputs(device, DTYPES[-1], 129, 312, 1000, seed=13)
     _check(x, w, b, "gelu", dy, backend)
 
 
@@ -119,13 +112,13 @@ def test_pointer_gemm_split_epilogue(device, act, monkeypatch):
 
     monkeypatch.setenv("BERT_FAST_GEMM_TMA", "0")
     monkeypatch.setattr(K._linear_fwd_kernel, "configs", [K._cfg(32, 128, 32, 4, 1 if device.type == "cpu" else 3)])
-    x, w, b, dy = _inputs(device, DTYPES[-1], (45,), 40, 200, seed=31)
+    x, w, b, dy = _inputs(device, DTYPES[-1], 45, 40, 200, seed=31)
     _check(x, w, b, act, dy, "triton")
 
 
 @pytest.mark.parametrize("k", [1000, 3000])
 def test_long_odd_k(device, k):
-    x, w, b, dy = _inputs(device, torch.float32, (7,), k, 48, seed=1)
+    x, w, b, dy = _inputs(device, torch.float32, 7, k, 48, seed=1)
     _check(x, w, b, "gelu", dy, "triton")
 
 
@@ -133,22 +126,21 @@ def test_long_odd_k(device, k):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_contiguous_x_and_dy(device, dtype, backend):
     m, k, n = 33, 96, 80
+    x, w, b, dy = _inputs(device, dtype, m, k, n, seed=2)
     # x: a transposed view (column-major [M, K]); dY: a transposed view too
-    xt = torch.randn(k, m, generator=torch.Generator().manual_seed(2)).to(device, dtype)  # [K, M]
-    b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device, dtype)
-    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) / k**0.5).to(device, dtype)
-    dy = torch.randn(n, m, generator=torch.Generator().manual_seed(4)).to(device, dtype).t()
+    dy = dy.t().contiguous().t()  # column-major
     assert not dy.is_contiguous()
-    _check(xt, w, b, "gelu", dy, backend, x_view=lambda t: t.t())
-    # x: a column slice of a wider tensor (row stride != K), weight: a row slice
-    wide = torch.randn(m, k + 17, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    _check(x.t().contiguous(), w, b, "gelu", dy, backend, x_view=lambda t: t.t())
+    # x: a column slice of a wider tensor (row stride != K)
+    wide = torch.nn.functional.pad(x, (3, 14))  # [M, K + 17]
     _check(wide, w, b, "gelu_tanh", dy, backend, x_view=lambda t: t[:, 3 : 3 + k])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("act", ACTS)
 def test_leading_dims_no_bias(device, act, backend):
-    x, w, b, dy = _inputs(device, DTYPES[0], (2, 5), 64, 48, bias=False, seed=6)
+    x, w, _, dy = _inputs(device, DTYPES[0], 10, 64, 48, seed=6)
+    x, dy = x.view(2, 5, 64), dy.view(2, 5, 48)
     _check(x, w, None, act, dy, backend)
     y = linear(x, w, None, act, backend=backend)
     assert y.shape == (2, 5, 48)
@@ -156,14 +148,8 @@ def test_leading_dims_no_bias(device, act, backend):
 
 def test_non_contiguous_weight(device):
     # weight given as a transposed view (column-major [N, K])
-    x, _, b, dy = _inputs(device, DTYPES[0], (9,), 40, 24, seed=7)
-    wt = torch.randn(40, 24, generator=torch.Generator().manual_seed(8)).to(device, DTYPES[0]) / 40**0.5
-    ours = _fwd_bwd(lambda a, c, d: linear(a, c.t(), d, "gelu", backend="triton"), x, wt, b, dy)
-    oracle = _fwd_bwd(
-        lambda a, c, d: reference.linear(a, c.t(), d, "gelu"), x.double(), wt.double(), b.double(), dy.double()
-    )
-    same = _fwd_bwd(lambda a, c, d: reference.linear(a, c.t(), d, "gelu"), x, wt, b, dy)
-    _check_2x(ours, oracle, same, rows=9)
+    x, w, b, dy = _inputs(device, DTYPES[0], 9, 40, 24, seed=7)
+    _check(x, w.t().contiguous(), b, "gelu", dy, "triton", w_view=lambda t: t.t())
 
 
 @pytest.mark.no_kernels("empty inputs return before any launch")
@@ -179,7 +165,7 @@ def test_empty_m(device, backend):
 
 
 def test_only_some_grads(device):
-    x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=9)
+    x, w, b, dy = _inputs(device, torch.float32, 7, 32, 24, seed=9)
     w.requires_grad_(True)
     y = linear(x, w, b, "gelu", backend="triton")  # x and b need no gradient
     (dw,) = torch.autograd.grad(y, (w,), dy)
@@ -192,14 +178,14 @@ def test_only_some_grads(device):
 
 
 def test_db_deterministic(device):
-    x, w, b, dy = _inputs(device, torch.float32, (129,), 16, 40, seed=10)
+    x, w, b, dy = _inputs(device, torch.float32, 129, 16, 40, seed=10)
     runs = [_fwd_bwd(lambda a, c, d: linear(a, c, d, "gelu", backend="triton"), x, w, b, dy)[3] for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 
 # ----------------------------------------------------------------------------- dispatch
 def test_backend_env_and_argument(device, monkeypatch, kernel_launches):
-    x, w, b, _ = _inputs(device, torch.float32, (4,), 16, 8)
+    x, w, b, _ = _inputs(device, torch.float32, 4, 16, 8)
     expect_kernel = _dispatch.use_triton(x, uses_dot=True)
     for forced in ("triton", "cublas"):
         monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", forced)
@@ -311,7 +297,7 @@ def test_every_autotune_tile_of_the_gemm(device, cfg, dtype, monkeypatch, kernel
     monkeypatch.setattr(K._linear_fwd_kernel, "configs", [cfg])
     bm, bn, bk, _ = tile_of(cfg.kwargs)
     s = max(bm, bn) + 9
-    x, w, b, dy = _inputs(device, dtype, (s,), bk + 9, s, seed=bm + 3 * bn + 7 * bk)
+    x, w, b, dy = _inputs(device, dtype, s, bk + 9, s, seed=bm + 3 * bn + 7 * bk)
     try:
         _check(x, w, b, "gelu", dy, "triton")
     except OutOfResources as err:  # the Hopper tiles on a smaller part: the autotuner skips them too
@@ -323,7 +309,7 @@ def test_every_autotune_tile_of_the_gemm(device, cfg, dtype, monkeypatch, kernel
 # ----------------------------------------------------------------------------- op checks
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
 def test_opcheck(device, backend):
-    x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=11)
+    x, w, b, dy = _inputs(device, torch.float32, 7, 32, 24, seed=11)
     if not _dispatch.use_triton(x, uses_dot=True):
         backend = "reference"
     for t in (x, w, b):
@@ -342,10 +328,7 @@ def test_opcheck(device, backend):
 def test_gradcheck_float64(device, act, backend):
     # float64 runs the Triton kernels in the interpreter (its tl.dot takes fp64); on CUDA float64
     # takes the torch implementation (cuBLAS DGEMM; fp64 tl.dot on the GPU is not relied on).
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(3, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
-    w = torch.randn(5, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
-    b = torch.randn(5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    x, w, b, _ = (t.requires_grad_(True) for t in _inputs(device, torch.float64, 3, 8, 5, seed=12))
     assert torch.autograd.gradcheck(lambda a, c, d: linear(a, c, d, act, backend=backend), (x, w, b))
 
 
@@ -360,7 +343,7 @@ def test_autocast_casts_like_nn_linear(device, act, backend):
     import torch.nn.functional as F
 
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
-    x, w, b, _ = _inputs(device, torch.float32, (33,), 32, 24, seed=13)
+    x, w, b, _ = _inputs(device, torch.float32, 33, 32, 24, seed=13)
     for t in (x, w, b):
         t.requires_grad_(True)
     with torch.autocast(device.type, dtype=dtype):
@@ -399,7 +382,7 @@ def test_bad_inputs(device):
 def test_auto_backend_resolved_inside_the_ops(device):
     """linear() hands "auto" to the ops on CUDA (the table lookup reads a file: a graph break under
     torch.compile); the ops must resolve it themselves, forward and backward alike."""
-    x, w, b, dy = _inputs(device, torch.float32, (7,), 32, 24, seed=15)
+    x, w, b, dy = _inputs(device, torch.float32, 7, 32, 24, seed=15)
     assert _dispatch.use_triton(x, uses_dot=True), "the Triton GEMM must run here (tests/conftest.py)"
     xs, ws, bs = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
     y, z = torch.ops.bert_fast.linear_fwd(xs, ws, bs, "gelu", "auto:auto", True)
@@ -418,7 +401,7 @@ def test_auto_backend_resolved_inside_the_ops(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA dispatch path (table lookup) needs a GPU")
 def test_torch_compile_fullgraph_cuda_auto(monkeypatch):
     monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "auto")
-    x, w, b, _ = _inputs(torch.device("cuda"), torch.float16, (33,), 64, 96, seed=16)
+    x, w, b, _ = _inputs(torch.device("cuda"), torch.float16, 33, 64, 96, seed=16)
     torch._dynamo.reset()
     fn = torch.compile(lambda a, c, d: linear(a, c, d, "gelu"), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fn(x, w, b), linear(x, w, b, "gelu"))

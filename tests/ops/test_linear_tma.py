@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_linear import ACTS, _check, _inputs
+from test_linear import ACTS, _check
 
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import linear as linear_cases
 from bert_fast.kernels import linear as K
 from bert_fast.kernels import linear_tma
 from bert_fast.testing import assert_close_2x, distinct_tiles, dtypes_for, gpu_config_space, pick_test_device, tile_of
@@ -71,16 +73,18 @@ def test_tma_gemm_forward_and_backward(device, dtype, act, cfg, tma_kinds, monke
     """y, dX and dW (all three GEMM layouts: B transposed, plain, A transposed) and db."""
     _pin_config(monkeypatch, cfg)
     m, k, n = SHAPE
-    x, w, b, dy = _inputs(device, dtype, (m,), k, n, seed=21)
-    _check(x, w, b, act, dy, "triton")
+    randn = seeded_randn(21, device, dtype)
+    x, w, b = linear_cases.sample_inputs(m, n, k, randn, bias_scale=1.0).values()
+    _check(x, w, b, act, randn(m, n), "triton")
     assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
 
 
 def test_tma_gemm_no_bias_and_leading_dims(device, tma_kinds, monkeypatch):
     _pin_config(monkeypatch, CONFIGS[-1])
     m, k, n = SHAPE
-    x, w, _, dy = _inputs(device, dtypes_for(DEVICE)[-1], (2, m // 2), k, n, bias=False, seed=22)
-    _check(x, w, None, "gelu_tanh", dy, "triton")
+    randn = seeded_randn(22, device, dtypes_for(DEVICE)[-1])
+    x, w, _ = linear_cases.sample_inputs(m, n, k, randn).values()
+    _check(x.view(2, m // 2, k), w, None, "gelu_tanh", randn(2, m // 2, n), "triton")
     assert len(tma_kinds) == 3
 
 
@@ -90,9 +94,9 @@ def test_tma_gemm_transposed_x(device, tma_kinds, monkeypatch):
     _pin_config(monkeypatch, CONFIGS[0])
     m, k, n = SHAPE
     m = (m + 7) // 8 * 8
-    x, w, b, dy = _inputs(device, dtypes_for(DEVICE)[-1], (m,), k, n, seed=23)
-    x_t = x.t().contiguous()
-    _check(x_t, w, b, "gelu", dy, "triton", x_view=lambda t: t.t())
+    randn = seeded_randn(23, device, dtypes_for(DEVICE)[-1])
+    x, w, b = linear_cases.sample_inputs(m, n, k, randn, bias_scale=1.0).values()
+    _check(x.t().contiguous(), w, b, "gelu", randn(m, n), "triton", x_view=lambda t: t.t())
     assert K.KIND_FWD in tma_kinds
 
 
@@ -109,8 +113,9 @@ def test_tma_split_k_weight_gradient(device, tma_kinds, monkeypatch, split_k):
 
     monkeypatch.setattr(linear_tma, "_split_k", forced)
     m, k, n = SHAPE
-    x, w, b, dy = _inputs(device, dtypes_for(DEVICE)[-1], (m,), k, n, seed=26)
-    _check(x, w, b, "gelu", dy, "triton")
+    randn = seeded_randn(26, device, dtypes_for(DEVICE)[-1])
+    x, w, b = linear_cases.sample_inputs(m, n, k, randn, bias_scale=1.0).values()
+    _check(x, w, b, "gelu", randn(m, n), "triton")
     assert K.KIND_DW in asked and K.KIND_FWD not in asked  # the forward has an epilogue: never split
     assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
 
@@ -141,8 +146,9 @@ def test_every_autotune_tile_of_the_tma_gemm(device, cfg, dtype, tma_kinds, monk
     monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(linear_tma._linear_tma_kernel, "t", persist=False))
     bm, bn, bk, split = tile_of(cfg.kwargs)
     s = max(bm, bn) + 8
-    x, w, b, dy = _inputs(device, dtype, (s,), bk + 8, s, seed=bm + 3 * bn + 7 * bk)
-    _check(x, w, b, "gelu", dy, "triton")
+    randn = seeded_randn(bm + 3 * bn + 7 * bk, device, dtype)
+    x, w, b = linear_cases.sample_inputs(s, s, bk + 8, randn, bias_scale=1.0).values()
+    _check(x, w, b, "gelu", randn(s, s), "triton")
     assert sorted(tma_kinds) == [K.KIND_FWD, K.KIND_DX, K.KIND_DW]
     ran = [tile_of(t) for t in kernel_launches.tiles("_linear_tma_kernel")]
     assert ran == [(bm, bn, bk, split)] * 3, ran
@@ -215,15 +221,13 @@ def test_tma_launch_reuses_the_stored_winner(device, tma_kinds, tmp_path, monkey
     monkeypatch.setattr(kernel, "run", lambda *a, **kw: runs.append(1) or tuned_run(*a, **kw))
     monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(kernel, "linear_tma"))
     m, k, n = SHAPE
-    dtype = dtypes_for(DEVICE)[-1]
-    gen = torch.Generator().manual_seed(27)
-    a = torch.randn(m, k, generator=gen).to(device, dtype)
-    b = torch.randn(k, n, generator=gen).to(device, dtype)
+    a, w, _ = linear_cases.sample_inputs(m, n, k, seeded_randn(27, device, dtypes_for(DEVICE)[-1])).values()
+    b = w.t().contiguous()  # B [K, N], row-major
     outs = []
     for store in ("this process", "this process", "a new process"):
         if store == "a new process":
             monkeypatch.setattr(linear_tma, "_TUNED", TunedConfigs(kernel, "linear_tma"))
-        y = torch.empty(m, n, device=device, dtype=dtype)
+        y = torch.empty(m, n, device=device, dtype=a.dtype)
         K._launch_gemm(a, b, y, None, None, 0, K.KIND_FWD)
         outs.append(y)
     assert runs == [1] and len(tma_kinds) == 3
@@ -237,13 +241,13 @@ def test_tma_falls_back_where_tma_cannot_read(device, tma_kinds):
     K = 7 fp16 rows are 14 bytes (TMA needs 16-byte row pitches): no GEMM of that layer uses TMA;
     x with a column stride of 2 has no unit stride: the forward and dW (which reads x) fall back,
     only dX = dZ @ W (both contiguous) takes the TMA kernel."""
-    x, w, b, dy = _inputs(device, torch.float16, (33,), 7, 24, seed=24)
-    _check(x, w, b, "gelu", dy, "triton")
+    randn = seeded_randn(24, device, torch.float16)
+    x, w, b = linear_cases.sample_inputs(33, 24, 7, randn, bias_scale=1.0).values()
+    _check(x, w, b, "gelu", randn(33, 24), "triton")
     assert tma_kinds == []
-    x2, w2, b2, dy2 = _inputs(device, torch.float16, (33,), 32, 24, seed=25)
-    wide = torch.zeros(33, 64, dtype=torch.float16, device=device)
-    wide[:, ::2] = x2
-    _check(wide, w2, b2, None, dy2, "triton", x_view=lambda t: t[:, ::2])
+    x, w, b = linear_cases.sample_inputs(33, 24, 32, randn, bias_scale=1.0).values()
+    wide = torch.stack((x, torch.zeros_like(x)), dim=-1).view(33, 64)  # x in the even columns
+    _check(wide, w, b, None, randn(33, 24), "triton", x_view=lambda t: t[:, ::2])
     assert tma_kinds == [K.KIND_DX]
 
 

@@ -10,6 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from bert_fast import reference
+from bert_fast.bench.op_case import seeded_randn
+from bert_fast.bench.op_cases import residual_layer_norm as residual_layer_norm_cases
 from bert_fast.ops import _dispatch, residual_layer_norm, residual_layer_norm_dropout_mask
 from bert_fast.testing import (
     assert_close_2x,
@@ -27,15 +29,11 @@ DTYPES = dtypes_for(pick_test_device(), uses_dot=False)
 NAMES = ("dx", "dresidual", "dweight", "dbias")
 
 
-def _inputs(m, n, dtype, device, seed=0, lead=None):
-    g = torch.Generator().manual_seed(seed)
-    shape = (lead or ()) + (m, n)
-    x = torch.randn(shape, generator=g).to(device, dtype)
-    r = torch.randn(shape, generator=g).to(device, dtype)
-    w = (1 + 0.5 * torch.randn(n, generator=g)).to(device, dtype)
-    b = (0.5 * torch.randn(n, generator=g)).to(device, dtype)
-    dy = torch.randn(shape, generator=g).to(device, dtype)
-    return x, r, w, b, dy
+def _inputs(m, n, dtype, device, seed=0):
+    """The op's sample_inputs (weight and bias 0.5 off the identity: wider than the bench's) and a dy."""
+    randn = seeded_randn(seed, device, dtype)
+    x, r, w, b = residual_layer_norm_cases.sample_inputs(m, n, randn, affine_scale=0.5).values()
+    return x, r, w, b, randn(m, n)
 
 
 def _fwd_bwd(fn, tensors, dy, dtype=None):
@@ -81,10 +79,11 @@ def test_residual_layer_norm_2x(device, m, n, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_residual_layer_norm_noncontiguous(device, dtype):
     n = 384
-    x0, r0, w, b, _ = _inputs(2 * 9, n + 40, dtype, device, seed=5)
+    randn = seeded_randn(5, device, dtype)
+    x0, r0, w, b = residual_layer_norm_cases.sample_inputs(2 * 9, n + 40, randn, affine_scale=0.5).values()
     x = x0[::2, :n]  # strided rows
     r = r0[1::2, 40:]  # other row stride, column offset
-    dy = torch.randn(n, 9).to(device, dtype).t()  # transposed gradient
+    dy = randn(n, 9).t()  # transposed gradient
     w, b = w[:n], b[:n]
     assert not (x.is_contiguous() or r.is_contiguous() or dy.is_contiguous())
     y, grads = _fwd_bwd(residual_layer_norm, (x, r, w, b), dy)
@@ -93,7 +92,8 @@ def test_residual_layer_norm_noncontiguous(device, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_residual_layer_norm_leading_dims(device, dtype):
-    x, r, w, b, dy = _inputs(5, 768, dtype, device, seed=6, lead=(2,))  # [B, S, N]
+    x, r, w, b, dy = _inputs(10, 768, dtype, device, seed=6)
+    x, r, dy = (t.view(2, 5, 768) for t in (x, r, dy))  # [B, S, N]
     y, grads = _fwd_bwd(lambda *t: residual_layer_norm(*t, eps=1e-5), (x, r, w, b), dy)
     assert y.shape == (2, 5, 768)
     y64, g64 = _fwd_bwd(_ref(eps=1e-5), (x, r, w, b), dy, torch.float64)

@@ -14,9 +14,10 @@ TOKENS = (8192, 16384)
 HIDDEN = (768, 1024)
 
 
-def sample_inputs(t: int, n: int, randn) -> dict:
-    """One call's inputs: x [T, N] and the bias [N] (small, as trained)."""
-    return {"x": randn(t, n), "bias": randn(n, scale=0.1)}
+def sample_inputs(t: int, n: int, randn, x_scale: float = 1.0, bias_scale: float = 0.1) -> dict:
+    """One call's inputs: x [T, N] and the bias [N] (small, as trained); the tests spread both wider
+    (``x_scale``, ``bias_scale``), to reach further into GELU's tails."""
+    return {"x": randn(t, n, scale=x_scale), "bias": randn(n, scale=bias_scale)}
 
 
 def _eager(x, b):

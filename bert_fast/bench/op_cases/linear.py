@@ -29,9 +29,10 @@ def gemm_shapes(h: int, ffn: Optional[int] = None) -> List[Tuple[str, int, int, 
     return [("qkv", 3 * h, h, None), ("ffn_up", f, h, "gelu"), ("ffn_down", h, f, None)]
 
 
-def sample_inputs(m: int, n: int, k: int, randn) -> dict:
-    """One call's inputs: x [M, K], the weight [N, K] (scaled 1/sqrt(K), as initialized), the bias [N]."""
-    return {"x": randn(m, k), "weight": randn(n, k, scale=k**-0.5), "bias": randn(n, scale=0.1)}
+def sample_inputs(m: int, n: int, k: int, randn, bias_scale: float = 0.1) -> dict:
+    """One call's inputs: x [M, K], the weight [N, K] (scaled 1/sqrt(K), as initialized), the bias [N]
+    (``bias_scale``: small, as trained; the tests take 1.0, to spread the activation's input wider)."""
+    return {"x": randn(m, k), "weight": randn(n, k, scale=k**-0.5), "bias": randn(n, scale=bias_scale)}
 
 
 def _torch_linear(x, w, b, activation):

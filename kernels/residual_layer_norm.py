@@ -284,6 +284,14 @@ def _dropout_args(dropout_p: float, seed: int):
     return has, float(dropout_p), (1.0 / (1.0 - dropout_p) if has else 1.0), int(seed) if has else 0
 
 
+def _fwd_outputs(like: torch.Tensor):
+    """A forward's outputs for rows like ``like`` [M, N]: y [M, N] in its dtype, mean and rstd [M]
+    (fp32; fp64 for fp64), zero until written."""
+    M, N = like.shape
+    stat = dict(dtype=_stat_dtype(like.dtype), device=like.device)
+    return torch.empty((M, N), dtype=like.dtype, device=like.device), torch.zeros(M, **stat), torch.zeros(M, **stat)
+
+
 def residual_layer_norm_fwd(
     x2d: torch.Tensor,
     res2d: torch.Tensor,
@@ -298,9 +306,7 @@ def residual_layer_norm_fwd(
     _check_2d(x2d, res2d, weight, bias)
     has_dropout, p, scale, seed = _dropout_args(dropout_p, seed)
     M, N = x2d.shape
-    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    mean = torch.zeros((M,), dtype=_stat_dtype(x2d.dtype), device=x2d.device)
-    rstd = torch.zeros((M,), dtype=_stat_dtype(x2d.dtype), device=x2d.device)
+    y, mean, rstd = _fwd_outputs(x2d)
     if M == 0 or N == 0:
         return y, mean, rstd
     x2d, res2d = _row_contiguous(x2d), _row_contiguous(res2d)
@@ -340,9 +346,7 @@ def partials_residual_layer_norm_fwd(part, x_bias, res2d, weight, bias, eps: flo
     S, M, N = part.shape
     if (M, N) != tuple(res2d.shape) or tuple(x_bias.shape) != (N,) or not part.is_contiguous():
         raise ValueError(f"partials {tuple(part.shape)} must be contiguous [S, M, N] over res2d {tuple(res2d.shape)}")
-    y = torch.empty((M, N), dtype=res2d.dtype, device=res2d.device)
-    mean = torch.zeros((M,), dtype=_stat_dtype(res2d.dtype), device=res2d.device)
-    rstd = torch.zeros((M,), dtype=_stat_dtype(res2d.dtype), device=res2d.device)
+    y, mean, rstd = _fwd_outputs(res2d)
     if M == 0 or N == 0:
         return y, mean, rstd
     res2d = _row_contiguous(res2d)

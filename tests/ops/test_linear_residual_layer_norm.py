@@ -122,46 +122,11 @@ def test_model_runs_it_for_its_output_projections(device, tma, monkeypatch):
 
 
 @pytest.mark.no_kernels("offline sm_90 / sm_80 compile in a subprocess")
-def test_partials_layer_norm_kernel_compiles_without_spills(tmp_path):
-    """The slice-summing LayerNorm kernel for BERT-base and -large rows (N = 768, 1024) and 3-8
-    slices, compiled for sm_90 and sm_80: within shared memory (run_offline_compile) and no stack."""
-    import re
-    import subprocess
-
-    from test_bias_gelu import run_offline_compile
-    from test_linear_tma import _cuobjdump
-
-    rows = run_offline_compile(
-        r"""
-import os
-from bert_fast.kernels import residual_layer_norm as K
-for cc in (90, 80):
-    for n in (768, 1024):
-        bm, bn, warps = K._config(n)
-        for slices in (3, 8):
-            p = "*bf16"
-            types = dict(P="*fp32", XB=p, R=p, W=p, B=p, Y=p, MEAN="*fp32", RSTD="*fp32", M="i32", N="i32",
-                         stride_rm="i32", stride_ym="i32", eps="fp32")
-            consts = dict(SLICES=slices, COMPUTE=tl.float32, BLOCK_M=bm, BLOCK_N=bn)
-            label = f"sm{cc}-n{n}-s{slices}"
-            comp(K._partials_residual_layer_norm_kernel, types, consts, cc, warps=warps, label=label)
-            open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
-""".replace("OUT_DIR", repr(str(tmp_path)))
-    )
-    assert len(rows) == 8
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump to read the register use with (shared memory was checked)")
-    for cubin in sorted(tmp_path.glob("*.cubin")):
-        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, f"{cubin.stem}: register spills"
-
-
-@pytest.mark.no_kernels("offline sm_90 compile in a subprocess")
-def test_forward_split_gemm_compiles_to_tma_wgmma_without_spills(tmp_path):
-    """The forward GEMM writing fp32 K-slice partials (x row-major, W stored [N, K]), at the fixed
-    small-M tile and the fixed large one, 3 and 5 slices, for sm_90: TMA loads and stores feeding
-    wgmma, no stack."""
+def test_split_k_kernels_compile_without_spills(tmp_path):
+    """Compiled offline, within shared memory (run_offline_compile) and without stack: the forward
+    GEMM writing fp32 K-slice partials (x row-major, W stored [N, K]) at both fixed tiles and 3 and 5
+    slices for sm_90, as TMA loads and stores feeding wgmma; the slice-summing LayerNorm for
+    BERT-base and -large rows (N = 768, 1024), 3 and 8 slices, for sm_90 and sm_80."""
     import re
     import subprocess
 
@@ -172,7 +137,7 @@ def test_forward_split_gemm_compiles_to_tma_wgmma_without_spills(tmp_path):
         r"""
 import os
 os.environ["BERT_FAST_AUTOTUNE"] = "0"
-from bert_fast.kernels import linear_tma as T
+from bert_fast.kernels import linear_tma as T, residual_layer_norm as K
 fn = T._linear_tma_kernel
 while not isinstance(fn, triton.runtime.jit.JITFunction):
     fn = fn.fn
@@ -185,17 +150,29 @@ for cfg in T._configs():
                      z_desc=box, BIAS="*fp32", **{n: "i32" for n in "M N K M_BUCKET K_BUCKET KIND".split()})
         consts = dict(HAS_BIAS=False, ACTIVATION=0, SAVE_Z=False, A_T=False, B_T=True, SPLIT_K=split_k,
                       NUM_SMS=132, DOT_PRECISION="native", ACC_DTYPE=tl.float32, INTERPRET=False, **kw)
-        label = f"fwd-split{split_k}-{bm}x{bn}x{bk}-w{cfg.num_warps}-s{cfg.num_stages}"
+        label = f"gemm-split{split_k}-{bm}x{bn}x{bk}-w{cfg.num_warps}-s{cfg.num_stages}"
         comp(fn, types, consts, 90, warps=cfg.num_warps, stages=cfg.num_stages, label=label)
         open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
+for cc in (90, 80):
+    for n in (768, 1024):
+        bm, bn, warps = K._config(n)
+        for slices in (3, 8):
+            p = "*bf16"
+            types = dict(P="*fp32", XB=p, R=p, W=p, B=p, Y=p, MEAN="*fp32", RSTD="*fp32", M="i32", N="i32",
+                         stride_rm="i32", stride_ym="i32", eps="fp32")
+            consts = dict(SLICES=slices, COMPUTE=tl.float32, BLOCK_M=bm, BLOCK_N=bn)
+            label = f"ln-sm{cc}-n{n}-s{slices}"
+            comp(K._partials_residual_layer_norm_kernel, types, consts, cc, warps=warps, label=label)
+            open(os.path.join(OUT_DIR, label + ".cubin"), "wb").write(LAST["cubin"])
 """.replace("OUT_DIR", repr(str(tmp_path)))
     )
-    assert len(rows) == 4
+    assert len(rows) == 4 + 8
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS with (shared memory was checked)")
     for cubin in sorted(tmp_path.glob("*.cubin")):
         sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-        assert all(i in sass for i in ("HGMMA", "UTMALDG", "UTMASTG")), f"{cubin.stem}: not TMA + wgmma"
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, f"{cubin.stem}: register spills"
+        if cubin.stem.startswith("gemm"):
+            assert all(i in sass for i in ("HGMMA", "UTMALDG", "UTMASTG")), f"{cubin.stem}: not TMA + wgmma"

@@ -445,9 +445,10 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias, activation=None, sav
 
 
 def linear_fwd_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int):
-    """The partial products [split_k, M, N] (fp32; fp64 for fp64) of x [M, K] @ weight[N, K]^T over
-    split_k K-slices, for an epilogue the next kernel applies (a GEMM at small M that fills the GPU:
-    linear_tma.forward_splits); None where the TMA kernel does not take these operands."""
+    """A launcher of the partial products [split_k, M, N] (fp32; fp64 for fp64) of x [M, K] @
+    weight[N, K]^T over split_k K-slices, for an epilogue the next kernel applies (a GEMM at small M
+    that fills the GPU: linear_tma.forward_splits): a function that runs the TMA kernel and returns
+    them, or None where the TMA kernel does not take these operands (decided without a launch)."""
     _check_2d("x", x)
     _check_2d("weight", weight)
     M, K = x.shape
@@ -457,8 +458,12 @@ def linear_fwd_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int):
     views = linear_tma.tma_views(x, b, part[0])
     if views is None or M == 0 or N == 0 or K == 0:
         return None
-    linear_tma.partials(x, b, part, views, m_bucket(M), _dot_precision(x.dtype), _acc_dtype(x.dtype))
-    return part
+
+    def run() -> torch.Tensor:
+        linear_tma.partials(x, b, part, views, m_bucket(M), _dot_precision(x.dtype), _acc_dtype(x.dtype))
+        return part
+
+    return run
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, kind: int = KIND_OTHER) -> torch.Tensor:

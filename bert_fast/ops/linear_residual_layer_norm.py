@@ -95,12 +95,12 @@ def _fused(x, weight, bias, residual, ln_weight, ln_bias, eps, splits) -> Option
     n, k = weight.shape
     x2, r2 = x.reshape(-1, k), residual.reshape(-1, n)
     b = bias if bias is not None else x.new_zeros((n,))
-    part = linear_fwd_partials(x2, weight, splits)
-    if part is None:
+    gemm = linear_fwd_partials(x2, weight, splits)
+    if gemm is None:
         return None
 
     def kernel():
-        return partials_residual_layer_norm_fwd(part, b, r2, ln_weight, ln_bias, eps)
+        return partials_residual_layer_norm_fwd(gemm(), b, r2, ln_weight, ln_bias, eps)
 
     def fallback(_keep):
         z, _ = torch_impl.linear_fwd(x2, weight, b, None, False)

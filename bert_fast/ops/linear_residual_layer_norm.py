@@ -48,7 +48,7 @@ def linear_residual_layer_norm(
 ) -> Tensor:
     """LayerNorm(dropout(x @ weight^T + bias) + residual) * ln_weight + ln_bias for x [..., K],
     weight [N, K], bias [N] (or None), residual [..., N], ln_weight and ln_bias [N]; one dtype."""
-    splits = _fused_splits(x, weight, residual, dropout_p)
+    splits = _fused_splits(x, weight, residual, ln_weight.dtype, dropout_p)
     if splits > 1:
         y = _fused(x, weight, bias, residual, ln_weight, ln_bias, eps, splits)
         if y is not None:
@@ -59,8 +59,8 @@ def linear_residual_layer_norm(
     return residual_layer_norm(y, residual, ln_weight, ln_bias, eps, dropout_p, generator)
 
 
-def _fused_splits(x: Tensor, weight: Tensor, residual: Tensor, dropout_p: float) -> int:
-    """The K-slices of the fused path for this call, or 1 where the two ops run."""
+def _fused_splits(x: Tensor, weight: Tensor, residual: Tensor, ln_dtype: torch.dtype, dropout_p: float) -> int:
+    """The K-slices of the fused path for this call, or 1 where the two ops run (and check the inputs)."""
     if (
         dropout_p != 0.0
         or os.environ.get(_ENV, "auto") == "0"
@@ -71,6 +71,7 @@ def _fused_splits(x: Tensor, weight: Tensor, residual: Tensor, dropout_p: float)
         or _requested_backend(None) == "cublas"
         or x.dim() < 1
         or weight.dim() != 2
+        or not x.dtype == weight.dtype == residual.dtype == ln_dtype
         or residual.shape != x.shape[:-1] + (weight.shape[0],)
     ):
         return 1

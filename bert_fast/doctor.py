@@ -769,10 +769,19 @@ def run(args) -> int:
     )
     print(f"bert-fast doctor: {len(checks)} checks {where}; each op's checks in their own process", flush=True)
     t0 = time.monotonic()
-    results = _run_ops(ops, checks, gpu, args.timeout)
+    done: List[dict] = []
+    interrupted = False
+    try:
+        results = _run_ops(ops, checks, gpu, args.timeout, done.append)
+    except KeyboardInterrupt:  # Ctrl-C, or a GPU check's time cap (timeout -s INT): report what ran
+        interrupted = True
+        ran = {r["id"] for r in done}
+        why = "not run: interrupted (Ctrl-C, or the time cap of the GPU check's stage)"
+        results = done + [_broken(c, gpu, "skip", why) for c in checks if c["id"] not in ran]
+        print(f"\ninterrupted after {len(done)} of {len(checks)} checks", flush=True)
     bad = _print_report(results, t0)
-    note, precision = _cpu_advice(gpu)
-    status = EXIT_FAIL if bad else 0
+    note, precision = (None, None) if interrupted else _cpu_advice(gpu)
+    status = EXIT_FAIL if bad else (130 if interrupted else 0)
     if args.json:
         _write_report(args.json, gpu, results, status, note, precision, t0)
     if bad:
@@ -783,13 +792,14 @@ def run(args) -> int:
     return status
 
 
-def _run_ops(ops, checks: List[dict], gpu: bool, timeout_s: float) -> List[dict]:
-    """Each op's checks in their own processes (run_group), a line per op as it ends."""
+def _run_ops(ops, checks: List[dict], gpu: bool, timeout_s: float, on_result=None) -> List[dict]:
+    """Each op's checks in their own processes (run_group), a line per op as it ends; each result
+    also to ``on_result`` as it arrives."""
     results: List[dict] = []
     for op in ops:
         group = [c for c in checks if c["op"] == op]
         t_op = time.monotonic()
-        results += run_group(group, gpu, timeout_s)
+        results += run_group(group, gpu, timeout_s, on_result)
         done = [r for r in results if r["op"] == op]
         s = summarize(done)
         print(

@@ -36,8 +36,9 @@ NO_RESULTS = (
 
 
 def newest_results(results_dir: Path, allow_cpu: bool = False) -> Optional[Tuple[Path, Dict[str, Any]]]:
-    """The most recent GPU-check results file (by its 'created' stamp, then file name); files from
-    a machine without a CUDA GPU are ignored unless ``allow_cpu``."""
+    """The most recent GPU-check results file with model figures (by its 'created' stamp, then file
+    name; one without, a lease's correctness call, only where none has any); files from a machine
+    without a CUDA GPU are ignored unless ``allow_cpu``."""
     found = []
     for p in sorted(Path(results_dir).glob("*.json")):
         try:
@@ -47,10 +48,10 @@ def newest_results(results_dir: Path, allow_cpu: bool = False) -> Optional[Tuple
         if not (isinstance(doc, dict) and doc.get("schema") == GPU_CHECK_SCHEMA):
             continue
         if allow_cpu or (doc.get("environment") or {}).get("device_type") == "cuda":
-            found.append((str(doc.get("created", "")), p.name, p, doc))
+            found.append((bool((doc.get("model") or {}).get("runs")), str(doc.get("created", "")), p.name, p, doc))
     if not found:
         return None
-    _, _, path, doc = max(found, key=lambda t: (t[0], t[1]))
+    *_, path, doc = max(found, key=lambda t: t[:3])
     return path, doc
 
 

@@ -186,7 +186,9 @@ def _add_provider_arguments(p: argparse.ArgumentParser) -> None:
         "transformers model compiled for the CPU at OpenVINO's default precision / at f32 (pip install "
         "openvino). These run in their own precision in every dtype's table. bert_fast-frozen: bert_fast "
         "after BertModel.freeze() (packed weights, CPU inference only); bert_fast-int8: "
-        "optimize(model, int8=True) (int8 GEMMs behind the accuracy guard, the table's dtype elsewhere)",
+        "optimize(model, int8=True) (int8 GEMMs behind the accuracy guard, the table's dtype elsewhere); "
+        "hf-compile: torch.compile(transformers model), on CUDA mode='max-autotune-no-cudagraphs' "
+        "('reduce-overhead' with --cuda-graphs), on the CPU its default mode",
     )
     p.add_argument(
         "--encode",

@@ -559,6 +559,24 @@ def quantize_int8(model, config, device, mode: str) -> str:
     return f"optimize(model, int8=True): calibration min cosine {cos:.4f} to fp32 (bound {int8.DEFAULT_MIN_COSINE})"
 
 
+HF_COMPILE_MODES = {  # the hf-compile rival's torch.compile mode -> the note its results carry
+    "reduce-overhead": "torch.compile(mode='reduce-overhead'): torch's own CUDA graphs (--cuda-graphs)",
+    "max-autotune-no-cudagraphs": "torch.compile(mode='max-autotune-no-cudagraphs'): GEMM autotuning, no CUDA graphs",
+    None: "torch.compile() in its default mode (on the CPU: inductor's C++ kernels)",
+}
+
+
+def hf_compile_mode(device, cuda_graphs: bool) -> Optional[str]:
+    """torch.compile's mode for the hf-compile rival (issue #41): on CUDA "reduce-overhead" with
+    --cuda-graphs (torch's own graphs, the fair rival at batch 1), else "max-autotune-no-cudagraphs";
+    on the CPU the default mode (None)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    return "reduce-overhead" if cuda_graphs else "max-autotune-no-cudagraphs"
+
+
 def build_provider_model(provider: str, config, state, device, dtype, mode: str, cuda_graphs: bool, key: str = "model"):
     """(model, callable-like-the-model, notes) for one provider."""
     import torch
@@ -601,11 +619,9 @@ def build_provider_model(provider: str, config, state, device, dtype, mode: str,
     model.train(mode == "train")
     runner: Callable = model
     if provider == "hf-compile":
-        if cuda_graphs and torch.device(device).type == "cuda":
-            runner = torch.compile(model, mode="reduce-overhead")
-            notes.append("torch.compile(mode='reduce-overhead'): torch's own CUDA graphs")
-        else:
-            runner = torch.compile(model)
+        mode = hf_compile_mode(device, cuda_graphs)
+        runner = torch.compile(model, mode=mode)
+        notes.append(HF_COMPILE_MODES[mode])
     elif provider.startswith("bert_fast") and cuda_graphs:
         if torch.device(device).type != "cuda":
             notes.append("--cuda-graphs ignored: CUDA graphs need a CUDA GPU")

@@ -118,7 +118,10 @@ def now_iso() -> str:
 
 
 def git_commit(root: Optional[Path] = None) -> str:
-    """``git rev-parse HEAD`` of the source tree (marked ``+dirty`` with local changes), or "unknown"."""
+    """``git rev-parse HEAD`` of the source tree (marked ``+dirty`` with local changes), or "unknown".
+    BERT_FAST_CHECK_COMMIT, where set, wins: a leased GPU gets the tree over an older .git."""
+    if os.environ.get("BERT_FAST_CHECK_COMMIT"):
+        return os.environ["BERT_FAST_CHECK_COMMIT"]
     root = Path(root or REPO_ROOT)
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
@@ -569,13 +572,18 @@ def merge(
     pytest_bench_json=None,
     plot=None,
     doctor_json=None,
+    timelines=(),
+    notes=(),
 ) -> Dict[str, Any]:
     """Combine the files of one GPU-check run into one document (schema bert_fast.gpu_check/1).
     ``doctor_json``: the report of ``bert-fast doctor --json``; its summary and every check that
-    did not pass go into the document (the whole report stays in its own file beside it)."""
+    did not pass go into the document (the whole report stays in its own file beside it).
+    ``timelines``: benchmarks/model/gpu_timeline.py's CASE.json files (each one's totals and top
+    kernels); ``notes``: lines about the run (its plan, a dry run)."""
     run_dir = Path(run_dir)
     out_dir = Path(out_path).parent  # the document names its files relative to itself
     doc: Dict[str, Any] = {"schema": GPU_CHECK_SCHEMA, "created": now_iso(), "run_dir": str(run_dir)}
+    doc["notes"] = list(notes)
     doc["stages"] = _stages(stages_file)
     env = None
     info = _read_part(doc, "info", info_json)
@@ -590,6 +598,7 @@ def merge(
             env = env or part.get("environment")
     doc["model"], env = _model_part(model_jsons, out_dir, env)
     _read_part(doc, "pytest_benchmark", pytest_bench_json, _pytest_benchmarks)
+    doc["timelines"] = [_timeline_entry(p, out_dir) for p in timelines if Path(p).exists()]
     if env is None:
         try:
             env = environment()
@@ -663,7 +672,7 @@ def _doctor_entry(rep: Dict[str, Any], doctor_json, out_dir: Path) -> Dict[str, 
 def _model_part(model_jsons, out_dir: Path, env):
     """({"runs": every run of the model files, each with its file's arguments, "files": what each
     file was}, ``env`` or the first model file's environment)."""
-    runs, model_docs = [], []
+    runs, model_docs, mlm = [], [], []
     for p in model_jsons:
         if not Path(p).exists():
             continue
@@ -673,6 +682,9 @@ def _model_part(model_jsons, out_dir: Path, env):
             model_docs.append({"file": str(p), "error": str(exc)})
             continue
         env = env or d.get("environment")
+        if d.get("kind") == "train-mlm":  # `bench --mode train-mlm`: one case, its own fields
+            mlm.append(dict(d, file=os.path.relpath(p, out_dir)))
+            continue
         model_docs.append(
             {
                 "file": os.path.relpath(p, out_dir),
@@ -684,7 +696,17 @@ def _model_part(model_jsons, out_dir: Path, env):
         )
         for r in d.get("runs", []):
             runs.append(dict(r, arguments=d.get("arguments")))
-    return {"runs": runs, "files": model_docs}, env
+    return {"runs": runs, "files": model_docs, "train_mlm": mlm}, env
+
+
+def _timeline_entry(path, out_dir: Path) -> Dict[str, Any]:
+    """A timeline case's totals and its ten largest kernels (the file keeps every one)."""
+    try:
+        d = read_json(path)
+    except (OSError, ValueError) as exc:
+        return {"file": os.path.relpath(path, out_dir), "error": str(exc)}
+    keep = ("case", "model", "dtype", "wall_ms", "kernel_sum_us", "kernel_count", "busy_span_us", "launch_calls")
+    return dict({k: d.get(k) for k in keep}, top=d.get("kernels", [])[:10], file=os.path.relpath(path, out_dir))
 
 
 def _pytest_benchmarks(pb: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -740,6 +762,8 @@ def _main(argv=None) -> int:
     m.add_argument("--pytest-bench")
     m.add_argument("--plot")
     m.add_argument("--doctor", help="bert-fast doctor --json report")
+    m.add_argument("--timelines", nargs="*", default=[], help="benchmarks/model/gpu_timeline.py CASE.json files")
+    m.add_argument("--note", action="append", default=[], help="a line about the run (repeatable)")
     c = sub.add_parser("counts", help="print pytest counts parsed from a log")
     c.add_argument("log")
     args = p.parse_args(argv)
@@ -758,13 +782,16 @@ def _main(argv=None) -> int:
         pytest_bench_json=args.pytest_bench,
         plot=args.plot,
         doctor_json=args.doctor,
+        timelines=args.timelines,
+        notes=args.note,
     )
     t = doc.get("tests", {})
     if doc.get("doctor"):
         print(f"doctor: {doc['doctor'].get('summary')}")
     print(
         f"wrote {args.out}: tests passed={t.get('passed')} failed={t.get('failed')} "
-        f"skipped={t.get('skipped')} errors={t.get('errors')}; {len(doc['model']['runs'])} model runs; "
+        f"skipped={t.get('skipped')} errors={t.get('errors')}; {len(doc['model']['runs'])} model runs, "
+        f"{len(doc['model']['train_mlm'])} train-mlm, {len(doc['timelines'])} timelines; "
         f"{len((doc.get('ops') or {}).get('cases', []))} op cases"
     )
     return 0

@@ -7,10 +7,13 @@ label is the id, the input is [MASK]) and the same micro batch:
   bert_fast    bert_fast.BertForMaskedLM, MLM head on the masked positions only (what
                ``bert-fast train`` runs by default)
   hf-sdpa      transformers.BertForMaskedLM, attn_implementation="sdpa"
+  hf-compile   that model under torch.compile (bert_fast.bench.model_providers.hf_compile_mode: on
+               CUDA mode="max-autotune-no-cudagraphs", on the CPU the default), same loop; asked
+               for by name only (--providers), it is not in the default set
   hf-trainer   transformers.Trainer training that transformers model over the same examples
                (AdamW, grad-norm clipping 1.0, its own data loader and loop; bf16=True on bf16)
 
-bert_fast and hf-sdpa run the same step: zero_grad, forward with labels (the model's own MLM loss),
+bert_fast, hf-sdpa and hf-compile run the same step: zero_grad, forward with labels (the model's own MLM loss),
 backward, clip_grad_norm_(1.0), AdamW step (fused on CUDA), under torch.autocast in --dtype bf16
 (fp32 master weights, as ``bert-fast train --precision bf16``) and in fp32 otherwise. They are
 timed side by side in interleaved rounds after warm-up (bert_fast.bench.timing.measure); Trainer
@@ -30,7 +33,8 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-PROVIDERS = ("bert_fast", "hf-sdpa", "hf-trainer")
+PROVIDERS = ("bert_fast", "hf-sdpa", "hf-compile", "hf-trainer")
+DEFAULT_PROVIDERS = ("bert_fast", "hf-sdpa", "hf-trainer")
 MASK_PROB = 0.15
 
 
@@ -208,7 +212,7 @@ class _Plan:
         self.dtype_name = dtypes[0] if dtypes else ("bf16" if cuda else "fp32")
         if self.dtype_name == "fp16":
             raise BenchError("--mode train-mlm runs fp32 or bf16 (autocast); fp16 needs loss scaling")
-        self.providers = [p for p in (args.providers or PROVIDERS) if p in PROVIDERS] or list(PROVIDERS)
+        self.providers = [p for p in (args.providers or DEFAULT_PROVIDERS) if p in PROVIDERS] or list(DEFAULT_PROVIDERS)
         unknown = [p for p in (args.providers or []) if p not in PROVIDERS]
         if unknown:
             raise BenchError(f"--mode train-mlm providers are {', '.join(PROVIDERS)}; got {', '.join(unknown)}")
@@ -224,6 +228,7 @@ class _Plan:
         self.max_rounds = args.max_rounds or (200 if cuda else 100)
         self.budget = args.max_seconds if args.max_seconds is not None else (20.0 if cuda else 60.0)
         self.n_inputs = max(1, getattr(args, "n_inputs", 3))
+        self.notes: List[str] = []
 
 
 def _peak(device, amp_dtype):
@@ -244,9 +249,11 @@ def _time_loops(plan: _Plan, fast, make_hf, batches):
     from bert_fast.bench import timing
 
     loop_providers: Dict[str, Any] = {}
-    for name, make_model in (("bert_fast", lambda: fast), ("hf-sdpa", make_hf)):
+    for name, make_model in (("bert_fast", lambda: fast), ("hf-sdpa", make_hf), ("hf-compile", make_hf)):
         if name in plan.providers:
             model = make_model()
+            if name == "hf-compile":
+                model = _compiled(model, plan)
             opt = _optimizer(model, plan.device)
             loop_providers[name] = [loop_step(model, opt, b, plan.amp_dtype, plan.device) for b in batches]
     results: Dict[str, Dict[str, Any]] = {}
@@ -265,6 +272,17 @@ def _time_loops(plan: _Plan, fast, make_hf, batches):
     for name, t in m.timings.items():
         results[name] = {"timing": t.to_dict(), "median_ms": t.median_ms}
     return results, m
+
+
+def _compiled(model, plan: _Plan):
+    """``model`` under torch.compile in the hf-compile rival's mode, which the run's notes name."""
+    import torch
+
+    from bert_fast.bench.model_providers import HF_COMPILE_MODES, hf_compile_mode
+
+    mode = hf_compile_mode(plan.device, cuda_graphs=False)
+    plan.notes.append("hf-compile: " + HF_COMPILE_MODES[mode])
+    return torch.compile(model, mode=mode)
 
 
 def _time_trainer(plan: _Plan, make_hf, batches_cpu, seed: int) -> Dict[str, Any]:
@@ -343,6 +361,8 @@ def run(args) -> int:
         results["hf-trainer"] = _time_trainer(plan, make_hf, batches_cpu, args.seed)
     _add_rates(results, m, tokens, flops, peak)
     _print_table(plan, results, peak, peak_source, flops)
+    for note in plan.notes:
+        print(f"note: {note}")
     if args.json:
         from bert_fast.bench.results import write_json
 
@@ -363,6 +383,7 @@ def run(args) -> int:
                 "flops_per_step": flops,
                 "tokens_per_step": tokens,
                 "results": results,
+                "notes": plan.notes,
                 "timing": m.summary() if m is not None else None,
             },
         )

@@ -132,30 +132,35 @@ def test_doctor_reports_fail_error_and_fault_and_exits_nonzero(tmp_path):
 
 
 def _plans(script: str):
-    """(lease plan, full plan): the two branches of gpu_check.sh's stage list."""
-    start = script.index('if [ "$PLAN" = lease ]; then\n    # correctness')
-    lease, full = script[start:].split("\nelse\n", 1)
-    return lease, full
+    """(the lease's correctness block, the lease plan, the full plan) of gpu_check.sh."""
+    at_once = script[script.index("correctness_at_once() {") :]
+    at_once = at_once[: at_once.index("\n}\n")]
+    plans = script[script.index('case "$PLAN" in\n    lease)\n') :]
+    lease = plans[: plans.index(";;")]
+    full = plans[plans.index("    full)\n") :]
+    return at_once, lease, full
 
 
 def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
     """benchmarks/gpu_check.sh runs the doctor before the tests and the benchmarks (the lease plan:
-    the doctor in the background beside the tests, both done before any benchmark), keeps its table
-    (doctor.log) and JSON in the run folder, and the merged results file carries its summary and
-    every check that did not pass."""
+    the doctor and warm in the background beside the tests, all done before the timeline), keeps
+    its table (doctor.log) and JSON in the run folder, and the merged results file carries its
+    summary and every check that did not pass."""
     from pathlib import Path
 
     from bert_fast.bench import results
 
     script = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh").read_text()
-    lease, full = _plans(script)
-    order = [full.index(f"run_stage {name} ") for name in ("doctor", "tests", "tune-dispatch", "bench-dense")]
+    at_once, lease, full = _plans(script)
+    order = [full.index(k) for k in ("run_stage doctor ", "run_stage tests ", "tune-dispatch", "grid ")]
     assert order == sorted(order)
-    doctor, tests, wait, bench = (
-        lease.index(k) for k in ("run_stage doctor ", "run_stage tests ", "\n    wait\n", "run_stage bench-dense ")
+    doctor, warm, tests, wait = (
+        at_once.index(k) for k in ("run_stage doctor ", "run_stage warm ", "run_stage tests ", "\n    wait\n")
     )
-    assert doctor < tests < wait < bench  # started first, and waited for before the benchmarks
-    assert lease[doctor : lease.index("\n", lease.index("--json", doctor))].rstrip().endswith("&")
+    assert doctor < warm < tests < wait  # started first, and waited for before anything is timed
+    statements = [ln.strip() for ln in at_once.replace("\\\n", " ").splitlines()]
+    assert [ln.endswith("&") for ln in statements if ln.startswith("run_stage ")] == [True, True, False]
+    assert lease.index("correctness_at_once") < lease.index("timeline")
     assert '"$RUN_DIR/doctor.log"' in script and '--json "$RUN_DIR/doctor.json"' in script
     assert '--doctor "$RUN_DIR/doctor.json"' in script
     run_dir = tmp_path / "run"

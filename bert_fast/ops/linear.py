@@ -124,7 +124,8 @@ def default_backend(
     return "cublas"
 
 
-def _requested_backend(backend: Optional[str]) -> str:
+def requested_backend(backend: Optional[str]) -> str:
+    """The backend asked for: ``backend``, else BERT_FAST_LINEAR_BACKEND, else "auto" (checked)."""
     req = backend if backend is not None else os.environ.get(_ENV, "auto")
     req = req.strip().lower()
     if req not in ("auto", "triton", "cublas"):
@@ -156,7 +157,7 @@ def choose_backend(
     ``defer_auto``: on CUDA with "auto" requested, return "auto" instead of reading the dispatch
     table (the ops resolve it at run time, see :func:`_table_backend`); what :func:`linear` uses,
     so that it traces under torch.compile(fullgraph=True) on CUDA too."""
-    req = _requested_backend(backend)
+    req = requested_backend(backend)
     impl = _dispatch.implementation(x, uses_dot=True)  # float64 on CUDA: "torch" (cuBLAS DGEMM)
     if impl != "kernel":
         return impl

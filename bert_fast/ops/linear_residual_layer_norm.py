@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from bert_fast.ops import _dispatch, _verify, torch_impl
-from bert_fast.ops.linear import _requested_backend, linear
+from bert_fast.ops.linear import linear, requested_backend
 from bert_fast.ops.residual_layer_norm import residual_layer_norm
 
 __all__ = ["linear_residual_layer_norm"]
@@ -68,7 +68,7 @@ def _fused_splits(x: Tensor, weight: Tensor, residual: Tensor, ln_dtype: torch.d
         or torch.is_autocast_enabled(x.device.type)
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or residual.requires_grad))
         or _dispatch.implementation(x, uses_dot=True) != "kernel"
-        or _requested_backend(None) == "cublas"
+        or requested_backend(None) == "cublas"
         or x.dim() < 1
         or weight.dim() != 2
         or not x.dtype == weight.dtype == residual.dtype == ln_dtype

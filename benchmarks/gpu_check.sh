@@ -20,10 +20,11 @@
 #            untimed call of every shape measured below, bert-base and bert-large: the Triton cache
 #            and the first-use verdicts); then timeline on the quiet GPU if time is left.
 #   measure  call 2, figures only: install only if the extension is missing (a fresh machine); the
-#            grid, bf16, in order of value, each case against hf-sdpa and hf-compile (mode
-#            reduce-overhead with CUDA graphs, max-autotune-no-cudagraphs otherwise): graphs-1x128,
-#            dense-32x128, dense-128x128, padded-16x512 (random:0.2, ~40% padding), train-32x128 and
-#            train-8x512 (an MLM step) for bert-base; timeline; the same grid for bert-large.
+#            grid, bf16, in order of value: graphs-1x128, dense-32x128, dense-128x128, padded-16x512
+#            (random:0.2, ~40% padding), train-32x128 and train-8x512 (an MLM step), bert-base against
+#            hf-sdpa; timeline; the grid against hf-compile (mode reduce-overhead with CUDA graphs,
+#            max-autotune-no-cudagraphs otherwise: stages "-compile", apart because their compiles
+#            can outlast a stage's cap); the grid for bert-large against hf-sdpa.
 #   full     (~25 min, fits no lease) install, info, cuda-build, doctor, the suite, tune-dispatch (our
 #            GEMM or cuBLAS per shape into bert_fast/data/linear_dispatch.json), the grid against
 #            every rival, timeline, bench-ops, pytest-bench; the kernels autotune after the suite.
@@ -163,13 +164,14 @@ WARM_CASES=$(for line in "${GRID[@]}"; do
         padded) echo "fwd-$(shape "$b" "$s")-padded" ;; train) echo "train-$(shape "$b" "$s")" ;; esac
 done | paste -sd, -)
 
-# grid MODEL INFER_PROVIDERS TRAIN_PROVIDERS: every case of GRID for MODEL, its own stage each
+# grid MODEL INFER_PROVIDERS TRAIN_PROVIDERS [SUFFIX]: every case of GRID for MODEL, its own stage each
+# (named kind-BxS-model[-SUFFIX])
 grid() {
     local model=$1 line kind b s lengths mode cap flags bs name providers
     for line in "${GRID[@]}"; do
         read -r kind b s lengths mode cap flags <<< "$line"
         bs=$(shape "$b" "$s")
-        name="$kind-$bs-$model"
+        name="$kind-$bs-$model${4:+-$4}"
         providers=$2; [ "$mode" = train-mlm ] && providers=$3
         # shellcheck disable=SC2086
         run_stage "$name" "$cap" "$RUN_DIR/$name.log" "${BF[@]}" bench --model "$model" --batch "${bs%x*}" \
@@ -227,9 +229,12 @@ case "$PLAN" in
         timeline
         ;;
     measure)
-        grid "${MODELS[0]}" "$RIVALS" "$RIVALS"
+        # hf-compile apart, after every case against hf-sdpa: a stage cut by its cap loses all its
+        # figures, and max-autotune's compile (minutes per shape) must not take bert_fast's with it
+        grid "${MODELS[0]}" bert_fast,hf-sdpa bert_fast,hf-sdpa
         timeline
-        for model in "${MODELS[@]:1}"; do grid "$model" "$RIVALS" "$RIVALS"; done
+        grid "${MODELS[0]}" bert_fast,hf-compile bert_fast,hf-compile compile
+        for model in "${MODELS[@]:1}"; do grid "$model" bert_fast,hf-sdpa bert_fast,hf-sdpa; done
         ;;
     full)
         run_stage doctor 300 "$RUN_DIR/doctor.log" env BERT_FAST_AUTOTUNE=0 "${BF[@]}" doctor --timeout 120 \

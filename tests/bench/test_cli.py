@@ -641,7 +641,7 @@ def test_gpu_check_detached_mode(tmp_path):
         OUT=str(out),
         BERT_FAST_CHECK_LOG=str(tmp_path / "check.log"),
         BERT_FAST_CHECK_SKIP_INSTALL="1",
-        BERT_FAST_CHECK_BUDGET_S="70",
+        BERT_FAST_CHECK_BUDGET_S="40",
         PYTHONPATH=str(ROOT),
     )
     script = str(repo / "benchmarks" / "gpu_check.sh")

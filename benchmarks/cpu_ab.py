@@ -6,7 +6,7 @@ once at a process's start.
     python benchmarks/cpu_ab.py --list                 # the variants, one line each
     python benchmarks/cpu_ab.py VARIANT [options]      # run one (VARIANT --help: what A and B are)
 
-The variants live in benchmarks/ab/ (attention.py, int8.py, backends.py, process.py). Timing rules: a
+The variants live in benchmarks/ab/ (attention.py, int8.py, backends.py, process.py, tree.py). Timing rules: a
 quiet machine, a fixed thread count (--threads, 2 by default).
 """
 

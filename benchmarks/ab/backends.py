@@ -16,7 +16,8 @@ import transformers
 import bert_fast
 from bert_fast import _C as this_build
 from bert_fast.bench import cpu_caps
-from bert_fast.ops import cpu_attention, cpu_fp32_gemm
+from bert_fast.model import direct_ops
+from bert_fast.ops import cpu_attention, cpu_fp32_gemm, torch_impl
 
 from .harness import compare, compare_variants, dense_forward, load_minilm, variant
 
@@ -153,3 +154,38 @@ def build(args) -> None:
         for batch in (1, 8) if name.startswith("MiniLM") else (1,):
             line = compare_variants(variants, dense_forward(model, batch), args.rounds, restore=variants["this"])
             print(f"  {name} {batch}x128 no-grad: {line}")
+
+
+# --------------------------------------------------------------------- direct-ln: the direct path's LayerNorm
+def _fp32_statistics_ln(x, residual, weight, bias, eps, dropout_p=0.0):
+    """The direct path's residual LayerNorm before 2026-11-28: the torch implementation's, with the fp32
+    weight copies and statistics a backward needs."""
+    return torch_impl.residual_layer_norm_fwd(x, residual, weight, bias, eps, 0.0, None)[0]
+
+
+@variant("direct-ln", rounds=15)
+def direct_ln(args) -> None:
+    """The direct (inference) path's residual LayerNorm: the torch implementation's (fp32 weights and statistics)
+    against aten's LayerNorm in the input's dtype (bert_fast/model/direct_ops.py; the same y bit for bit).
+
+    all-MiniLM-L6-v2 frozen, fp32 and bf16 (where the CPU has bf16 units), 1x128 and 8x128, the function swapped
+    inside the timed call.
+
+        python benchmarks/cpu_ab.py direct-ln [--threads 2] [--rounds 15]
+    """
+    torch.set_num_threads(args.threads)
+    caps = cpu_caps.capabilities()
+    print(cpu_caps.describe(caps))
+    own_dtype = direct_ops.residual_layer_norm
+    hf, _ = load_minilm()
+    for dtype in (torch.float32,) + ((torch.bfloat16,) if caps.get("bf16") else ()):
+        model = bert_fast.optimize(copy.deepcopy(hf), dtype=dtype)
+        model.freeze()
+        for batch in (1, 8):
+            variants = {
+                "fp32-statistics": lambda: setattr(direct_ops, "residual_layer_norm", _fp32_statistics_ln),
+                "own-dtype": lambda: setattr(direct_ops, "residual_layer_norm", own_dtype),
+            }
+            restore = variants["own-dtype"]
+            line = compare_variants(variants, dense_forward(model, batch), args.rounds, restore=restore)
+            print(f"MiniLM frozen {str(dtype)[6:]} {batch}x128: {line}")

@@ -25,6 +25,14 @@ def smem_per_block(device: torch.device) -> int:
     return int(smem)
 
 
+def num_sms(device: torch.device) -> int:
+    """The SMs of ``device``, which persistent grids and small-batch tile choices size themselves by;
+    4 in the interpreter (a few programs, each walking several tiles)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def interpreting() -> bool:
     """Whether kernels run in Triton's CPU interpreter (the kernels' INTERPRET constexpr)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

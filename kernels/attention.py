@@ -57,6 +57,7 @@ import triton.language as tl
 
 from ._device import interpreting as _interpreting
 from ._device import loop_bound
+from ._device import num_sms as _num_sms  # (a module name: tests patch it)
 from ._device import smem_per_block as _smem_per_block
 
 LOG2E = 1.4426950408889634
@@ -969,10 +970,6 @@ def _fixed_config(launch: _Launch, qkv: torch.Tensor) -> dict:
     if launch.kind == "fwd" and cfg["BLOCK_M"] == 128 and 2 * launch.grid(cfg)[0] < _num_sms(qkv.device):
         cfg = dict(cfg, BLOCK_M=64, num_warps=4)
     return cfg
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 # ----------------------------------------------------------------------------- launchers

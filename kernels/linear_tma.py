@@ -43,6 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import interpreting as _interpreting
 from ._device import loop_bound, smem_per_block
+from ._device import num_sms as _num_sms  # (a module name: tests patch it)
 from ._linear_common import KIND_DW, KIND_FWD, GemmCall, _act_fwd, _column_slabs, _dot_acc, _prune_configs, _tile_coords
 from .tuned_configs import TunedConfigs
 
@@ -468,12 +469,6 @@ def tma_views(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor):
 def usable(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether the TMA kernel takes a [M, K] @ b [K, N] -> y."""
     return tma_views(a, b, y) is not None
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, each walking several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split_k(kind: int, M: int, N: int, K: int, num_sms: int) -> int:

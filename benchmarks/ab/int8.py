@@ -272,3 +272,40 @@ def int8_residual_ln(args) -> None:
                 warmup=2,
             )
             print(f"{name} {batch}x128 no-grad: {line}")
+
+
+@variant("int8-vnni", rounds=15)
+def int8_vnni(args) -> None:
+    """The int8 GEMM: torch._int_mm (oneDNN, the weight laid out again at every call) against our AVX-512
+    VNNI GEMM on weights packed once (csrc/int8_gemm_vnni.cpp), in whole no-grad forwards.
+
+    Two copies of a model quantized with each backend (the same int32 sums: the outputs must be equal,
+    checked first), the real all-MiniLM-L6-v2 and a bert-base config at 1 x 128 and 8 x 128:
+    bert_fast.bench.timing.measure, interleaved rounds, 95% intervals.
+
+        python benchmarks/cpu_ab.py int8-vnni [--threads 2] [--rounds 15]
+    """
+    if not int8_gemm.vnni_available():
+        raise SystemExit("this CPU (or BERT_FAST_CPU_ISA) has no AVX-512 VNNI: nothing to compare")
+    torch.set_num_threads(args.threads)
+    print(cpu_caps.describe(cpu_caps.capabilities()), f"{args.threads} threads, torch {torch.__version__}")
+    hf, tok = load_minilm()
+    calib = int8.calibration_batch(tok, None)
+    bert = transformers.BertModel(transformers.BertConfig()).eval()
+    for name, source in (("MiniLM", hf), ("bert-base", bert)):
+        models = {}
+        for backend in ("int_mm", "vnni"):
+            models[backend] = bert_fast.optimize(copy.deepcopy(source))
+            int8.quantize(models[backend], calib, min_cosine=0.0, backend=backend)
+        for batch in (1, 8):
+            calls = {}
+            for b, m in models.items():
+                torch.manual_seed(batch)  # the same tokens for both
+                calls[b] = dense_forward(m, batch)
+            outs = [c().last_hidden_state for c in calls.values()]
+            assert torch.equal(*outs), "the two backends' int32 sums differ"
+            res = timing.measure(calls, warmup=2, min_rounds=args.rounds, max_rounds=args.rounds, catch=False)
+            parts = [f"{b} {t.median_ms:.2f} ms ({t.ci_low_ms:.2f}-{t.ci_high_ms:.2f})" for b, t in res.timings.items()]
+            print(
+                f"{name} int8 {batch}x128 no-grad: {', '.join(parts)}; speedup of vnni {res.speedup('vnni', 'int_mm').format()}"
+            )

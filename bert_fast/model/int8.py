@@ -87,22 +87,32 @@ def quantize_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
     return q.t().contiguous(), scale
 
 
+_BACKENDS = ("int_mm", "vnni", "avx2")
+
+
 class _Int8Linear:
     """One linear layer on int8 weights: y = act(x W^T + b), output in x's dtype (or ``out_dtype``).
-    ``backend``: "int_mm" (torch._int_mm on W_q^T int8 [K, N]) or "avx2" (our AVX2 GEMM on the int16-pair
-    panels it wants)."""
+    ``backend``: "int_mm" (torch._int_mm on W_q^T int8 [K, N]), "vnni" (our AVX-512 VNNI GEMM on the
+    panels it wants, packed once: the same int32 sums) or "avx2" (our AVX2 GEMM on int16-pair panels)."""
 
     __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes", "backend")
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], backend: str = "int_mm"):
-        if backend not in ("int_mm", "avx2"):
-            raise ValueError(f"int8 backend must be 'int_mm' or 'avx2', got {backend!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"int8 backend must be one of {_BACKENDS}, got {backend!r}")
         self.n, self.k = weight.shape
         self.backend = backend
         wq, self.scale = quantize_weight(weight)
-        self.wq = int8_gemm.pack_weight_avx2(wq) if backend == "avx2" else wq
+        pack = {"avx2": int8_gemm.pack_weight_avx2, "vnni": int8_gemm.pack_weight_vnni}.get(backend)
+        self.wq = wq if pack is None else pack(wq)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.nbytes = self.wq.numel() * self.wq.element_size() + 4 * self.n + (0 if bias is None else 4 * self.n)
+
+    def _acc(self, xq: Tensor) -> Tensor:
+        """The int32 sums x_q W_q^T (backends "int_mm" and "vnni": the same, bit for bit)."""
+        if self.backend == "vnni":
+            return int8_gemm.int_mm_vnni(xq, self.wq, self.n)
+        return torch._int_mm(xq, self.wq)
 
     def __call__(self, x: Tensor, activation: Optional[str] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
         """act(x W^T + b) in ``out_dtype`` (default x's dtype): the pass that dequantizes writes it."""
@@ -113,21 +123,21 @@ class _Int8Linear:
         if self.backend == "avx2":
             y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
         else:
-            y = int8_gemm.int8_linear(x2, self.wq, self.scale, self.bias, gelu, out_dtype)
+            xq, sx = int8_gemm.quantize_rows(x2)
+            y = int8_gemm.dequantize(self._acc(xq), sx, self.scale, self.bias, out_dtype or x2.dtype, gelu)
         return y.view(*x.shape[:-1], self.n)
 
     def residual_ln(self, x: Tensor, residual: Tensor, ln_w: Tensor, ln_b: Tensor, eps: float) -> Optional[Tensor]:
         """LayerNorm(x W^T + b + residual) * ln_w + ln_b, with the add and the LayerNorm in the dequantize
-        pass after torch._int_mm (int8_gemm.dequantize_residual_ln: fp32 throughout, one cast), in the
+        pass after the int32 GEMM (int8_gemm.dequantize_residual_ln: fp32 throughout, one cast), in the
         residual's dtype (x may be bf16 where the residual is fp32: the bf16 attention's output is
         quantized as it is); None where that does not apply (the AVX2 backend, whose GEMM dequantizes
         in its own epilogue; an empty batch), and the caller runs the GEMM and its residual LayerNorm."""
         x2 = x.reshape(-1, self.k)
-        if self.backend != "int_mm" or x2.shape[0] == 0:
+        if self.backend == "avx2" or x2.shape[0] == 0:
             return None
         xq, sx = int8_gemm.quantize_rows(x2)
-        acc = torch._int_mm(xq, self.wq)
-        y = int8_gemm.dequantize_residual_ln(acc, sx, self.scale, self.bias, residual, ln_w, ln_b, eps)
+        y = int8_gemm.dequantize_residual_ln(self._acc(xq), sx, self.scale, self.bias, residual, ln_w, ln_b, eps)
         return y.view(*x.shape[:-1], self.n)
 
 
@@ -257,9 +267,11 @@ def quantize(
     weights in fp32 when not given). Returns the measured min cosine; raises Int8AccuracyError
     (nothing applied) below the bound, and int8_speed.Int8SpeedError (before any calibration) where
     int8 GEMMs measure slower than fp32 on this CPU. ``backend``: the int8 GEMM ("int_mm": torch._int_mm,
-    "avx2": ours); by default the faster one as measured by that check."""
+    "vnni" and "avx2": ours); by default the fastest as measured by that check."""
     speed = int8_speed.require_faster()  # RuntimeError without a CPU int8 GEMM; cached after the first call
     backend = backend or speed.backend
+    if backend == "vnni" and not int8_gemm.vnni_available():
+        raise ValueError("int8 backend 'vnni' needs AVX-512 VNNI (and bert_fast._C built with int8_gemm_vnni)")
     if backend == "avx2" and not int8_gemm.avx2_available():
         raise ValueError("int8 backend 'avx2' needs AVX2 (and bert_fast._C built with int8_linear_avx2)")
     if backend == "int_mm" and not int8_speed.int_mm_exact():

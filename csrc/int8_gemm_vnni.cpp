@@ -1,0 +1,183 @@
+// The int8 GEMM of CPU inference on CPUs with AVX-512 VNNI, on weights packed once:
+//
+//   acc[m, n] = sum_k x_q[m, k] * w_q[k, n]      int32, exact: the same sums as torch._int_mm
+//
+// Why our own when torch._int_mm already runs oneDNN's VNNI kernel: torch._int_mm takes the plain
+// [K, N] weight and lays it out for the kernel again at every call. At batch 1 a bert-base forward
+// streams its 85 MB of int8 weights from DRAM once per forward, and that per-call copy showed: the
+// same 48 GEMMs took 31-33 ms through torch._int_mm and 26-27 ms here (Zen 4, 2 threads, weights
+// rotating through 12 layers as a forward does; benchmarks/NOTES.md, "int8 on packed weights").
+// The result is bit for bit torch._int_mm's, so the dequantize passes after it (int8_cpu.cpp) are
+// unchanged.
+//
+// How. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products into an int32
+// lane, exactly (no saturation). The weights are the unsigned operand, stored as w + 128 (packed
+// once by bert_fast/ops/int8_gemm.py pack_weight_vnni):
+//
+//   packed[p, j, lane, t] = w_q[4j + t, 16p + lane] + 128      uint8 [ceil(N/16), ceil(K/4), 16, 4]
+//
+// (rows k >= K and columns n >= N hold 128, i.e. a zero weight), so one 64-byte load is 4 k-steps of
+// 16 columns, and the activations (signed, 4 bytes broadcast) need no copy. The +128 adds
+// 128 * sum_k x_q[m, k] to every sum of row m, which the epilogue takes off (the row sums are one
+// short pass before the tiles). Tile: 8 rows x 48 columns, 24 zmm accumulators over the whole K;
+// 48-column groups of panels are split over torch's OpenMP threads, each sweeping all rows over its
+// panels (a panel group, 48 x K bytes, stays in L2 while the row blocks pass).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "cpu_isa.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace py = pybind11;
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define BF_GEMM_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace bert_fast {
+namespace {
+
+constexpr int kMR = 8;      // rows per tile
+constexpr int kGroup = 3;   // 16-column panels per tile (48 columns)
+
+bool vnni_usable() {
+#ifdef BF_GEMM_VNNI
+  __builtin_cpu_init();
+  return isa_usable(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+#ifdef BF_GEMM_VNNI
+#define BF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+using I32Alias = int32_t __attribute__((may_alias));
+
+// sum_k x[m, k] for rows [r0, r1) (K a multiple of 4, as the caller pads it).
+BF_VNNI void row_sums(const int8_t* x, int64_t k, int64_t r0, int64_t r1, int32_t* out) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = r0; m < r1; ++m) {
+    const int8_t* row = x + m * k;
+    __m512i acc = _mm512_setzero_si512();
+    int64_t c = 0;
+    for (; c + 64 <= k; c += 64) acc = _mm512_dpbusd_epi32(acc, ones, _mm512_loadu_si512(row + c));
+    int32_t s = _mm512_reduce_add_epi32(acc);
+    for (; c < k; ++c) s += row[c];
+    out[m] = s;
+  }
+}
+
+// Rows [0, MR) of `a` (row stride lda bytes) x NP panels starting at `bp` (panel stride `pstride`
+// bytes, kq 4-byte k-steps each): the whole K in registers, then acc - 128 * rowsum into c's
+// columns [n0, n0 + 16 NP) that are < n. The loops over the accumulators are unrolled so that they
+// stay in registers; GCC 12 is touchy here: without the pragmas, or with them on the zeroing loop
+// too, it kept a copy of all 24 on the stack and stored them at every k-step (half the speed). The
+// speed check (bert_fast/model/int8_speed.py) times this GEMM against torch._int_mm in every
+// process, so a build that comes out slow is never the one used.
+template <int MR, int NP>
+BF_VNNI void tile(const int8_t* a, int64_t lda, const uint8_t* bp, int64_t pstride, int64_t kq,
+                  const int32_t* rsum, int32_t* c, int64_t ldc, int64_t n0, int64_t n) {
+  __m512i acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < kq; ++j) {
+    __m512i b[NP];
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) b[q] = _mm512_loadu_si512(bp + q * pstride + j * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512i av = _mm512_set1_epi32(*reinterpret_cast<const I32Alias*>(a + r * lda + 4 * j));
+#pragma GCC unroll 4
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], b[q], av);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m512i offset = _mm512_set1_epi32(rsum[r] * 128);
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      const int64_t left = n - (n0 + 16 * q);
+      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+      _mm512_mask_storeu_epi32(c + r * ldc + n0 + 16 * q, mask, _mm512_sub_epi32(acc[r][q], offset));
+    }
+  }
+}
+
+using TileFn = void (*)(const int8_t*, int64_t, const uint8_t*, int64_t, int64_t, const int32_t*, int32_t*, int64_t,
+                        int64_t, int64_t);
+template <int NP>
+constexpr TileFn kRow[kMR + 1] = {nullptr,       tile<1, NP>, tile<2, NP>, tile<3, NP>, tile<4, NP>,
+                                  tile<5, NP>, tile<6, NP>, tile<7, NP>, tile<8, NP>};
+
+TileFn tile_for(int rows, int panels) {
+  return panels == 3 ? kRow<3>[rows] : panels == 2 ? kRow<2>[rows] : kRow<1>[rows];
+}
+
+// Thread t of nt: its rows' sums, then (after all are known) its panel groups.
+void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int32_t* rsum,
+               int32_t* c) {
+  row_sums(x, k, rows * t / nt, rows * (t + 1) / nt, rsum);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+  const int64_t kq = k / 4, panels = (n + 15) / 16, groups = (panels + kGroup - 1) / kGroup;
+  for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
+    const int64_t p = g * kGroup;
+    const int np = static_cast<int>(std::min<int64_t>(kGroup, panels - p));
+    for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - m0));
+      tile_for(mr, np)(x + m0 * k, k, w + p * kq * 64, kq * 64, kq, rsum + m0, c + m0 * n, n, p * 16, n);
+    }
+  }
+}
+#endif
+
+// k must be a multiple of 4 (bert_fast/ops/int8_gemm.py pads x and the packed weights to one).
+void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, int64_t n, uintptr_t acc,
+                    int threads) {
+  if (!vnni_usable())
+    throw std::invalid_argument("int8_gemm_vnni: needs AVX-512 VNNI (" + isa_refusal("avx512") + " or no VNNI)");
+  if (k % 4 != 0) throw std::invalid_argument("int8_gemm_vnni: k must be a multiple of 4");
+  if (rows <= 0 || n <= 0) return;
+#ifdef BF_GEMM_VNNI
+  const int8_t* x = reinterpret_cast<const int8_t*>(xq);
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(w_packed);
+  int32_t* c = reinterpret_cast<int32_t*>(acc);
+  thread_local std::vector<int32_t> rsum_buf;
+  rsum_buf.resize(static_cast<size_t>(rows));
+  int32_t* rsum = rsum_buf.data();
+  // Below ~1 M multiply-adds per extra thread one thread does it (as int8_gemm_avx2.cpp).
+  const int64_t groups = ((n + 15) / 16 + kGroup - 1) / kGroup;
+  const int64_t by_size = std::max<int64_t>(1, rows * n * k / (1 << 20));
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, by_size, groups})));
+  py::gil_scoped_release nogil;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  gemm_part(omp_get_thread_num(), omp_get_num_threads(), x, rows, k, w, n, rsum, c);
+#else
+  (void)nt;
+  gemm_part(0, 1, x, rows, k, w, n, rsum, c);
+#endif
+#endif
+}
+
+}  // namespace
+
+void bind_int8_gemm_vnni(py::module_& m) {
+  m.def("int8_gemm_vnni_usable", &vnni_usable, "This CPU (and BERT_FAST_CPU_ISA) runs int8_gemm_vnni");
+  m.def("int8_gemm_vnni", &int8_gemm_vnni, py::arg("x_q"), py::arg("rows"), py::arg("k"), py::arg("w_packed"),
+        py::arg("n"), py::arg("acc"), py::arg("threads"),
+        "acc int32 [rows, n] = x_q int8 [rows, k] . w_q, with w_q packed by bert_fast/ops/int8_gemm.py "
+        "pack_weight_vnni (uint8 [ceil(n/16), k/4, 16, 4], w + 128); k a multiple of 4; AVX-512 VNNI, exact: "
+        "torch._int_mm's sums bit for bit");
+}
+
+}  // namespace bert_fast

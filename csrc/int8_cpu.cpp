@@ -141,23 +141,8 @@ void dequant_ln_rows_scalar(const int32_t* acc, int64_t r0, int64_t r1, int64_t 
 #define BF_INT8_X86 1
 #include <immintrin.h>
 
-// 16 lanes of fp32 from x (fp32 or bf16), masked tail.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* x, int dt, int64_t i, __mmask16 m) {
-  if (dt == kF32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(x) + i);
-  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(x) + i);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 16 lanes of fp32 into y (fp32, or bf16 rounded to nearest even: finite values only, which the int8
-// GEMM, GELU and LayerNorm here always give), masked tail.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(void* y, int dt, int64_t i, __mmask16 m,
-                                                                           __m512 v) {
-  if (dt == kF32) return _mm512_mask_storeu_ps(static_cast<float*>(y) + i, m, v);
-  __m512i u = _mm512_castps_si512(v);
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
+using simd::load16;
+using simd::store16;
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_rows_avx512(const void* x, int dt, int64_t r0,
                                                                              int64_t r1, int64_t k, int8_t* q,

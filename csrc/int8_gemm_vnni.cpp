@@ -7,8 +7,10 @@
 // streams its 85 MB of int8 weights from DRAM once per forward, and that per-call copy showed: the
 // same 48 GEMMs took 31-33 ms through torch._int_mm and 26-27 ms here (Zen 4, 2 threads, weights
 // rotating through 12 layers as a forward does; benchmarks/NOTES.md, "int8 on packed weights").
-// The result is bit for bit torch._int_mm's, so the dequantize passes after it (int8_cpu.cpp) are
-// unchanged.
+// The sums are bit for bit torch._int_mm's. Given the scales, the GEMM dequantizes in its epilogue
+// instead of writing them: y = act(acc * s_x[m] * s_w[n] + b[n]) in fp32 or bf16, in the order and
+// with the vector GELU of int8_cpu.cpp's dequantize pass, so the same bits as that pass after the
+// sums (-ffp-contract=off on both files), without the int32 round trip through memory.
 //
 // How. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products into an int32
 // lane, exactly (no saturation). The weights are the unsigned operand, stored as w + 128 (packed
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "simd_math.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -51,15 +54,41 @@ constexpr int kGroup = 3;   // 16-column panels per tile (48 columns)
 bool vnni_usable() {
 #ifdef BF_GEMM_VNNI
   __builtin_cpu_init();
-  return isa_usable(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+  return isa_usable(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
 }
 
 #ifdef BF_GEMM_VNNI
-#define BF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define BF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 using I32Alias = int32_t __attribute__((may_alias));
+
+enum Act : int { kNone = 0, kGeluErf = 1, kGeluTanh = 2 };
+
+// Where a tile's sums go: int32 into `acc`, or (y non-null) dequantized into y, dt 0 fp32 / 1 bf16.
+struct Out {
+  int32_t* acc;
+  const float* sx;
+  const float* sw;
+  const float* bias;  // null: none
+  void* y;
+  int dt;
+  int act;
+  int64_t n;  // columns
+};
+
+// 16 sums (the +128 offset already off) of row m, columns [col, col + 16) masked by `mask`, to `o`.
+BF_VNNI inline void store_sums(__m512i sums, int64_t m, int64_t col, __mmask16 mask, const Out& o) {
+  if (o.y == nullptr) return _mm512_mask_storeu_epi32(o.acc + m * o.n + col, mask, sums);
+  // (acc * s_x) * s_w + b, then the GELU: int8_cpu.cpp dequant_rows_avx512's order
+  __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(o.sx[m])),
+                           _mm512_maskz_loadu_ps(mask, o.sw + col));
+  if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + col));
+  if (o.act == kGeluErf) v = simd::gelu_erf(v);
+  else if (o.act == kGeluTanh) v = simd::gelu_tanh(v);
+  simd::store16(o.y, o.dt, m * o.n + col, mask, v);
+}
 
 // sum_k x[m, k] for rows [r0, r1) (K a multiple of 4, as the caller pads it).
 BF_VNNI void row_sums(const int8_t* x, int64_t k, int64_t r0, int64_t r1, int32_t* out) {
@@ -75,16 +104,16 @@ BF_VNNI void row_sums(const int8_t* x, int64_t k, int64_t r0, int64_t r1, int32_
   }
 }
 
-// Rows [0, MR) of `a` (row stride lda bytes) x NP panels starting at `bp` (panel stride `pstride`
-// bytes, kq 4-byte k-steps each): the whole K in registers, then acc - 128 * rowsum into c's
-// columns [n0, n0 + 16 NP) that are < n. The loops over the accumulators are unrolled so that they
-// stay in registers; GCC 12 is touchy here: without the pragmas, or with them on the zeroing loop
-// too, it kept a copy of all 24 on the stack and stored them at every k-step (half the speed). The
-// speed check (bert_fast/model/int8_speed.py) times this GEMM against torch._int_mm in every
-// process, so a build that comes out slow is never the one used.
+// The sums of rows [0, MR) of `a` (row stride lda bytes) x NP panels starting at `bp` (panel stride
+// `pstride` bytes, kq 4-byte k-steps each), the whole K in registers, into sums[MR][NP * 16].
+// Unrolled so that the 24 accumulators stay in registers; GCC 12 is touchy here (without the
+// pragmas, with them on the zeroing loop too, or with the dequantizing epilogue in the same
+// function it kept a copy of all 24 on the stack and stored them at every k-step: half the speed),
+// hence a function of its own. The speed check (bert_fast/model/int8_speed.py) times this GEMM
+// against torch._int_mm in every process, so a build that comes out slow is never the one used.
 template <int MR, int NP>
-BF_VNNI void tile(const int8_t* a, int64_t lda, const uint8_t* bp, int64_t pstride, int64_t kq,
-                  const int32_t* rsum, int32_t* c, int64_t ldc, int64_t n0, int64_t n) {
+BF_VNNI __attribute__((noinline)) void sums_of(const int8_t* a, int64_t lda, const uint8_t* bp, int64_t pstride,
+                                                int64_t kq, int32_t* sums) {
   __m512i acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_si512();
@@ -100,19 +129,32 @@ BF_VNNI void tile(const int8_t* a, int64_t lda, const uint8_t* bp, int64_t pstri
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    const __m512i offset = _mm512_set1_epi32(rsum[r] * 128);
+  for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) _mm512_store_si512(sums + (r * NP + q) * 16, acc[r][q]);
+}
+
+// Rows [m0, m0 + MR) of x (`a` points at row m0) x NP panels: the sums, less 128 * rowsum, to `o`'s
+// columns [n0, n0 + 16 NP) that are < n.
+template <int MR, int NP>
+BF_VNNI void tile(const int8_t* a, int64_t lda, const uint8_t* bp, int64_t pstride, int64_t kq, const int32_t* rsum,
+                  int64_t m0, int64_t n0, const Out& o) {
+  alignas(64) int32_t sums[MR * NP * 16];
+  sums_of<MR, NP>(a, lda, bp, pstride, kq, sums);
+  for (int r = 0; r < MR; ++r) {
+    const __m512i offset = _mm512_set1_epi32(rsum[m0 + r] * 128);
     for (int q = 0; q < NP; ++q) {
-      const int64_t left = n - (n0 + 16 * q);
-      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-      _mm512_mask_storeu_epi32(c + r * ldc + n0 + 16 * q, mask, _mm512_sub_epi32(acc[r][q], offset));
+      const int64_t left = o.n - (n0 + 16 * q);
+      if (left <= 0) continue;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      const __m512i s = _mm512_load_si512(sums + (r * NP + q) * 16);
+      store_sums(_mm512_sub_epi32(s, offset), m0 + r, n0 + 16 * q, mask, o);
     }
   }
 }
 
-using TileFn = void (*)(const int8_t*, int64_t, const uint8_t*, int64_t, int64_t, const int32_t*, int32_t*, int64_t,
-                        int64_t, int64_t);
+using TileFn = void (*)(const int8_t*, int64_t, const uint8_t*, int64_t, int64_t, const int32_t*, int64_t, int64_t,
+                        const Out&);
 template <int NP>
 constexpr TileFn kRow[kMR + 1] = {nullptr,       tile<1, NP>, tile<2, NP>, tile<3, NP>, tile<4, NP>,
                                   tile<5, NP>, tile<6, NP>, tile<7, NP>, tile<8, NP>};
@@ -122,35 +164,41 @@ TileFn tile_for(int rows, int panels) {
 }
 
 // Thread t of nt: its rows' sums, then (after all are known) its panel groups.
-void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int32_t* rsum,
-               int32_t* c) {
+void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, int32_t* rsum,
+               const Out& o) {
   row_sums(x, k, rows * t / nt, rows * (t + 1) / nt, rsum);
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-  const int64_t kq = k / 4, panels = (n + 15) / 16, groups = (panels + kGroup - 1) / kGroup;
+  const int64_t kq = k / 4, panels = (o.n + 15) / 16, groups = (panels + kGroup - 1) / kGroup;
   for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
     const int64_t p = g * kGroup;
     const int np = static_cast<int>(std::min<int64_t>(kGroup, panels - p));
     for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
       const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - m0));
-      tile_for(mr, np)(x + m0 * k, k, w + p * kq * 64, kq * 64, kq, rsum + m0, c + m0 * n, n, p * 16, n);
+      tile_for(mr, np)(x + m0 * k, k, w + p * kq * 64, kq * 64, kq, rsum, m0, p * 16, o);
     }
   }
 }
 #endif
 
 // k must be a multiple of 4 (bert_fast/ops/int8_gemm.py pads x and the packed weights to one).
+// y == 0: the int32 sums into acc; else the dequantized act(sums * s_x * s_w + b) into y.
 void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, int64_t n, uintptr_t acc,
-                    int threads) {
+                    int threads, uintptr_t sx, uintptr_t sw, uintptr_t bias, uintptr_t y, int dt, int act) {
   if (!vnni_usable())
     throw std::invalid_argument("int8_gemm_vnni: needs AVX-512 VNNI (" + isa_refusal("avx512") + " or no VNNI)");
   if (k % 4 != 0) throw std::invalid_argument("int8_gemm_vnni: k must be a multiple of 4");
+  if (y != 0 && ((dt != 0 && dt != 1) || act < kNone || act > kGeluTanh || sx == 0 || sw == 0))
+    throw std::invalid_argument("int8_gemm_vnni: dequantizing needs both scales, dtype 0 or 1 and act 0, 1 or 2");
   if (rows <= 0 || n <= 0) return;
 #ifdef BF_GEMM_VNNI
   const int8_t* x = reinterpret_cast<const int8_t*>(xq);
   const uint8_t* w = reinterpret_cast<const uint8_t*>(w_packed);
-  int32_t* c = reinterpret_cast<int32_t*>(acc);
+  const Out o{reinterpret_cast<int32_t*>(acc),    reinterpret_cast<const float*>(sx),
+              reinterpret_cast<const float*>(sw), reinterpret_cast<const float*>(bias),
+              reinterpret_cast<void*>(y),         dt,
+              act,                                n};
   thread_local std::vector<int32_t> rsum_buf;
   rsum_buf.resize(static_cast<size_t>(rows));
   int32_t* rsum = rsum_buf.data();
@@ -161,10 +209,10 @@ void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, i
   py::gil_scoped_release nogil;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
-  gemm_part(omp_get_thread_num(), omp_get_num_threads(), x, rows, k, w, n, rsum, c);
+  gemm_part(omp_get_thread_num(), omp_get_num_threads(), x, rows, k, w, rsum, o);
 #else
   (void)nt;
-  gemm_part(0, 1, x, rows, k, w, n, rsum, c);
+  gemm_part(0, 1, x, rows, k, w, rsum, o);
 #endif
 #endif
 }
@@ -174,10 +222,12 @@ void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, i
 void bind_int8_gemm_vnni(py::module_& m) {
   m.def("int8_gemm_vnni_usable", &vnni_usable, "This CPU (and BERT_FAST_CPU_ISA) runs int8_gemm_vnni");
   m.def("int8_gemm_vnni", &int8_gemm_vnni, py::arg("x_q"), py::arg("rows"), py::arg("k"), py::arg("w_packed"),
-        py::arg("n"), py::arg("acc"), py::arg("threads"),
+        py::arg("n"), py::arg("acc"), py::arg("threads"), py::arg("row_scale") = 0, py::arg("col_scale") = 0,
+        py::arg("bias") = 0, py::arg("out") = 0, py::arg("dtype") = 0, py::arg("act") = 0,
         "acc int32 [rows, n] = x_q int8 [rows, k] . w_q, with w_q packed by bert_fast/ops/int8_gemm.py "
         "pack_weight_vnni (uint8 [ceil(n/16), k/4, 16, 4], w + 128); k a multiple of 4; AVX-512 VNNI, exact: "
-        "torch._int_mm's sums bit for bit");
+        "torch._int_mm's sums bit for bit. With out: out [rows, n] (dtype 0: fp32, 1: bf16) = act(acc * "
+        "row_scale[r] * col_scale[c] + bias[c]) instead (act 0: none, 1: GELU erf, 2: GELU tanh; bias 0: none)");
 }
 
 }  // namespace bert_fast

@@ -1,10 +1,12 @@
-// AVX-512 math shared by the CPU kernels (attention_cpu.cpp, int8_cpu.cpp): exp of non-positive
-// arguments and the two GELUs, in fp32, to ~1e-7 (torch's own vectorized versions are of the same
+// AVX-512 math shared by the CPU kernels (attention_cpu.cpp, int8_cpu.cpp, int8_gemm_vnni.cpp): exp of
+// non-positive arguments and the two GELUs, in fp32, to ~1e-7 (torch's own vectorized versions are of the same
 // kind: a polynomial times 2^n, and Abramowitz-Stegun 7.1.26 for erf).
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+
+#include <cstdint>
 
 #define BF_SIMD_MATH_TARGET __attribute__((target("avx512f,avx512dq,fma")))
 
@@ -61,6 +63,25 @@ BF_SIMD_MATH_TARGET inline __m512 gelu_tanh(__m512 v) {
   const __m512 sign = _mm512_and_ps(u, _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u))));
   const __m512 th = _mm512_or_ps(th_abs, sign);
   return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.5f)), _mm512_add_ps(th, _mm512_set1_ps(1.0f)));
+}
+
+// 16 lanes of fp32 from x (dt 0: fp32, 1: bf16), masked tail.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* x, int dt, int64_t i,
+                                                                          __mmask16 m) {
+  if (dt == 0) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(x) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(x) + i);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 lanes of fp32 into y (dt 0: fp32, 1: bf16 rounded to nearest even: finite values only, which
+// the int8 GEMMs, GELU and LayerNorm here always give), masked tail.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(void* y, int dt, int64_t i, __mmask16 m,
+                                                                         __m512 v) {
+  if (dt == 0) return _mm512_mask_storeu_ps(static_cast<float*>(y) + i, m, v);
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
 }  // namespace simd

@@ -2,9 +2,11 @@
 
 What runs. Each encoder GEMM y = act(x W^T + b) becomes bert_fast.ops.int8_gemm.int8_linear:
     x_q, s_x = quantize_rows(x)           int8 [M, K], one fp32 scale per row (symmetric, dynamic)
-    acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it;
-                                           on CPUs without VNNI our AVX2 GEMM, int8_linear_avx2, with
-                                           the next line in its epilogue: whichever measured faster)
+    acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it);
+                                           or our AVX-512 VNNI GEMM on weights packed once, the same sums
+                                           (int8_linear_vnni, the next line in its epilogue); on CPUs
+                                           without VNNI our AVX2 GEMM (int8_linear_avx2, likewise):
+                                           whichever measured fastest
     y        = act(acc * s_x * s_w + b)    in the model's dtype (fp32 or bf16)
 with W_q int8 per output channel (symmetric, s_w [N]), quantized once here. Why per-row activations
 and per-channel weights: on all-MiniLM-L6-v2 (64 shipped sentences, min cosine of mean-pooled
@@ -122,6 +124,8 @@ class _Int8Linear:
         gelu = None if activation is None else GELU_APPROXIMATE[activation]
         if self.backend == "avx2":
             y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
+        elif self.backend == "vnni":  # the dequantization in the GEMM's epilogue
+            y = int8_gemm.int8_linear_vnni(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
         else:
             xq, sx = int8_gemm.quantize_rows(x2)
             y = int8_gemm.dequantize(self._acc(xq), sx, self.scale, self.bias, out_dtype or x2.dtype, gelu)

@@ -16,6 +16,7 @@
 #include <pybind11/pybind11.h>
 
 #include "cpu_isa.h"
+#include "int8_rows.h"
 #include "simd_math.h"
 
 #include <algorithm>
@@ -343,6 +344,18 @@ void dequantize_residual_ln(uintptr_t acc, int64_t rows, int64_t n, uintptr_t sx
 }
 
 }  // namespace
+
+#ifdef BF_INT8_X86
+// For the VNNI GEMM's one-call linear (int8_gemm_vnni.cpp): the same row passes, by row range.
+void quantize_rows_avx512(const void* x, int dt, int64_t r0, int64_t r1, int64_t k, int8_t* q, float* s) {
+  quant_rows_avx512(x, dt, r0, r1, k, q, s);
+}
+void dequantize_ln_rows_avx512(const int32_t* acc, int64_t r0, int64_t r1, int64_t n, const float* sx,
+                               const float* sw, const float* b, const void* res, const float* w, const float* beta,
+                               float eps, void* y, int dt, float* buf) {
+  dequant_ln_rows_avx512(acc, r0, r1, n, sx, sw, b, res, w, beta, eps, y, dt, buf);
+}
+#endif
 
 void bind_int8(py::module_& m) {
   m.def("int8_quantize_rows", &quantize_rows, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"),

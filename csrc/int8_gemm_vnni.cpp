@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "int8_rows.h"
 #include "simd_math.h"
 
 #ifdef _OPENMP
@@ -163,13 +164,9 @@ TileFn tile_for(int rows, int panels) {
   return panels == 3 ? kRow<3>[rows] : panels == 2 ? kRow<2>[rows] : kRow<1>[rows];
 }
 
-// Thread t of nt: its rows' sums, then (after all are known) its panel groups.
-void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, int32_t* rsum,
-               const Out& o) {
-  row_sums(x, k, rows * t / nt, rows * (t + 1) / nt, rsum);
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
+// Thread t of nt: its share of the 48-column panel groups, every row.
+void tiles_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, const int32_t* rsum,
+                const Out& o) {
   const int64_t kq = k / 4, panels = (o.n + 15) / 16, groups = (panels + kGroup - 1) / kGroup;
   for (int64_t g = groups * t / nt; g < groups * (t + 1) / nt; ++g) {
     const int64_t p = g * kGroup;
@@ -180,7 +177,106 @@ void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const ui
     }
   }
 }
+
+inline void barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
 #endif
+}
+
+// Thread t of nt: its rows' sums, then (after all are known) its panel groups.
+void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, int32_t* rsum,
+               const Out& o) {
+  row_sums(x, k, rows * t / nt, rows * (t + 1) / nt, rsum);
+  barrier();
+  tiles_part(t, nt, x, rows, k, w, rsum, o);
+}
+
+// Run f(t, nt) on nt threads of torch's OpenMP pool (one, without OpenMP).
+template <class F>
+void on_threads(int nt, F f) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  f(omp_get_thread_num(), omp_get_num_threads());
+#else
+  (void)nt;
+  f(0, 1);
+#endif
+}
+
+// Below ~1 M multiply-adds per extra thread one thread does it (as int8_gemm_avx2.cpp).
+int threads_for(int64_t rows, int64_t k, int64_t n, int threads) {
+  const int64_t groups = ((n + 15) / 16 + kGroup - 1) / kGroup;
+  const int64_t by_size = std::max<int64_t>(1, rows * n * k / (1 << 20));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, by_size, groups})));
+}
+#endif
+
+// A linear layer's int8 weights, packed (pack_weight_vnni), with their per-column scales and bias,
+// and the whole layer in one call: x (fp32 / bf16) quantized per row, the GEMM, the dequantization
+// (in the epilogue, or with the residual add and LayerNorm after the sums), on one parallel region;
+// the same passes' arithmetic, so the same bits as quantize_rows + int8_gemm_vnni + the dequantize pass.
+// The caller keeps the tensors behind the pointers alive (bert_fast/model/int8.py _Int8Linear).
+struct VnniLinear {
+  uintptr_t w, sw, bias;  // packed weights, s_w [n] fp32, b [n] fp32 or 0
+  int64_t k, n;           // k a multiple of 4
+
+  // out [rows, n] (out_dt 0: fp32, 1: bf16) = act(x W^T + b) for x [rows, k] (x_dt 0 / 1).
+  void linear(uintptr_t x, int x_dt, int64_t rows, uintptr_t out, int out_dt, int act, int threads) const {
+    run(x, x_dt, rows, out, out_dt, act, threads, 0, 0, 0, 0.0f);
+  }
+
+  // out = LayerNorm(x W^T + b + residual) * ln_w + ln_b, in the residual's dtype (dt 0 / 1).
+  void linear_residual_ln(uintptr_t x, int x_dt, int64_t rows, uintptr_t out, uintptr_t residual, int dt,
+                          uintptr_t ln_w, uintptr_t ln_b, float eps, int threads) const {
+    run(x, x_dt, rows, out, dt, kNone, threads, residual, ln_w, ln_b, eps);
+  }
+
+ private:
+  void run(uintptr_t x, int x_dt, int64_t rows, uintptr_t out, int out_dt, int act, int threads, uintptr_t res,
+           uintptr_t ln_w, uintptr_t ln_b, float eps) const {
+    if (!vnni_usable()) throw std::invalid_argument("Int8VnniLinear: needs AVX-512 VNNI");
+    if ((x_dt != 0 && x_dt != 1) || (out_dt != 0 && out_dt != 1) || act < kNone || act > kGeluTanh)
+      throw std::invalid_argument("Int8VnniLinear: dtypes must be 0 or 1 and act 0, 1 or 2");
+    if (rows <= 0) return;
+#ifdef BF_GEMM_VNNI
+    thread_local std::vector<int8_t> xq_buf;
+    thread_local std::vector<int32_t> rsum_buf, acc_buf;
+    thread_local std::vector<float> sx_buf, row_buf;
+    const int nt = threads_for(rows, k, n, threads);
+    xq_buf.resize(static_cast<size_t>(rows * k));
+    rsum_buf.resize(static_cast<size_t>(rows));
+    sx_buf.resize(static_cast<size_t>(rows));
+    if (res) {
+      acc_buf.resize(static_cast<size_t>(rows * n));
+      row_buf.resize(static_cast<size_t>(nt * n));
+    }
+    // (pointers taken here: inside the parallel region a thread_local names each thread's own copy)
+    int8_t* xq = xq_buf.data();
+    int32_t* rsum = rsum_buf.data();
+    float* rowp = row_buf.data();
+    float* sx = sx_buf.data();
+    const float* swp = reinterpret_cast<const float*>(sw);
+    const float* bp = reinterpret_cast<const float*>(bias);
+    const Out o{acc_buf.data(), sx, swp, bp, res ? nullptr : reinterpret_cast<void*>(out), out_dt, act, n};
+    const void* xp = reinterpret_cast<const void*>(x);
+    const uint8_t* wp = reinterpret_cast<const uint8_t*>(w);
+    py::gil_scoped_release nogil;
+    on_threads(nt, [&](int t, int nth) {
+      const int64_t r0 = rows * t / nth, r1 = rows * (t + 1) / nth;
+      quantize_rows_avx512(xp, x_dt, r0, r1, k, xq, sx);
+      row_sums(xq, k, r0, r1, rsum);
+      barrier();
+      tiles_part(t, nth, xq, rows, k, wp, rsum, o);
+      if (!res) return;
+      barrier();
+      dequantize_ln_rows_avx512(o.acc, r0, r1, n, sx, swp, bp, reinterpret_cast<const void*>(res),
+                                reinterpret_cast<const float*>(ln_w), reinterpret_cast<const float*>(ln_b), eps,
+                                reinterpret_cast<void*>(out), out_dt, rowp + t * n);
+    });
+#endif
+  }
+};
 
 // k must be a multiple of 4 (bert_fast/ops/int8_gemm.py pads x and the packed weights to one).
 // y == 0: the int32 sums into acc; else the dequantized act(sums * s_x * s_w + b) into y.
@@ -202,24 +298,28 @@ void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, i
   thread_local std::vector<int32_t> rsum_buf;
   rsum_buf.resize(static_cast<size_t>(rows));
   int32_t* rsum = rsum_buf.data();
-  // Below ~1 M multiply-adds per extra thread one thread does it (as int8_gemm_avx2.cpp).
-  const int64_t groups = ((n + 15) / 16 + kGroup - 1) / kGroup;
-  const int64_t by_size = std::max<int64_t>(1, rows * n * k / (1 << 20));
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, by_size, groups})));
+  const int nt = threads_for(rows, k, n, threads);
   py::gil_scoped_release nogil;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-  gemm_part(omp_get_thread_num(), omp_get_num_threads(), x, rows, k, w, rsum, o);
-#else
-  (void)nt;
-  gemm_part(0, 1, x, rows, k, w, rsum, o);
-#endif
+  on_threads(nt, [&](int t, int nth) { gemm_part(t, nth, x, rows, k, w, rsum, o); });
 #endif
 }
 
 }  // namespace
 
 void bind_int8_gemm_vnni(py::module_& m) {
+  py::class_<VnniLinear>(m, "Int8VnniLinear",
+                         "One int8 linear layer on packed weights, each call one parallel region: quantize, GEMM, "
+                         "dequantize (bert_fast/ops/int8_gemm.py VnniLinear)")
+      .def(py::init([](uintptr_t w, int64_t k, int64_t n, uintptr_t sw, uintptr_t bias) {
+             if (k % 4 != 0) throw std::invalid_argument("Int8VnniLinear: k must be a multiple of 4");
+             return VnniLinear{w, sw, bias, k, n};
+           }),
+           py::arg("w_packed"), py::arg("k"), py::arg("n"), py::arg("col_scale"), py::arg("bias"))
+      .def("linear", &VnniLinear::linear, py::arg("x"), py::arg("x_dtype"), py::arg("rows"), py::arg("out"),
+           py::arg("out_dtype"), py::arg("act"), py::arg("threads"))
+      .def("linear_residual_ln", &VnniLinear::linear_residual_ln, py::arg("x"), py::arg("x_dtype"), py::arg("rows"),
+           py::arg("out"), py::arg("residual"), py::arg("dtype"), py::arg("ln_weight"), py::arg("ln_bias"),
+           py::arg("eps"), py::arg("threads"));
   m.def("int8_gemm_vnni_usable", &vnni_usable, "This CPU (and BERT_FAST_CPU_ISA) runs int8_gemm_vnni");
   m.def("int8_gemm_vnni", &int8_gemm_vnni, py::arg("x_q"), py::arg("rows"), py::arg("k"), py::arg("w_packed"),
         py::arg("n"), py::arg("acc"), py::arg("threads"), py::arg("row_scale") = 0, py::arg("col_scale") = 0,

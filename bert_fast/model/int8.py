@@ -97,7 +97,7 @@ class _Int8Linear:
     ``backend``: "int_mm" (torch._int_mm on W_q^T int8 [K, N]), "vnni" (our AVX-512 VNNI GEMM on the
     panels it wants, packed once: the same int32 sums) or "avx2" (our AVX2 GEMM on int16-pair panels)."""
 
-    __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes", "backend")
+    __slots__ = ("wq", "scale", "bias", "n", "k", "nbytes", "backend", "one_call")
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], backend: str = "int_mm"):
         if backend not in _BACKENDS:
@@ -108,6 +108,9 @@ class _Int8Linear:
         pack = {"avx2": int8_gemm.pack_weight_avx2, "vnni": int8_gemm.pack_weight_vnni}.get(backend)
         self.wq = wq if pack is None else pack(wq)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        # vnni: quantize, GEMM and dequantize in one C++ call where K allows (a multiple of 4: BERT's all)
+        vnni_call = backend == "vnni" and self.k % 4 == 0
+        self.one_call = int8_gemm.VnniLinear(self.wq, self.k, self.n, self.scale, self.bias) if vnni_call else None
         self.nbytes = self.wq.numel() * self.wq.element_size() + 4 * self.n + (0 if bias is None else 4 * self.n)
 
     def _acc(self, xq: Tensor) -> Tensor:
@@ -124,6 +127,8 @@ class _Int8Linear:
         gelu = None if activation is None else GELU_APPROXIMATE[activation]
         if self.backend == "avx2":
             y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
+        elif self.one_call is not None:
+            y = self.one_call.linear(x2, gelu, out_dtype or x2.dtype)
         elif self.backend == "vnni":  # the dequantization in the GEMM's epilogue
             y = int8_gemm.int8_linear_vnni(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
         else:
@@ -140,6 +145,8 @@ class _Int8Linear:
         x2 = x.reshape(-1, self.k)
         if self.backend == "avx2" or x2.shape[0] == 0:
             return None
+        if self.one_call is not None:
+            return self.one_call.linear_residual_ln(x2, residual, ln_w, ln_b, eps).view(*x.shape[:-1], self.n)
         xq, sx = int8_gemm.quantize_rows(x2)
         y = int8_gemm.dequantize_residual_ln(self._acc(xq), sx, self.scale, self.bias, residual, ln_w, ln_b, eps)
         return y.view(*x.shape[:-1], self.n)

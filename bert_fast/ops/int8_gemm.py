@@ -232,6 +232,46 @@ def int8_linear_vnni(
     return _vnni_call(xq, w_packed, n, y, row_scale=sx.data_ptr(), col_scale=sw.data_ptr(), bias=b, **codes)
 
 
+class VnniLinear:
+    """One int8 linear layer on packed weights whose every call is one C++ call and one parallel region
+    (csrc/int8_gemm_vnni.cpp Int8VnniLinear): x quantized per row, the GEMM, the dequantization (GELU in
+    the epilogue, or the residual add and LayerNorm after the sums). The same passes' arithmetic: the
+    same bits as quantize_rows + int_mm_vnni + dequantize / dequantize_residual_ln, without the Python
+    and the four parallel regions between them. Keeps the tensors it points at; K a multiple of 4."""
+
+    def __init__(self, w_packed: Tensor, k: int, n: int, sw: Tensor, bias: Optional[Tensor]):
+        self._keep = (w_packed, sw, bias)
+        self.n = n
+        b = 0 if bias is None else bias.data_ptr()
+        self._native = _ext.Int8VnniLinear(w_packed.data_ptr(), k, n, sw.data_ptr(), b)
+
+    def linear(self, x2: Tensor, gelu: Optional[str], out_dtype: torch.dtype) -> Tensor:
+        """act(x2 W^T + b) [M, N] in ``out_dtype`` for x2 [M, K] fp32 / bf16."""
+        x2 = x2.contiguous()
+        y = torch.empty((x2.shape[0], self.n), dtype=out_dtype)
+        self._native.linear(
+            x2.data_ptr(),
+            _CODES[x2.dtype],
+            x2.shape[0],
+            y.data_ptr(),
+            _CODES[out_dtype],
+            _ACT_CODES[gelu],
+            torch.get_num_threads(),
+        )
+        return y
+
+    def linear_residual_ln(self, x2: Tensor, residual: Tensor, ln_w: Tensor, ln_b: Tensor, eps: float) -> Tensor:
+        """LayerNorm(x2 W^T + b + residual) * ln_w + ln_b in the residual's dtype."""
+        x2, m = x2.contiguous(), x2.shape[0]
+        residual = residual.reshape(m, self.n).contiguous()
+        w, b = ln_w.float().contiguous(), ln_b.float().contiguous()  # no copy for fp32 weights
+        y = torch.empty((m, self.n), dtype=residual.dtype)
+        code = _CODES[residual.dtype]
+        ptrs = (y.data_ptr(), residual.data_ptr(), code, w.data_ptr(), b.data_ptr())
+        self._native.linear_residual_ln(x2.data_ptr(), _CODES[x2.dtype], m, *ptrs, float(eps), torch.get_num_threads())
+        return y
+
+
 # ----------------------------------------------------------------------------- AVX2 (no VNNI)
 def avx2_available() -> bool:
     """Our AVX2 int8 GEMM (csrc/int8_gemm_avx2.cpp) is built and this CPU (and BERT_FAST_CPU_ISA) runs it."""

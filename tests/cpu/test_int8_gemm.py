@@ -177,6 +177,34 @@ def test_vnni_gemm_dequantizing_epilogue_equals_the_dequantize_pass_bit_for_bit(
 
 
 @needs_vnni
+@pytest.mark.skipif(not int8_speed.int_mm_exact(), reason=int8_speed.INEXACT_NOTE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(5, 8, 40), (37, 384, 129), (128, 1536, 96)])
+def test_vnni_one_call_linear_equals_the_separate_passes_bit_for_bit(dtype, m, k, n):
+    """VnniLinear: quantize, GEMM and dequantize (with the GELU, or the residual add and LayerNorm) in one
+    call, on one and two threads: the bits of quantize_rows + torch._int_mm + the dequantize passes."""
+    x, wq_t, sw, b = _quantized(m, k, n, m + k)
+    x = x.to(dtype)
+    g = torch.Generator().manual_seed(n)
+    residual = torch.randn(m, n, generator=g).to(dtype)
+    ln_w, ln_b = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
+    one = int8_gemm.VnniLinear(int8_gemm.pack_weight_vnni(wq_t), k, n, sw, b)
+    xq, sx = int8_gemm.quantize_rows(x)
+    want_ln = int8_gemm.dequantize_residual_ln(torch._int_mm(xq, wq_t), sx, sw, b, residual, ln_w, ln_b, 1e-12)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for gelu in (None, "none", "tanh"):
+                for out_dtype in (torch.float32, torch.bfloat16):
+                    want = int8_gemm.int8_linear(x, wq_t, sw, b, gelu, out_dtype)
+                    assert torch.equal(one.linear(x, gelu, out_dtype), want)
+            assert torch.equal(one.linear_residual_ln(x, residual, ln_w, ln_b, 1e-12), want_ln)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_vnni
 def test_vnni_gemm_refuses_what_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 4"):
         int8_gemm._ext.int8_gemm_vnni(0, 1, 3, 0, 1, 0, 1)
@@ -184,6 +212,10 @@ def test_vnni_gemm_refuses_what_it_cannot_run(monkeypatch):
         int8_gemm._ext.int8_gemm_vnni(0, 1, 4, 0, 1, 0, 1, out=1, dtype=0, act=0)
     with pytest.raises(ValueError, match="act 0, 1 or 2"):
         int8_gemm._ext.int8_gemm_vnni(0, 1, 4, 0, 1, 0, 1, row_scale=1, col_scale=1, out=1, act=3)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        int8_gemm._ext.Int8VnniLinear(0, 6, 16, 0, 0)
+    with pytest.raises(ValueError, match="act 0, 1 or 2"):
+        int8_gemm._ext.Int8VnniLinear(0, 8, 16, 0, 0).linear(0, 0, 1, 0, 0, 7, 1)
     monkeypatch.setenv("BERT_FAST_CPU_ISA", "avx2")
     assert not int8_gemm.vnni_available()
     with pytest.raises(ValueError, match="AVX-512 VNNI"):

@@ -204,6 +204,17 @@ void on_threads(int nt, F f) {
 #endif
 }
 
+constexpr size_t kKeepBytes = size_t(4) << 20;
+
+// n elements of scratch: from `keep` (a thread_local, grown up to kKeepBytes) or else from `call`.
+template <class T>
+T* scratch(std::vector<T>& keep, std::vector<T>& call, int64_t n) {
+  const size_t count = static_cast<size_t>(n);
+  std::vector<T>& v = count * sizeof(T) <= kKeepBytes ? keep : call;
+  if (v.size() < count) v.resize(count);
+  return v.data();
+}
+
 // Below ~1 M multiply-adds per extra thread one thread does it (as int8_gemm_avx2.cpp).
 int threads_for(int64_t rows, int64_t k, int64_t n, int threads) {
   const int64_t groups = ((n + 15) / 16 + kGroup - 1) / kGroup;
@@ -240,25 +251,25 @@ struct VnniLinear {
       throw std::invalid_argument("Int8VnniLinear: dtypes must be 0 or 1 and act 0, 1 or 2");
     if (rows <= 0) return;
 #ifdef BF_GEMM_VNNI
-    thread_local std::vector<int8_t> xq_buf;
-    thread_local std::vector<int32_t> rsum_buf, acc_buf;
-    thread_local std::vector<float> sx_buf, row_buf;
     const int nt = threads_for(rows, k, n, threads);
-    xq_buf.resize(static_cast<size_t>(rows * k));
-    rsum_buf.resize(static_cast<size_t>(rows));
-    sx_buf.resize(static_cast<size_t>(rows));
-    if (res) {
-      acc_buf.resize(static_cast<size_t>(rows * n));
-      row_buf.resize(static_cast<size_t>(nt * n));
-    }
-    // (pointers taken here: inside the parallel region a thread_local names each thread's own copy)
-    int8_t* xq = xq_buf.data();
-    int32_t* rsum = rsum_buf.data();
-    float* rowp = row_buf.data();
-    float* sx = sx_buf.data();
+    // Scratch: kept per calling thread up to kKeepBytes each (batch 1 to ~8 x 128 reuse it, no
+    // allocation per call), taken per call beyond (a large batch does not pin its buffers for good).
+    // (Pointers taken here: inside the parallel region a thread_local names each thread's own copy.)
+    thread_local std::vector<int8_t> xq_keep;
+    thread_local std::vector<int32_t> acc_keep;
+    thread_local std::vector<float> f_keep;
+    std::vector<int8_t> xq_call;
+    std::vector<int32_t> acc_call;
+    std::vector<float> f_call;
+    int8_t* xq = scratch(xq_keep, xq_call, rows * k);
+    int32_t* acc = scratch(acc_keep, acc_call, rows * (res ? n + 1 : 1));  // [rows] row sums, then the sums
+    float* fbuf = scratch(f_keep, f_call, rows + (res ? nt * n : 0));       // [rows] s_x, then LN row buffers
+    int32_t* rsum = acc;
+    float* sx = fbuf;
+    float* rowp = fbuf + rows;
     const float* swp = reinterpret_cast<const float*>(sw);
     const float* bp = reinterpret_cast<const float*>(bias);
-    const Out o{acc_buf.data(), sx, swp, bp, res ? nullptr : reinterpret_cast<void*>(out), out_dt, act, n};
+    const Out o{acc + rows, sx, swp, bp, res ? nullptr : reinterpret_cast<void*>(out), out_dt, act, n};
     const void* xp = reinterpret_cast<const void*>(x);
     const uint8_t* wp = reinterpret_cast<const uint8_t*>(w);
     py::gil_scoped_release nogil;

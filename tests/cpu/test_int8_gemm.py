@@ -179,10 +179,11 @@ def test_vnni_gemm_dequantizing_epilogue_equals_the_dequantize_pass_bit_for_bit(
 @needs_vnni
 @pytest.mark.skipif(not int8_speed.int_mm_exact(), reason=int8_speed.INEXACT_NOTE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n", [(5, 8, 40), (37, 384, 129), (128, 1536, 96)])
+@pytest.mark.parametrize("m,k,n", [(5, 8, 40), (37, 384, 129), (128, 1536, 96), (3000, 64, 700)])
 def test_vnni_one_call_linear_equals_the_separate_passes_bit_for_bit(dtype, m, k, n):
     """VnniLinear: quantize, GEMM and dequantize (with the GELU, or the residual add and LayerNorm) in one
-    call, on one and two threads: the bits of quantize_rows + torch._int_mm + the dequantize passes."""
+    call, on one and two threads: the bits of quantize_rows + torch._int_mm + the dequantize passes
+    (3000 x 700: sums past the scratch kept between calls, taken per call)."""
     x, wq_t, sw, b = _quantized(m, k, n, m + k)
     x = x.to(dtype)
     g = torch.Generator().manual_seed(n)

@@ -31,13 +31,10 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_gemm_common.h"
 #include "cpu_isa.h"
 #include "int8_rows.h"
 #include "simd_math.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace py = pybind11;
 
@@ -48,6 +45,11 @@ namespace py = pybind11;
 
 namespace bert_fast {
 namespace {
+
+using gemm::barrier;
+using gemm::on_threads;
+using gemm::scratch;
+using gemm::threads_for;
 
 constexpr int kMR = 8;      // rows per tile
 constexpr int kGroup = 3;   // 16-column panels per tile (48 columns)
@@ -178,12 +180,6 @@ void tiles_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const u
   }
 }
 
-inline void barrier() {
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-}
-
 // Thread t of nt: its rows' sums, then (after all are known) its panel groups.
 void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const uint8_t* w, int32_t* rsum,
                const Out& o) {
@@ -192,35 +188,6 @@ void gemm_part(int t, int nt, const int8_t* x, int64_t rows, int64_t k, const ui
   tiles_part(t, nt, x, rows, k, w, rsum, o);
 }
 
-// Run f(t, nt) on nt threads of torch's OpenMP pool (one, without OpenMP).
-template <class F>
-void on_threads(int nt, F f) {
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-  f(omp_get_thread_num(), omp_get_num_threads());
-#else
-  (void)nt;
-  f(0, 1);
-#endif
-}
-
-constexpr size_t kKeepBytes = size_t(4) << 20;
-
-// n elements of scratch: from `keep` (a thread_local, grown up to kKeepBytes) or else from `call`.
-template <class T>
-T* scratch(std::vector<T>& keep, std::vector<T>& call, int64_t n) {
-  const size_t count = static_cast<size_t>(n);
-  std::vector<T>& v = count * sizeof(T) <= kKeepBytes ? keep : call;
-  if (v.size() < count) v.resize(count);
-  return v.data();
-}
-
-// Below ~1 M multiply-adds per extra thread one thread does it (as int8_gemm_avx2.cpp).
-int threads_for(int64_t rows, int64_t k, int64_t n, int threads) {
-  const int64_t groups = ((n + 15) / 16 + kGroup - 1) / kGroup;
-  const int64_t by_size = std::max<int64_t>(1, rows * n * k / (1 << 20));
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, by_size, groups})));
-}
 #endif
 
 // A linear layer's int8 weights, packed (pack_weight_vnni), with their per-column scales and bias,
@@ -251,7 +218,7 @@ struct VnniLinear {
       throw std::invalid_argument("Int8VnniLinear: dtypes must be 0 or 1 and act 0, 1 or 2");
     if (rows <= 0) return;
 #ifdef BF_GEMM_VNNI
-    const int nt = threads_for(rows, k, n, threads);
+    const int nt = threads_for(rows, k, n, kGroup, threads);
     // Scratch: kept per calling thread up to kKeepBytes each (batch 1 to ~8 x 128 reuse it, no
     // allocation per call), taken per call beyond (a large batch does not pin its buffers for good).
     // (Pointers taken here: inside the parallel region a thread_local names each thread's own copy.)
@@ -309,7 +276,7 @@ void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, i
   thread_local std::vector<int32_t> rsum_buf;
   rsum_buf.resize(static_cast<size_t>(rows));
   int32_t* rsum = rsum_buf.data();
-  const int nt = threads_for(rows, k, n, threads);
+  const int nt = threads_for(rows, k, n, kGroup, threads);
   py::gil_scoped_release nogil;
   on_threads(nt, [&](int t, int nth) { gemm_part(t, nth, x, rows, k, w, rsum, o); });
 #endif

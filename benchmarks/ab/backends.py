@@ -9,13 +9,14 @@ import importlib.util
 import os
 import sys
 from typing import Any, Callable, Dict, List, Tuple
+from unittest import mock
 
 import torch
 import transformers
 
 import bert_fast
 from bert_fast import _C as this_build
-from bert_fast.bench import cpu_caps
+from bert_fast.bench import cpu_caps, timing
 from bert_fast.model import direct_ops
 from bert_fast.ops import cpu_attention, cpu_fp32_gemm, torch_impl
 
@@ -189,3 +190,46 @@ def direct_ln(args) -> None:
             restore = variants["own-dtype"]
             line = compare_variants(variants, dense_forward(model, batch), args.rounds, restore=restore)
             print(f"MiniLM frozen {str(dtype)[6:]} {batch}x128: {line}")
+
+
+@variant("bf16-one-call", rounds=15)
+def bf16_one_call(args) -> None:
+    """Frozen bf16 inference: oneDNN's packed linear (and the residual LayerNorm op after it) against our
+    one-call bf16 linear (bert_fast/ops/bf16_gemm.py) where freeze() measured it faster.
+
+    Two frozen copies of the real all-MiniLM-L6-v2 and of a bert-base config, one frozen with our linear
+    ruled out; whole no-grad forwards at 1 x 128 and 8 x 128 side by side (bert_fast.bench.timing), and
+    each one's largest difference to the other.
+
+        python benchmarks/cpu_ab.py bf16-one-call [--threads 2] [--rounds 15]
+    """
+    from bert_fast.model import frozen
+    from bert_fast.ops import bf16_gemm
+
+    if not bf16_gemm.available():
+        raise SystemExit("this CPU (or BERT_FAST_CPU_ISA) has no AVX-512 BF16: nothing to compare")
+    torch.set_num_threads(args.threads)
+    print(cpu_caps.describe(cpu_caps.capabilities()), f"{args.threads} threads, torch {torch.__version__}")
+    hf, _ = load_minilm()
+    bert = transformers.BertModel(transformers.BertConfig()).eval()
+    for name, source in (("MiniLM", hf), ("bert-base", bert)):
+        models = {}
+        for label, allowed in (("onednn", False), ("ours", True)):
+            model = bert_fast.optimize(copy.deepcopy(source).to(torch.bfloat16))
+            with mock.patch.object(bf16_gemm, "available", lambda allowed=allowed: allowed):
+                frozen._OURS.clear()  # measured anew for the copy that may use it
+                model.freeze()
+            models[label] = model
+        print(f"{name}: our linear kept for (small, large) rows: {sorted(set(frozen.ours_choices().values()))}")
+        for batch in (1, 8):
+            calls = {}
+            for label, model in models.items():
+                torch.manual_seed(batch)  # the same tokens for both
+                calls[label] = dense_forward(model, batch)
+            a, b = (c().last_hidden_state.float() for c in calls.values())
+            res = timing.measure(calls, warmup=2, min_rounds=args.rounds, max_rounds=args.rounds, catch=False)
+            parts = [f"{k} {t.median_ms:.2f} ms ({t.ci_low_ms:.2f}-{t.ci_high_ms:.2f})" for k, t in res.timings.items()]
+            sp = res.speedup("ours", "onednn").format()
+            print(
+                f"{name} bf16 frozen {batch}x128: {', '.join(parts)}; speedup of ours {sp}; max|diff| {(a - b).abs().max():.3g}"
+            )

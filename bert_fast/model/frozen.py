@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from bert_fast.model import direct_ops, precision
+from bert_fast.ops import bf16_gemm
 from bert_fast.ops.cpu_timing import median_pair as _median_pair
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
@@ -64,9 +65,12 @@ def dtype_supported(dtype: torch.dtype) -> bool:
 class _PackedLinear:
     """One linear layer on a prepacked weight, y = act(x W^T + b), where packing wins: per row-count
     class (``packing_choice``) it runs either oneDNN's packed weight or the plain weight through
-    the unfrozen path's own call (direct_ops.linear), so a frozen GEMM is never slower than it."""
+    the unfrozen path's own call (direct_ops.linear), so a frozen GEMM is never slower than it. In bf16
+    on AVX-512 BF16 a third candidate, our one-call linear (bert_fast.ops.bf16_gemm: the GEMM with its
+    GELU, or with the residual add and LayerNorm that follow it, in one C++ call), runs for the row
+    classes where it measured faster than that choice (``ours_choice``)."""
 
-    __slots__ = ("weight", "plain_weight", "bias", "n", "k", "nbytes", "packed_for")
+    __slots__ = ("weight", "plain_weight", "bias", "n", "k", "nbytes", "packed_for", "ours", "ours_for")
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], activation: Optional[str] = None):
         self.n, self.k = weight.shape
@@ -76,11 +80,19 @@ class _PackedLinear:
         self.weight = packed
         # (rows <= SPLIT_ROWS, rows > SPLIT_ROWS) -> packed wins
         self.packed_for = packing_choice(self, activation)
-        if not any(self.packed_for):
+        self.ours, self.ours_for = None, (False, False)
+        if weight.dtype == torch.bfloat16 and self.k % 2 == 0 and bf16_gemm.available():
+            self.ours = bf16_gemm.Bf16Linear(self.plain_weight, self.bias)
+            self.ours_for = ours_choice(self, activation)
+            if not any(self.ours_for):
+                self.ours = None
+        if not any(p and not o for p, o in zip(self.packed_for, self.ours_for)):
             self.weight = None  # the packed copy never runs: do not keep it
         self.nbytes = (0 if self.weight is None else weight.numel() * weight.element_size()) + (
             0 if bias is None else bias.numel() * bias.element_size()
         )
+        if self.ours is not None:
+            self.nbytes += self.ours.weight.numel() * self.ours.weight.element_size()
 
     def run_packed(self, x2: Tensor, activation: Optional[str]) -> Tensor:
         if activation is None:
@@ -90,16 +102,30 @@ class _PackedLinear:
     def run_plain(self, x2: Tensor, activation: Optional[str]) -> Tensor:
         return direct_ops.linear(x2, self.plain_weight, self.bias, activation)
 
+    def run_ours(self, x2: Tensor, activation: Optional[str]) -> Tensor:
+        return self.ours.linear(x2, None if activation is None else GELU_APPROXIMATE[activation])
+
     def __call__(self, x: Tensor, activation: Optional[str] = None) -> Tensor:
         x2 = x.reshape(-1, self.k)
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty((*x.shape[:-1], self.n))
-        if self.packed_for[rows > SPLIT_ROWS]:
+        large = rows > SPLIT_ROWS
+        if self.ours_for[large]:
+            y = self.run_ours(x2, activation)
+        elif self.packed_for[large]:
             y = self.run_packed(x2.contiguous(), activation)
         else:
             y = self.run_plain(x2, activation)
         return y.view(*x.shape[:-1], self.n)
+
+    def residual_ln(self, x: Tensor, residual: Tensor, ln_w: Tensor, ln_b: Tensor, eps: float) -> Optional[Tensor]:
+        """LayerNorm(x W^T + b + residual) * ln_w + ln_b in one call where our bf16 linear runs for these
+        rows (layer._gemm_residual_ln); None elsewhere (the caller runs the GEMM, then the op)."""
+        x2 = x.reshape(-1, self.k)
+        if not self.ours_for[x2.shape[0] > SPLIT_ROWS] or x2.shape[0] == 0 or residual.dtype != torch.bfloat16:
+            return None
+        return self.ours.linear_residual_ln(x2, residual, ln_w, ln_b, eps).view(*x.shape[:-1], self.n)
 
 
 # ----------------------------------------------------------------------------- pack or not, measured
@@ -137,9 +163,39 @@ def packing_choice(lin: "_PackedLinear", activation: Optional[str]) -> Tuple[boo
     return choice
 
 
+_OURS: Dict[tuple, Tuple[bool, bool]] = {}  # (n, k, activation, threads) -> our bf16 linear wins
+
+
+def ours_choice(lin: "_PackedLinear", activation: Optional[str]) -> Tuple[bool, bool]:
+    """(small rows, large rows): True where our one-call bf16 linear ran at most as long as the call
+    packing_choice kept (timed once per shape, activation and thread count in this process)."""
+    if _FORCED is not None:
+        return (False, False)  # tests that force packing on or off get exactly that
+    key = (lin.n, lin.k, activation, torch.get_num_threads())
+    choice = _OURS.get(key)
+    if choice is None:
+        picks = []
+        for rows, packed in zip(MEASURE_ROWS, lin.packed_for):
+            x = torch.randn(rows, lin.k, dtype=torch.bfloat16)
+            theirs = lin.run_packed if packed else lin.run_plain
+            reps = 3 if 2.0 * rows * lin.n * lin.k > 2e9 else 5
+            with torch.no_grad():
+                t_ours, t_theirs = _median_pair(
+                    lambda: lin.run_ours(x, activation), lambda: theirs(x, activation), reps
+                )
+            picks.append(t_ours <= t_theirs)
+        choice = _OURS[key] = (picks[0], picks[1])
+    return choice
+
+
 def packing_choices() -> Dict[tuple, Tuple[bool, bool]]:
     """What freeze() measured in this process (for the doctor and the benchmarks)."""
     return dict(_CHOICES)
+
+
+def ours_choices() -> Dict[tuple, Tuple[bool, bool]]:
+    """Where freeze() measured our bf16 one-call linear faster, in this process."""
+    return dict(_OURS)
 
 
 def layer_linears(layer):

@@ -328,3 +328,33 @@ def test_frozen_bf16_matches_plain_bf16(packed_calls):
     assert packed_calls, "the bf16 forward did not run on packed weights"
     floor = torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
     assert err_frozen <= 2 * err_plain + floor, (err_frozen, err_plain)
+
+
+@pytest.mark.parametrize("ours", [(True, True), (False, False)])
+def test_frozen_bf16_on_our_one_call_linear(monkeypatch, ours):
+    """Where freeze() keeps our one-call bf16 linear (bert_fast/ops/bf16_gemm.py; forced here), every GEMM
+    of the forward and both residual LayerNorms run on it, within 2x of plain bf16's error against the
+    float64 oracle; where it does not, none do."""
+    from bert_fast.ops import bf16_gemm
+
+    if not bf16_gemm.available():
+        pytest.skip("needs AVX-512 BF16 for bert_fast's bf16 linear")
+    _, fast, error, oracle = _bf16_case()
+    fast16 = fast.to(torch.bfloat16)
+    err_plain = error(fast16)
+    monkeypatch.setattr(frozen, "ours_choice", lambda lin, activation: ours)
+    ran = []
+    for name in ("run_ours", "residual_ln"):
+        real = getattr(frozen._PackedLinear, name)
+        monkeypatch.setattr(
+            frozen._PackedLinear, name, lambda self, *a, _r=real, _n=name: ran.append(_n) or _r(self, *a)
+        )
+    fast16.freeze()
+    err = error(fast16)
+    layers = fast16.config.num_hidden_layers
+    if ours[0]:
+        assert ran.count("run_ours") == 2 * layers and ran.count("residual_ln") == 2 * layers
+    else:
+        assert "run_ours" not in ran
+    floor = torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
+    assert err <= 2 * err_plain + floor, (err, err_plain)

@@ -7,10 +7,10 @@
 // streams its 85 MB of int8 weights from DRAM once per forward, and that per-call copy showed: the
 // same 48 GEMMs took 31-33 ms through torch._int_mm and 26-27 ms here (Zen 4, 2 threads, weights
 // rotating through 12 layers as a forward does; benchmarks/NOTES.md, "int8 on packed weights").
-// The sums are bit for bit torch._int_mm's. Given the scales, the GEMM dequantizes in its epilogue
-// instead of writing them: y = act(acc * s_x[m] * s_w[n] + b[n]) in fp32 or bf16, in the order and
-// with the vector GELU of int8_cpu.cpp's dequantize pass, so the same bits as that pass after the
-// sums (-ffp-contract=off on both files), without the int32 round trip through memory.
+// The sums are bit for bit torch._int_mm's. The one-call linear (VnniLinear, below) dequantizes in
+// the epilogue instead of writing them: y = act(acc * s_x[m] * s_w[n] + b[n]) in fp32 or bf16, in
+// the order and with the vector GELU of int8_cpu.cpp's dequantize pass, so the same bits as that pass
+// after the sums (-ffp-contract=off on both files), without the int32 round trip through memory.
 //
 // How. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products into an int32
 // lane, exactly (no saturation). The weights are the unsigned operand, stored as w + 128 (packed
@@ -257,22 +257,16 @@ struct VnniLinear {
 };
 
 // k must be a multiple of 4 (bert_fast/ops/int8_gemm.py pads x and the packed weights to one).
-// y == 0: the int32 sums into acc; else the dequantized act(sums * s_x * s_w + b) into y.
 void int8_gemm_vnni(uintptr_t xq, int64_t rows, int64_t k, uintptr_t w_packed, int64_t n, uintptr_t acc,
-                    int threads, uintptr_t sx, uintptr_t sw, uintptr_t bias, uintptr_t y, int dt, int act) {
+                    int threads) {
   if (!vnni_usable())
     throw std::invalid_argument("int8_gemm_vnni: needs AVX-512 VNNI (" + isa_refusal("avx512") + " or no VNNI)");
   if (k % 4 != 0) throw std::invalid_argument("int8_gemm_vnni: k must be a multiple of 4");
-  if (y != 0 && ((dt != 0 && dt != 1) || act < kNone || act > kGeluTanh || sx == 0 || sw == 0))
-    throw std::invalid_argument("int8_gemm_vnni: dequantizing needs both scales, dtype 0 or 1 and act 0, 1 or 2");
   if (rows <= 0 || n <= 0) return;
 #ifdef BF_GEMM_VNNI
   const int8_t* x = reinterpret_cast<const int8_t*>(xq);
   const uint8_t* w = reinterpret_cast<const uint8_t*>(w_packed);
-  const Out o{reinterpret_cast<int32_t*>(acc),    reinterpret_cast<const float*>(sx),
-              reinterpret_cast<const float*>(sw), reinterpret_cast<const float*>(bias),
-              reinterpret_cast<void*>(y),         dt,
-              act,                                n};
+  const Out o{reinterpret_cast<int32_t*>(acc), nullptr, nullptr, nullptr, nullptr, 0, kNone, n};
   thread_local std::vector<int32_t> rsum_buf;
   rsum_buf.resize(static_cast<size_t>(rows));
   int32_t* rsum = rsum_buf.data();
@@ -300,12 +294,10 @@ void bind_int8_gemm_vnni(py::module_& m) {
            py::arg("eps"), py::arg("threads"));
   m.def("int8_gemm_vnni_usable", &vnni_usable, "This CPU (and BERT_FAST_CPU_ISA) runs int8_gemm_vnni");
   m.def("int8_gemm_vnni", &int8_gemm_vnni, py::arg("x_q"), py::arg("rows"), py::arg("k"), py::arg("w_packed"),
-        py::arg("n"), py::arg("acc"), py::arg("threads"), py::arg("row_scale") = 0, py::arg("col_scale") = 0,
-        py::arg("bias") = 0, py::arg("out") = 0, py::arg("dtype") = 0, py::arg("act") = 0,
+        py::arg("n"), py::arg("acc"), py::arg("threads"),
         "acc int32 [rows, n] = x_q int8 [rows, k] . w_q, with w_q packed by bert_fast/ops/int8_gemm.py "
         "pack_weight_vnni (uint8 [ceil(n/16), k/4, 16, 4], w + 128); k a multiple of 4; AVX-512 VNNI, exact: "
-        "torch._int_mm's sums bit for bit. With out: out [rows, n] (dtype 0: fp32, 1: bf16) = act(acc * "
-        "row_scale[r] * col_scale[c] + bias[c]) instead (act 0: none, 1: GELU erf, 2: GELU tanh; bias 0: none)");
+        "torch._int_mm's sums bit for bit");
 }
 
 }  // namespace bert_fast

@@ -4,7 +4,7 @@ What runs. Each encoder GEMM y = act(x W^T + b) becomes bert_fast.ops.int8_gemm.
     x_q, s_x = quantize_rows(x)           int8 [M, K], one fp32 scale per row (symmetric, dynamic)
     acc      = torch._int_mm(x_q, W_q)     int32 [M, N] (oneDNN / VNNI, AMX-INT8 where the CPU has it);
                                            or our AVX-512 VNNI GEMM on weights packed once, the same sums
-                                           (int8_linear_vnni, the next line in its epilogue); on CPUs
+                                           (VnniLinear: the lines above and below in the same call); on CPUs
                                            without VNNI our AVX2 GEMM (int8_linear_avx2, likewise):
                                            whichever measured fastest
     y        = act(acc * s_x * s_w + b)    in the model's dtype (fp32 or bf16)
@@ -129,9 +129,7 @@ class _Int8Linear:
             y = int8_gemm.int8_linear_avx2(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
         elif self.one_call is not None:
             y = self.one_call.linear(x2, gelu, out_dtype or x2.dtype)
-        elif self.backend == "vnni":  # the dequantization in the GEMM's epilogue
-            y = int8_gemm.int8_linear_vnni(x2, self.wq, self.n, self.scale, self.bias, gelu, out_dtype)
-        else:
+        else:  # torch._int_mm, or the VNNI GEMM where K is not a multiple of 4: the separate passes
             xq, sx = int8_gemm.quantize_rows(x2)
             y = int8_gemm.dequantize(self._acc(xq), sx, self.scale, self.bias, out_dtype or x2.dtype, gelu)
         return y.view(*x.shape[:-1], self.n)

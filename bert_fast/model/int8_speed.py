@@ -8,7 +8,7 @@ Intel client parts with only AVX-VNNI) torch takes a plain C++ loop instead, 35-
 (bert-base b8 s128: 60.7 s against 1.10 s per forward on a Zen 3); there our own AVX2 int8 GEMM
 (csrc/int8_gemm_avx2.cpp) runs instead. The CPU's flags alone do not say which is faster with a
 given torch build, so each int8 linear bert_fast can run (bert_fast.ops.int8_gemm: int8_linear on
-torch._int_mm, "int_mm"; int8_linear_vnni, "vnni", our AVX-512 VNNI GEMM on weights packed once;
+torch._int_mm, "int_mm"; VnniLinear, "vnni", our AVX-512 VNNI GEMM on weights packed once;
 int8_linear_avx2, "avx2") is timed against fp32 F.linear on one BERT-base
 GEMM, M=128 rows (a batch-1 forward), K=768, N=3072: the faster int8 backend is the one used, and
 int8 is offered only where it beats fp32, refused with the measured rates where it does not.
@@ -136,8 +136,9 @@ def _measure(shape: Tuple[int, int, int]) -> Int8Speed:
     else:
         note = INEXACT_NOTE
     if int8_gemm.vnni_available():
-        packed = [int8_gemm.pack_weight_vnni(wq) for wq in wqs]
-        runs["vnni"] = _cycling(lambda p: int8_gemm.int8_linear_vnni(x, p, n, sw, b, None), packed)
+        # what the model runs: quantize, GEMM and dequantize in one call
+        linears = [int8_gemm.VnniLinear(int8_gemm.pack_weight_vnni(wq), k, n, sw, b) for wq in wqs]
+        runs["vnni"] = _cycling(lambda lin: lin.linear(x, None, x.dtype), linears)
     if int8_gemm.avx2_available():
         packed2 = [int8_gemm.pack_weight_avx2(wq) for wq in wqs]
         runs["avx2"] = _cycling(lambda p: int8_gemm.int8_linear_avx2(x, p, n, sw, b, None), packed2)

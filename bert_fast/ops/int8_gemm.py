@@ -4,8 +4,9 @@ channel (bert_fast/model/int8.py builds the weights and guards the accuracy):
     x_q, s_x = quantize_rows(x)               one pass over x (bert_fast._C), or 5 torch ops
     acc      = torch._int_mm(x_q, W_q^T)      int32, oneDNN (AVX-512 VNNI / AMX-INT8); or our VNNI GEMM on
                                               weights packed once, the same sums (csrc/int8_gemm_vnni.cpp:
-                                              int8_linear_vnni); or on CPUs without VNNI our AVX2 GEMM with
-                                              the next step in its epilogue (csrc/int8_gemm_avx2.cpp)
+                                              int_mm_vnni, or VnniLinear with the other two steps in the same
+                                              call); or on CPUs without VNNI our AVX2 GEMM with the next step
+                                              in its epilogue (csrc/int8_gemm_avx2.cpp)
     y        = act(dequantize(acc, s_x, s_w, b))  one pass over acc with the GELU in it (bert_fast._C),
                                               or 3-4 torch ops and the GELU
 
@@ -193,43 +194,15 @@ def pack_weight_vnni(wq_t: Tensor) -> Tensor:
     return (w + 128).to(torch.uint8).view(kq, 4, np_, 16).permute(2, 0, 3, 1).contiguous()
 
 
-def _vnni_call(xq: Tensor, w_packed: Tensor, n: int, out: Tensor, **epilogue) -> Tensor:
+def int_mm_vnni(xq: Tensor, w_packed: Tensor, n: int) -> Tensor:
+    """torch._int_mm(x_q, W_q^T) on the packed weights: int32 [M, N], the same sums bit for bit."""
     m, k = xq.shape
     if k % 4:  # the packed weights have zero rows up to a multiple of 4; x gets zero columns to meet them
         xq = torch.nn.functional.pad(xq, (0, 4 - k % 4))
     xq = xq.contiguous()
-    acc = out.data_ptr() if out.dtype == torch.int32 else 0
-    y = 0 if acc else out.data_ptr()
-    _ext.int8_gemm_vnni(
-        xq.data_ptr(), m, xq.shape[1], w_packed.data_ptr(), n, acc, torch.get_num_threads(), out=y, **epilogue
-    )
-    return out
-
-
-def int_mm_vnni(xq: Tensor, w_packed: Tensor, n: int) -> Tensor:
-    """torch._int_mm(x_q, W_q^T) on the packed weights: int32 [M, N], the same sums bit for bit."""
-    return _vnni_call(xq, w_packed, n, torch.empty((xq.shape[0], n), dtype=torch.int32))
-
-
-def int8_linear_vnni(
-    x2: Tensor,
-    w_packed: Tensor,
-    n: int,
-    sw: Tensor,
-    bias: Optional[Tensor],
-    gelu: Optional[str],
-    out_dtype: Optional[torch.dtype] = None,
-) -> Tensor:
-    """int8_linear with our VNNI GEMM on packed weights, the dequantization and GELU in its epilogue (no
-    int32 round trip): the same sums and the same arithmetic as the dequantize pass, the same bits."""
-    out_dtype = out_dtype or x2.dtype
-    if out_dtype not in _CODES or x2.dtype not in _CODES:
-        raise TypeError(f"int8_linear_vnni takes and returns fp32 or bf16, got {x2.dtype} -> {out_dtype}")
-    xq, sx = quantize_rows(x2)
-    y = torch.empty((x2.shape[0], n), dtype=out_dtype)
-    b = 0 if bias is None else bias.data_ptr()
-    codes = dict(dtype=_CODES[out_dtype], act=_ACT_CODES[gelu])
-    return _vnni_call(xq, w_packed, n, y, row_scale=sx.data_ptr(), col_scale=sw.data_ptr(), bias=b, **codes)
+    acc = torch.empty((m, n), dtype=torch.int32)
+    _ext.int8_gemm_vnni(xq.data_ptr(), m, xq.shape[1], w_packed.data_ptr(), n, acc.data_ptr(), torch.get_num_threads())
+    return acc
 
 
 class VnniLinear:

@@ -64,7 +64,7 @@ def test_slow_int8_gemms_are_found_in_one_round(monkeypatch):
     """A CPU where every int8 GEMM is slow (torch's plain loop without VNNI, 35-55x fp32): one call of
     each decides, in a few seconds at most, and int8 is refused with the rates."""
     monkeypatch.setattr(int8_gemm, "int8_linear", crawling(int8_gemm.int8_linear))
-    monkeypatch.setattr(int8_gemm, "int8_linear_vnni", crawling(int8_gemm.int8_linear_vnni))
+    monkeypatch.setattr(int8_gemm.VnniLinear, "linear", crawling(int8_gemm.VnniLinear.linear))
     monkeypatch.setattr(int8_gemm, "int8_linear_avx2", crawling(int8_gemm.int8_linear_avx2))
     t0 = time.perf_counter()
     speed = int8_speed.check()

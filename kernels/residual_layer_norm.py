@@ -286,10 +286,12 @@ def _dropout_args(dropout_p: float, seed: int):
 
 def _fwd_outputs(like: torch.Tensor):
     """A forward's outputs for rows like ``like`` [M, N]: y [M, N] in its dtype, mean and rstd [M]
-    (fp32; fp64 for fp64), zero until written."""
+    (fp32; fp64 for fp64). Left unfilled: every program stores all three for each of its rows
+    (_layer_norm_store), and zero-filling mean and rstd cost two launches per call (48 of the 150
+    kernels of a graphed bert-base 1 x 128 forward on the H200, 41 us of its 470)."""
     M, N = like.shape
     stat = dict(dtype=_stat_dtype(like.dtype), device=like.device)
-    return torch.empty((M, N), dtype=like.dtype, device=like.device), torch.zeros(M, **stat), torch.zeros(M, **stat)
+    return torch.empty((M, N), dtype=like.dtype, device=like.device), torch.empty(M, **stat), torch.empty(M, **stat)
 
 
 def residual_layer_norm_fwd(

@@ -419,3 +419,25 @@ for cc in (90, 80):
          dropout_p="fp32", seed="i64"), dict(BLOCK_M=8, BLOCK_N=1024), cc, warps=8, label="keep mask")
 """)
     assert len(rows) == 2 * (4 * 2 * 2 * 2 + 1)
+
+
+@pytest.mark.parametrize("partials", [False, True], ids=["residual", "split-k-partials"])
+def test_forward_writes_every_output_row(device, monkeypatch, partials):
+    """The forwards allocate y, mean and rstd unfilled (no zero-fill launches): every row must be
+    written. Allocations poisoned with NaN, a row count off the row blocks: no NaN comes back, and
+    mean and rstd are the rows' own."""
+    import bert_fast.kernels.residual_layer_norm as K
+
+    real_empty = torch.empty
+    monkeypatch.setattr(K.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    m, n = 37, 48
+    x, r, w, b, _ = _inputs(m, n, torch.float32, device)
+    if partials:
+        part = torch.stack([x * 0.25, x * 0.75])  # two K-slices' partial sums adding up to x
+        y, mean, rstd = K.partials_residual_layer_norm_fwd(part, torch.zeros(n, device=device), r, w, b, 1e-12)
+    else:
+        y, mean, rstd = K.residual_layer_norm_fwd(x, r, w, b, 1e-12, 0.0, None)
+    h = (x + r).double()
+    assert not any(t.isnan().any() for t in (y, mean, rstd))
+    torch.testing.assert_close(mean.double(), h.mean(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd.double(), h.var(-1, unbiased=False).add(1e-12).rsqrt(), rtol=1e-4, atol=1e-6)

@@ -8,7 +8,9 @@ provider (seeded weights, bf16). A case is named MODE-BxS[-graphs|-padded]:
 
 Per case in --out: CASE.json and CASE.txt (every GPU kernel: name, count, total us, share; the sum of
 kernel time against the wall time of an unprofiled call, the GPU's busy span, launches per call) and
-CASE.trace.json.gz (the Chrome trace: ui.perfetto.dev). Without a GPU the same runs on the CPU (CPU
+CASE.trace.json.gz (the Chrome trace: ui.perfetto.dev), and CASE.host.txt: where the host's time goes
+per call, Python function by function (cProfile of three calls; the second H200 lease found the
+un-graphed forward host-bound at ~95 us per launch, 17 ms for 0.5 ms of kernels). Without a GPU the same runs on the CPU (CPU
 activities; the rows are the leaf ops), which is what the GPU check's dry run exercises.
 
 --warm-only: no profiler, one call of each case for each of --models (cases default to the shapes
@@ -151,6 +153,32 @@ def table(doc: dict) -> str:
     return "\n".join(lines + [f"note: {n}" for n in doc["notes"]]) + "\n"
 
 
+def host_profile(call, device, path: Path, calls: int = 3) -> None:
+    """The host's time per call by Python function (cProfile over ``calls`` calls): the functions
+    with the most time of their own, then the most in all (callees included), in us per call."""
+    import cProfile
+    import io
+    import pstats
+
+    synchronize(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    synchronize(device)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    lines = [f"host time per call: {1e6 * stats.total_tt / calls:,.0f} us under cProfile ({calls} calls)"]
+    for key, title in (("tottime", "own time"), ("cumulative", "in all")):
+        lines.append(f"\n   us/call  calls/call  function  (by {title})")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2 if key == "tottime" else 3])[:40]
+        for (file, line, name), (_, ncalls, tt, ct, _) in rows:
+            us = 1e6 * (tt if key == "tottime" else ct) / calls
+            lines.append(f"{us:10.1f} {ncalls / calls:10.1f}  {name} ({Path(file).name}:{line})")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def profile_case(case: dict, args, device, out: Path) -> dict:
     call, notes = build_call(case, args.model, device, DTYPES[args.dtype])
     for _ in range(args.warmup):
@@ -161,6 +189,7 @@ def profile_case(case: dict, args, device, out: Path) -> dict:
     doc.update(wall_ms=wall_ms(call, device, args.calls), wall_calls=args.calls)
     trace = out / f"{case['name']}.trace.json.gz"
     doc.update(summarize(trace_of(call, device, trace), device.type == "cuda"), trace=trace.name)
+    host_profile(call, device, out / f"{case['name']}.host.txt")
     if device.type == "cuda" and not doc["kernels"]:
         notes.append("the profiler recorded no kernel (a CUDA graph's kernels may be hidden from CUPTI): see the trace")
     doc["notes"] = notes

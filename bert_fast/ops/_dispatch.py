@@ -218,4 +218,53 @@ def op_impl(fn):
     # Resolved annotations: the op modules use `from __future__ import annotations`, whose strings
     # would otherwise be evaluated in this module when custom_op infers the schema.
     wrapper.__signature__ = inspect.signature(fn, eval_str=True)
+    _IMPLS[fn.__name__] = wrapper
     return wrapper
+
+
+# ----------------------------------------------------------------------------- direct calls
+# The implementation behind each custom op, by name (op_impl records it).
+_IMPLS: dict = {}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (int, float, str, bool, type(None))
+_functorch_stack = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def call_op(name: str, *args):
+    """``torch.ops.bert_fast.<name>(*args)``, or the op's implementation called directly where the
+    dispatcher would add nothing but its cost: ~18 us of the ~65 us a linear call takes on the host
+    (benchmarks/model/host_overhead.py), and the H200 lease found the un-graphed forward host-bound.
+
+    Direct only when nothing can be watching the op: no input needs a gradient (no autograd node to
+    record), nothing is compiling or tracing, no functorch transform, dispatch mode (FakeTensorMode,
+    ...) or torch function mode is active, no profiler runs (its trace keeps the op's name), and
+    every tensor is a plain tensor or parameter (no DTensor, no fake or functional tensor). The
+    same function runs either way, with the same device guard and autocast rule (op_impl), so the
+    outputs are the same (tests/ops/test_direct_calls.py)."""
+    impl = _IMPLS.get(name)
+    if impl is None or not _direct_allowed(args):
+        return getattr(torch.ops.bert_fast, name)(*args)
+    return impl(*args)
+
+
+def _direct_allowed(args) -> bool:
+    if (
+        _functorch_stack is None
+        or _dispatch_modes is None
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._is_torch_function_mode_enabled()
+        or _dispatch_modes() != 0
+        or _functorch_stack() is not None
+        or torch.autograd._profiler_enabled()
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN or (grad and a.requires_grad):
+                return False
+        elif not isinstance(a, _SCALARS):  # an fx Proxy, say: the op records itself there
+            return False
+    return True

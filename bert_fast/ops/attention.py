@@ -586,7 +586,7 @@ def attention(
     p = _dispatch.check_dropout_p(dropout_p)
     scale = _softmax_scale(softmax_scale, qkv.shape[-1])
     seed = _dispatch.draw_seed(p, generator)
-    out, _ = torch.ops.bert_fast.attention_fwd(qkv, key_mask, p, scale, seed)
+    out, _ = _dispatch.call_op("attention_fwd", qkv, key_mask, p, scale, seed)
     if return_dropout_mask:
         b, s, _, h, _ = qkv.shape
         return out, _dropout_mask(qkv, b, h, s, p, seed, _padded(qkv, key_mask).spec(qkv, p))
@@ -619,7 +619,7 @@ def varlen_attention(
     p = _dispatch.check_dropout_p(dropout_p)
     scale = _softmax_scale(softmax_scale, qkv.shape[-1])
     seed = _dispatch.draw_seed(p, generator)
-    out, _ = torch.ops.bert_fast.varlen_attention_fwd(qkv, cu_seqlens, max_seqlen, p, scale, seed)
+    out, _ = _dispatch.call_op("varlen_attention_fwd", qkv, cu_seqlens, max_seqlen, p, scale, seed)
     if return_dropout_mask:
         lay = _varlen(cu_seqlens, max_seqlen)
         return out, _dropout_mask(qkv, lay.batch, qkv.shape[2], max_seqlen, p, seed, lay.spec(qkv, p))

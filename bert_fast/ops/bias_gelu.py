@@ -170,4 +170,4 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     _dispatch.check_same_device(x=x, bias=bias)
     if approximate not in reference.GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {reference.GELU_APPROXIMATIONS}, got {approximate!r}")
-    return torch.ops.bert_fast.bias_gelu_fwd(x, bias, approximate)
+    return _dispatch.call_op("bias_gelu_fwd", x, bias, approximate)

@@ -824,7 +824,8 @@ def _op_forward(call: _Fwd, pads, validate: bool) -> Tensor:
     g = call.g
     op_pads = [-1 if p is None else p for p in pads]
     tensors = [t.contiguous() for t in (*g[4:], call.weight, call.bias)]  # the tables, weight, bias
-    out, _, _ = torch.ops.bert_fast.embedding_layer_norm_fwd(
+    out, _, _ = _dispatch.call_op(
+        "embedding_layer_norm_fwd",
         *g[:4],
         *tensors,
         call.eps,

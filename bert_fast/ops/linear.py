@@ -538,16 +538,14 @@ def linear(
     act = _ACTIVATIONS[activation]
     n, k = weight.shape
     x2d = x if x.dim() == 2 else x.reshape(-1, k)
-    # both directions are chosen now (same shapes), so a forced backend holds for the backward too.
-    # On CUDA an "auto" request stays "auto" here and is resolved inside the ops: the table lookup
-    # (file read, device name) would be a graph break under torch.compile(fullgraph=True).
-    chosen = (
-        choose_backend(x2d, n, k, act, "fwd", backend, defer_auto=True)
-        + ":"
-        + choose_backend(x2d, n, k, act, "bwd", backend, defer_auto=True)
-    )
+    # With a backward, both directions are chosen now (same shapes), so a forced backend holds for
+    # the backward too. On CUDA an "auto" request stays "auto" here and is resolved inside the ops:
+    # the table lookup (file read, device name) would be a graph break under torch.compile(fullgraph=True).
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    y, _ = torch.ops.bert_fast.linear_fwd(x2d, weight, bias, act, chosen, act != "none" and needs_grad)
+    chosen = choose_backend(x2d, n, k, act, "fwd", backend, defer_auto=True)
+    if needs_grad:
+        chosen += ":" + choose_backend(x2d, n, k, act, "bwd", backend, defer_auto=True)
+    y, _ = _dispatch.call_op("linear_fwd", x2d, weight, bias, act, chosen, act != "none" and needs_grad)
     return y.view(*x.shape[:-1], n)

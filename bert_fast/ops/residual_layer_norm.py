@@ -324,7 +324,7 @@ def residual_layer_norm(
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     p = _dispatch.check_dropout_p(dropout_p)
     seed = _dispatch.draw_seed(p, generator)
-    y, _, _ = torch.ops.bert_fast.residual_layer_norm_fwd(x, residual, weight, bias, float(eps), p, seed)
+    y, _, _ = _dispatch.call_op("residual_layer_norm_fwd", x, residual, weight, bias, float(eps), p, seed)
     if return_dropout_mask:
         return y, _applied_mask(x, residual, p, seed)
     return y

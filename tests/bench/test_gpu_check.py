@@ -96,6 +96,27 @@ def test_gpu_check_dry_run(tmp_path):
         timeline = json.load(tar.extractfile(f"benchmarks/results/{path.stem}/timeline/train-4x16.json"))
     assert f"benchmarks/results/{path.name}" in names and "README.md" in names
     assert f"benchmarks/results/{path.stem}/timeline/fwd-4x16.trace.json.gz" in names
+    with tarfile.open(path.with_name(path.name.replace(".json", ".tar.gz"))) as tar:
+        host = tar.extractfile(f"benchmarks/results/{path.stem}/timeline/fwd-4x16.host.txt").read().decode()
+    assert host.startswith("host time per call:") and "(by own time)" in host and "layer_forward" in host
     assert timeline["kernels"] and timeline["kernel_count"] == sum(k["count"] for k in timeline["kernels"])
     assert timeline["wall_ms"] > 0 and abs(sum(k["share"] for k in timeline["kernels"]) - 1) < 1e-6
     assert (ROOT / "README.md").read_bytes() == readme and set(os.listdir(ROOT / "benchmarks" / "results")) == before
+
+
+def test_host_overhead_tool_times_both_routes():
+    """benchmarks/model/host_overhead.py: the kernel path's host code with the kernels stubbed, through
+    the dispatcher and with direct calls, the same launches either way, and its own-time table."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "model" / "host_overhead.py"), "--rounds", "2", "--calls", "1", "--top", "5"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if "us per forward" in line}
+    assert set(rows) == {"dispatcher", "direct"}
+    launches = {name: line.split(", ")[1] for name, line in rows.items()}
+    assert launches["dispatcher"] == launches["direct"] and not launches["direct"].startswith("0 ")
+    assert "own time per forward" in r.stdout

@@ -501,8 +501,11 @@ def test_embedding_no_grad_skips_the_custom_op_only(torch_path, monkeypatch):
             embedding_layer_norm(bad, None, None, *tables, indices=indices)
         with pytest.raises(IndexError, match="sequence length 17 needs position ids"):
             embedding_layer_norm(torch.ones(2, 17, dtype=torch.long, device=DEVICE), None, None, *tables)
-        embedding_layer_norm(ids, None, None, *tables, dropout_p=0.1)  # dropout: the op, as before
-    assert ops_called == [1]
+        # dropout: the op's own implementation, called directly (_dispatch.call_op: nothing watches it)
+        embedding_layer_norm(ids, None, None, *tables, dropout_p=0.1)
+    assert ops_called == []
+    embedding_layer_norm(ids, None, None, *[t.requires_grad_(True) for t in tables], dropout_p=0.1)
+    assert ops_called == [1]  # with gradients: through the op
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -13,7 +13,7 @@ void bind_keep_mask(py::module_& m);  // keep_mask_cpu.cpp
 void bind_int8(py::module_& m);       // int8_cpu.cpp
 void bind_int8_gemm_avx2(py::module_& m);  // int8_gemm_avx2.cpp
 void bind_int8_gemm_vnni(py::module_& m);  // int8_gemm_vnni.cpp
-void bind_bf16_linear(py::module_& m);  // bf16_linear.cpp
+void bind_cpu_linear(py::module_& m);  // cpu_linear.cpp
 void bind_attention(py::module_& m);  // attention_cpu.cpp
 void bind_attention_f32(py::module_& m);  // attention_f32_cpu.cpp
 }  // namespace bert_fast
@@ -54,7 +54,7 @@ PYBIND11_MODULE(_C, m) {
   bert_fast::bind_int8(m);
   bert_fast::bind_int8_gemm_avx2(m);
   bert_fast::bind_int8_gemm_vnni(m);
-  bert_fast::bind_bf16_linear(m);
+  bert_fast::bind_cpu_linear(m);
   bert_fast::bind_attention(m);
   bert_fast::bind_attention_f32(m);
 }

@@ -1,4 +1,4 @@
-// What the CPU GEMMs on packed weights share (int8_gemm_vnni.cpp, bf16_linear.cpp): their threads
+// What the CPU GEMMs on packed weights share (int8_gemm_vnni.cpp, cpu_linear.cpp): their threads
 // (torch's OpenMP pool: this module's libgomp.so.1 resolves to the copy torch loaded) and scratch.
 #pragma once
 

@@ -4,6 +4,7 @@ bert_fast._C against this one."""
 from __future__ import annotations
 
 import copy
+import itertools
 import importlib.machinery
 import importlib.util
 import os
@@ -192,35 +193,38 @@ def direct_ln(args) -> None:
             print(f"MiniLM frozen {str(dtype)[6:]} {batch}x128: {line}")
 
 
-@variant("bf16-one-call", rounds=15)
-def bf16_one_call(args) -> None:
-    """Frozen bf16 inference: oneDNN's packed linear (and the residual LayerNorm op after it) against our
-    one-call bf16 linear (bert_fast/ops/bf16_gemm.py) where freeze() measured it faster.
+@variant("one-call", rounds=15)
+def one_call(args) -> None:
+    """Frozen bf16 and fp32 inference: oneDNN's packed linear (and the residual LayerNorm op after it)
+    against our one-call linear (bert_fast/ops/cpu_linear.py) where freeze() measured it faster.
 
-    Two frozen copies of the real all-MiniLM-L6-v2 and of a bert-base config, one frozen with our linear
-    ruled out; whole no-grad forwards at 1 x 128 and 8 x 128 side by side (bert_fast.bench.timing), and
-    each one's largest difference to the other.
+    Per dtype this CPU runs it in, two frozen copies of the real all-MiniLM-L6-v2 and of a bert-base
+    config, one frozen with our linear ruled out; whole no-grad forwards at 1 x 128 and 8 x 128 side by
+    side (bert_fast.bench.timing), and each one's largest difference to the other.
 
-        python benchmarks/cpu_ab.py bf16-one-call [--threads 2] [--rounds 15]
+        python benchmarks/cpu_ab.py one-call [--threads 2] [--rounds 15]
     """
     from bert_fast.model import frozen
-    from bert_fast.ops import bf16_gemm
+    from bert_fast.ops import cpu_linear
 
-    if not bf16_gemm.available():
-        raise SystemExit("this CPU (or BERT_FAST_CPU_ISA) has no AVX-512 BF16: nothing to compare")
+    dtypes = [d for d in (torch.bfloat16, torch.float32) if cpu_linear.available(d)]
+    if not dtypes:
+        raise SystemExit("this CPU (or BERT_FAST_CPU_ISA) has no AVX-512: nothing to compare")
     torch.set_num_threads(args.threads)
     print(cpu_caps.describe(cpu_caps.capabilities()), f"{args.threads} threads, torch {torch.__version__}")
     hf, _ = load_minilm()
     bert = transformers.BertModel(transformers.BertConfig()).eval()
-    for name, source in (("MiniLM", hf), ("bert-base", bert)):
+    for dtype, (name, source) in itertools.product(dtypes, (("MiniLM", hf), ("bert-base", bert))):
+        label_dtype = str(dtype)[6:]
         models = {}
         for label, allowed in (("onednn", False), ("ours", True)):
-            model = bert_fast.optimize(copy.deepcopy(source).to(torch.bfloat16))
-            with mock.patch.object(bf16_gemm, "available", lambda allowed=allowed: allowed):
+            model = bert_fast.optimize(copy.deepcopy(source).to(dtype))
+            with mock.patch.object(cpu_linear, "available", lambda *_, allowed=allowed: allowed):
                 frozen._OURS.clear()  # measured anew for the copy that may use it
                 model.freeze()
             models[label] = model
-        print(f"{name}: our linear kept for (small, large) rows: {sorted(set(frozen.ours_choices().values()))}")
+        kept = sorted(set(frozen.ours_choices().values()))
+        print(f"{name} {label_dtype}: our linear kept for (small, large) rows: {kept}")
         for batch in (1, 8):
             calls = {}
             for label, model in models.items():
@@ -231,5 +235,6 @@ def bf16_one_call(args) -> None:
             parts = [f"{k} {t.median_ms:.2f} ms ({t.ci_low_ms:.2f}-{t.ci_high_ms:.2f})" for k, t in res.timings.items()]
             sp = res.speedup("ours", "onednn").format()
             print(
-                f"{name} bf16 frozen {batch}x128: {', '.join(parts)}; speedup of ours {sp}; max|diff| {(a - b).abs().max():.3g}"
+                f"{name} {label_dtype} frozen {batch}x128: {', '.join(parts)}; speedup of ours {sp}; "
+                f"max|diff| {(a - b).abs().max():.3g}"
             )

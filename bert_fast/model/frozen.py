@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from bert_fast.model import direct_ops, precision
-from bert_fast.ops import bf16_gemm
+from bert_fast.ops import cpu_linear
 from bert_fast.ops.cpu_timing import median_pair as _median_pair
 from bert_fast.ops.torch_impl import GELU_APPROXIMATE
 
@@ -65,10 +65,10 @@ def dtype_supported(dtype: torch.dtype) -> bool:
 class _PackedLinear:
     """One linear layer on a prepacked weight, y = act(x W^T + b), where packing wins: per row-count
     class (``packing_choice``) it runs either oneDNN's packed weight or the plain weight through
-    the unfrozen path's own call (direct_ops.linear), so a frozen GEMM is never slower than it. In bf16
-    on AVX-512 BF16 a third candidate, our one-call linear (bert_fast.ops.bf16_gemm: the GEMM with its
-    GELU, or with the residual add and LayerNorm that follow it, in one C++ call), runs for the row
-    classes where it measured faster than that choice (``ours_choice``)."""
+    the unfrozen path's own call (direct_ops.linear), so a frozen GEMM is never slower than it. On
+    AVX-512 (BF16 for bf16) a third candidate, our one-call linear (bert_fast.ops.cpu_linear: the GEMM
+    with its GELU, or with the residual add and LayerNorm that follow it, in one C++ call), runs for
+    the row classes where it measured faster than that choice (``ours_choice``)."""
 
     __slots__ = ("weight", "plain_weight", "bias", "n", "k", "nbytes", "packed_for", "ours", "ours_for")
 
@@ -81,8 +81,8 @@ class _PackedLinear:
         # (rows <= SPLIT_ROWS, rows > SPLIT_ROWS) -> packed wins
         self.packed_for = packing_choice(self, activation)
         self.ours, self.ours_for = None, (False, False)
-        if weight.dtype == torch.bfloat16 and self.k % 2 == 0 and bf16_gemm.available():
-            self.ours = bf16_gemm.Bf16Linear(self.plain_weight, self.bias)
+        if cpu_linear.available(weight.dtype) and (weight.dtype == torch.float32 or self.k % 2 == 0):
+            self.ours = cpu_linear.OneCallLinear(self.plain_weight, self.bias)
             self.ours_for = ours_choice(self, activation)
             if not any(self.ours_for):
                 self.ours = None
@@ -120,10 +120,10 @@ class _PackedLinear:
         return y.view(*x.shape[:-1], self.n)
 
     def residual_ln(self, x: Tensor, residual: Tensor, ln_w: Tensor, ln_b: Tensor, eps: float) -> Optional[Tensor]:
-        """LayerNorm(x W^T + b + residual) * ln_w + ln_b in one call where our bf16 linear runs for these
+        """LayerNorm(x W^T + b + residual) * ln_w + ln_b in one call where our linear runs for these
         rows (layer._gemm_residual_ln); None elsewhere (the caller runs the GEMM, then the op)."""
         x2 = x.reshape(-1, self.k)
-        if not self.ours_for[x2.shape[0] > SPLIT_ROWS] or x2.shape[0] == 0 or residual.dtype != torch.bfloat16:
+        if not self.ours_for[x2.shape[0] > SPLIT_ROWS] or x2.shape[0] == 0 or residual.dtype != self.ours.dtype:
             return None
         return self.ours.linear_residual_ln(x2, residual, ln_w, ln_b, eps).view(*x.shape[:-1], self.n)
 
@@ -163,20 +163,21 @@ def packing_choice(lin: "_PackedLinear", activation: Optional[str]) -> Tuple[boo
     return choice
 
 
-_OURS: Dict[tuple, Tuple[bool, bool]] = {}  # (n, k, activation, threads) -> our bf16 linear wins
+_OURS: Dict[tuple, Tuple[bool, bool]] = {}  # (n, k, dtype, activation, threads) -> our linear wins
 
 
 def ours_choice(lin: "_PackedLinear", activation: Optional[str]) -> Tuple[bool, bool]:
-    """(small rows, large rows): True where our one-call bf16 linear ran at most as long as the call
-    packing_choice kept (timed once per shape, activation and thread count in this process)."""
+    """(small rows, large rows): True where our one-call linear ran at most as long as the call
+    packing_choice kept (timed once per shape, dtype, activation and thread count in this process)."""
     if _FORCED is not None:
         return (False, False)  # tests that force packing on or off get exactly that
-    key = (lin.n, lin.k, activation, torch.get_num_threads())
+    dtype = lin.plain_weight.dtype
+    key = (lin.n, lin.k, dtype, activation, torch.get_num_threads())
     choice = _OURS.get(key)
     if choice is None:
         picks = []
         for rows, packed in zip(MEASURE_ROWS, lin.packed_for):
-            x = torch.randn(rows, lin.k, dtype=torch.bfloat16)
+            x = torch.randn(rows, lin.k, dtype=dtype)
             theirs = lin.run_packed if packed else lin.run_plain
             reps = 3 if 2.0 * rows * lin.n * lin.k > 2e9 else 5
             with torch.no_grad():
@@ -194,7 +195,7 @@ def packing_choices() -> Dict[tuple, Tuple[bool, bool]]:
 
 
 def ours_choices() -> Dict[tuple, Tuple[bool, bool]]:
-    """Where freeze() measured our bf16 one-call linear faster, in this process."""
+    """Where freeze() measured our one-call linear faster, in this process."""
     return dict(_OURS)
 
 

@@ -104,12 +104,12 @@ def test_real_checkpoint_parity(packed_calls):
     assert len(packed_calls) == 4 * hf.config.num_hidden_layers
 
 
-def _bf16_case():
+def _bf16_case(dtype=torch.bfloat16):
     """The bf16 tests' (hf, fast) pair, ``error(model)``: the largest error of the model's output on the
     real tokens of a batch against the float64 oracle, and that oracle on those tokens. Skipped where
-    oneDNN has no bf16 on this CPU."""
-    if not frozen.dtype_supported(torch.bfloat16):
-        pytest.skip("oneDNN bf16 is not supported on this CPU")
+    oneDNN cannot freeze ``dtype`` on this CPU."""
+    if not frozen.dtype_supported(dtype):
+        pytest.skip(f"oneDNN {dtype} is not supported on this CPU")
     hf, fast = make()
     ids, mask = inputs(b=4, s=16)
     oracle = run(copy.deepcopy(hf).double(), ids, mask)
@@ -254,9 +254,11 @@ def test_freeze_refuses_what_it_cannot_pack():
 
 # ----------------------------------------------------------------------------- pack only where it wins
 def _fake_timing(monkeypatch, packed_wins_small: bool, packed_wins_large: bool):
-    """_median_pair returns a made-up (packed, plain) time per measured row count."""
+    """_median_pair returns a made-up (packed, plain) time per measured row count; our one-call linear
+    (measured the same way where this CPU runs it) ruled out."""
     monkeypatch.setattr(frozen, "_FORCED", None)
     monkeypatch.setattr(frozen, "_CHOICES", {})
+    monkeypatch.setattr(frozen, "ours_choice", lambda lin, activation: (False, False))
     wins = {frozen.MEASURE_ROWS[0]: packed_wins_small, frozen.MEASURE_ROWS[1]: packed_wins_large}
     rows_seen = []
 
@@ -300,16 +302,20 @@ def test_packing_is_kept_only_where_it_wins(monkeypatch, small, large):
 
 
 def test_packing_choice_is_measured_once_per_shape(monkeypatch):
+    from bert_fast.ops import cpu_linear
+
     monkeypatch.setattr(frozen, "_FORCED", None)
     monkeypatch.setattr(frozen, "_CHOICES", {})
+    monkeypatch.setattr(frozen, "_OURS", {})
     calls = []
     real = frozen._median_pair
     monkeypatch.setattr(frozen, "_median_pair", lambda a, b, reps: calls.append(reps) or real(a, b, 1))
     hf, fast = make()
     fast.freeze()
     first = len(calls)
-    # 4 distinct (n, k, activation) GEMMs per layer x 2 row counts; the second layer is cached
-    assert first == 2 * 4
+    # 4 distinct (n, k, activation) GEMMs per layer x 2 row counts, packed against plain and, where
+    # this CPU runs it, our one-call linear against that; the second layer is cached
+    assert first == 2 * 4 * (2 if cpu_linear.available(torch.float32) else 1)
     fast.freeze()
     _, other = make(seed=3)
     other.freeze()
@@ -330,17 +336,18 @@ def test_frozen_bf16_matches_plain_bf16(packed_calls):
     assert err_frozen <= 2 * err_plain + floor, (err_frozen, err_plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("ours", [(True, True), (False, False)])
-def test_frozen_bf16_on_our_one_call_linear(monkeypatch, ours):
-    """Where freeze() keeps our one-call bf16 linear (bert_fast/ops/bf16_gemm.py; forced here), every GEMM
-    of the forward and both residual LayerNorms run on it, within 2x of plain bf16's error against the
-    float64 oracle; where it does not, none do."""
-    from bert_fast.ops import bf16_gemm
+def test_frozen_on_our_one_call_linear(monkeypatch, ours, dtype):
+    """Where freeze() keeps our one-call linear (bert_fast/ops/cpu_linear.py; forced here), every GEMM
+    of the forward and both residual LayerNorms run on it, within 2x of the plain forward's error in
+    that dtype against the float64 oracle; where it does not, none do."""
+    from bert_fast.ops import cpu_linear
 
-    if not bf16_gemm.available():
-        pytest.skip("needs AVX-512 BF16 for bert_fast's bf16 linear")
-    _, fast, error, oracle = _bf16_case()
-    fast16 = fast.to(torch.bfloat16)
+    if not cpu_linear.available(dtype):
+        pytest.skip(f"needs AVX-512 (BF16 for bf16) for bert_fast's {dtype} linear")
+    _, fast, error, oracle = _bf16_case(dtype)
+    fast16 = fast.to(dtype)
     err_plain = error(fast16)
     monkeypatch.setattr(frozen, "ours_choice", lambda lin, activation: ours)
     ran = []
@@ -356,5 +363,5 @@ def test_frozen_bf16_on_our_one_call_linear(monkeypatch, ours):
         assert ran.count("run_ours") == 2 * layers and ran.count("residual_ln") == 2 * layers
     else:
         assert "run_ours" not in ran
-    floor = torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
+    floor = torch.finfo(dtype).eps * oracle.abs().max().item()
     assert err <= 2 * err_plain + floor, (err, err_plain)

@@ -4,9 +4,9 @@ bert_fast._C against this one."""
 from __future__ import annotations
 
 import copy
-import itertools
 import importlib.machinery
 import importlib.util
+import itertools
 import os
 import sys
 from typing import Any, Callable, Dict, List, Tuple

@@ -10,8 +10,9 @@ Per case in --out: CASE.json and CASE.txt (every GPU kernel: name, count, total 
 kernel time against the wall time of an unprofiled call, the GPU's busy span, launches per call) and
 CASE.trace.json.gz (the Chrome trace: ui.perfetto.dev), and CASE.host.txt: where the host's time goes
 per call, Python function by function (cProfile of three calls; the second H200 lease found the
-un-graphed forward host-bound at ~95 us per launch, 17 ms for 0.5 ms of kernels). Without a GPU the same runs on the CPU (CPU
-activities; the rows are the leaf ops), which is what the GPU check's dry run exercises.
+un-graphed forward host-bound at ~95 us per launch, 17 ms for 0.5 ms of kernels). Without a GPU the
+same runs on the CPU (CPU activities; the rows are the leaf ops), which is what the GPU check's dry
+run exercises.
 
 --warm-only: no profiler, one call of each case for each of --models (cases default to the shapes
 the GPU check benchmarks), to fill the Triton cache and the first-use verdicts before timed runs.
@@ -157,7 +158,6 @@ def host_profile(call, device, path: Path, calls: int = 3) -> None:
     """The host's time per call by Python function (cProfile over ``calls`` calls): the functions
     with the most time of their own, then the most in all (callees included), in us per call."""
     import cProfile
-    import io
     import pstats
 
     synchronize(device)
@@ -167,8 +167,7 @@ def host_profile(call, device, path: Path, calls: int = 3) -> None:
         call()
     synchronize(device)
     prof.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
+    stats = pstats.Stats(prof)
     lines = [f"host time per call: {1e6 * stats.total_tt / calls:,.0f} us under cProfile ({calls} calls)"]
     for key, title in (("tottime", "own time"), ("cumulative", "in all")):
         lines.append(f"\n   us/call  calls/call  function  (by {title})")

@@ -32,10 +32,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import gpu_timeline  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-import gpu_timeline  # noqa: E402
 from bert_fast.ops import _dispatch  # noqa: E402
 
 VARIANTS = {"dispatcher": lambda args: False, "direct": _dispatch._direct_allowed}

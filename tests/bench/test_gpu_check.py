@@ -108,7 +108,16 @@ def test_host_overhead_tool_times_both_routes():
     """benchmarks/model/host_overhead.py: the kernel path's host code with the kernels stubbed, through
     the dispatcher and with direct calls, the same launches either way, and its own-time table."""
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "model" / "host_overhead.py"), "--rounds", "2", "--calls", "1", "--top", "5"],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "model" / "host_overhead.py"),
+            "--rounds",
+            "2",
+            "--calls",
+            "1",
+            "--top",
+            "5",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

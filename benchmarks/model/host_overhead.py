@@ -13,7 +13,8 @@ then the functions with the most time of their own (cProfile, us per forward). V
   direct       ops called directly where nothing watches them (_dispatch.call_op; the default)
 
     python benchmarks/model/host_overhead.py                       # tiny model, fwd-1x16
-    python benchmarks/model/host_overhead.py --model bert-base --case fwd-1x128 --rounds 10
+    python benchmarks/model/host_overhead.py --case fwd-4x16-padded --rounds 10
+(a larger model works too, but its one real forward runs through the interpreter: minutes)
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ constexpr TileFn<DT> kRow[kMR + 1] = {nullptr,           tile<DT, 1, NP>, tile<D
                                       tile<DT, 6, NP>,   tile<DT, 7, NP>, tile<DT, 8, NP>};
 
 // y = LayerNorm(v + residual) * w + beta for rows [r0, r1) of v (fp32 sums + bias, [.., n]); residual
-// and y in dtype `dt`. Two passes over the row (mean, then the centred squares), as int8_cpu.cpp's.
+// and y in dtype `dt`: the add and the row sum here, the rest simd::layer_norm_row (int8_cpu.cpp's too).
 CL_F32 void residual_ln_rows(const float* v, const void* res, const float* w, const float* beta, float eps, int64_t r0,
                              int64_t r1, int64_t n, int dt, void* y, float* buf) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -190,21 +190,7 @@ CL_F32 void residual_ln_rows(const float* v, const void* res, const float* w, co
       _mm512_mask_storeu_ps(buf + j, m, x);
       vsum = _mm512_add_ps(vsum, x);
     }
-    const __m512 vmean = _mm512_set1_ps(_mm512_reduce_add_ps(vsum) / static_cast<float>(n));
-    __m512 vsq = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = (n - j >= 16) ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      const __m512 d = _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, buf + j), vmean);
-      vsq = _mm512_add_ps(vsq, _mm512_mul_ps(d, d));
-    }
-    const __m512 vrstd = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(vsq) / static_cast<float>(n) + eps));
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = (n - j >= 16) ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, buf + j), vmean);
-      const __m512 o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(d, vrstd), _mm512_maskz_loadu_ps(m, w + j)),
-                                     _mm512_maskz_loadu_ps(m, beta + j));
-      simd::store16(y, dt, r * n + j, m, o);
-    }
+    simd::layer_norm_row(buf, vsum, n, w, beta, eps, y, dt, r * n);
   }
 }
 #endif

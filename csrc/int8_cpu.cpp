@@ -206,22 +206,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_ln_rows_avx512
       _mm512_mask_storeu_ps(buf + j, m, v);
       vsum = _mm512_add_ps(vsum, v);
     }
-    const __m512 vmean = _mm512_set1_ps(_mm512_reduce_add_ps(vsum) / static_cast<float>(n));
-    __m512 vsq = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 d = _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, buf + j), vmean);
-      vsq = _mm512_add_ps(vsq, _mm512_mul_ps(d, d));
-    }
-    const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(vsq) / static_cast<float>(n) + eps);
-    const __m512 vrstd = _mm512_set1_ps(rstd);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, buf + j), vmean);
-      const __m512 o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(d, vrstd), _mm512_maskz_loadu_ps(m, w + j)),
-                                     _mm512_maskz_loadu_ps(m, beta + j));
-      store16(y, dt, r * n + j, m, o);
-    }
+    simd::layer_norm_row(buf, vsum, n, w, beta, eps, y, dt, r * n);
   }
 }
 #endif

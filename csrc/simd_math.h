@@ -1,11 +1,13 @@
-// AVX-512 math shared by the CPU kernels (attention_cpu.cpp, int8_cpu.cpp, int8_gemm_vnni.cpp): exp of
-// non-positive arguments and the two GELUs, in fp32, to ~1e-7 (torch's own vectorized versions are of the same
-// kind: a polynomial times 2^n, and Abramowitz-Stegun 7.1.26 for erf).
+// AVX-512 math shared by the CPU kernels (attention_cpu.cpp, int8_cpu.cpp, int8_gemm_vnni.cpp,
+// cpu_linear.cpp): exp of non-positive arguments and the two GELUs, in fp32, to ~1e-7 (torch's own
+// vectorized versions are of the same kind: a polynomial times 2^n, and Abramowitz-Stegun 7.1.26 for
+// erf), and LayerNorm's last passes over a row.
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 #define BF_SIMD_MATH_TARGET __attribute__((target("avx512f,avx512dq,fma")))
@@ -82,6 +84,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(void* y
   u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+// LayerNorm's last two passes over one row h of n fp32 values whose lanewise sum the caller's first
+// pass gave (vsum; it made h there, from its own sums): the centred squares, then y[at, at + n) =
+// (h - mean) * rstd * w + beta in dt. The int8 dequantize pass, the VNNI one-call linear and the bf16 /
+// fp32 one-call linear share it. static and always inlined: each caller's file keeps its own
+// -ffp-contract (int8_cpu.cpp compiles with it off, for bits equal to the separate passes').
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline void layer_norm_row(
+    const float* h, __m512 vsum, int64_t n, const float* w, const float* beta, float eps, void* y, int dt, int64_t at) {
+  const __m512 vmean = _mm512_set1_ps(_mm512_reduce_add_ps(vsum) / static_cast<float>(n));
+  __m512 vsq = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 d = _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, h + j), vmean);
+    vsq = _mm512_add_ps(vsq, _mm512_mul_ps(d, d));
+  }
+  const __m512 vrstd = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(vsq) / static_cast<float>(n) + eps));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = (n - j >= 16) ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, h + j), vmean);
+    const __m512 o = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(d, vrstd), _mm512_maskz_loadu_ps(m, w + j)),
+                                   _mm512_maskz_loadu_ps(m, beta + j));
+    store16(y, dt, at + j, m, o);
+  }
 }
 
 }  // namespace simd

@@ -26,7 +26,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 _ACT_CODES = {None: 0, "none": 1, "tanh": 2}  # GELU ``approximate`` -> the kernel's activation code
 
 
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+def available(dtype: torch.dtype) -> bool:
     """Built, and this CPU (and BERT_FAST_CPU_ISA) runs the ``dtype`` linear: AVX-512 BF16 for bf16,
     AVX-512 for fp32."""
     if _ext is None or dtype not in DTYPES:

@@ -32,7 +32,8 @@ run_stage() {
     left=$(( BUDGET - ($(date +%s) - START) - RESERVE ))
     if (( left < 20 )); then skip_stage "$name" "time budget exhausted"; return 0; fi
     limit=$(( cap < left ? cap : left ))
-    echo "== [$name] (limit ${limit}s): $*"
+    # the host's load at the start: a figure taken beside leftover work shows it here
+    echo "== [$name] (limit ${limit}s, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)): $*"
     t0=$(date +%s)
     timeout --signal=INT --kill-after=30 "$limit" "$@" < /dev/null 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
@@ -43,6 +44,18 @@ run_stage() {
     fi
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$status" >> "$STAGES"
     echo "== [$name] $status (rc=$rc, ${dt}s)"
+}
+
+# end_leftovers: kill what an interrupted stage left running (11-28: a stage's timeout stops pytest
+# and the doctor, but xdist workers or doctor children caught mid-CUDA-call can outlive them and
+# share the GPU and CPUs with the figures that follow)
+end_leftovers() {
+    local pat left
+    for pat in "xdist" "bert_fast.doctor --child" "gpu_timeline.py --warm-only"; do
+        left=$(pgrep -f -- "$pat" | grep -vx "$$" | tr '\n' ' ')
+        [ -n "$left" ] && { echo "killing leftovers ($pat): $left"; kill -KILL $left 2>/dev/null; }
+    done
+    return 0
 }
 
 # use_wheels: the tree's own code first on the path (an image's venv may hold another checkout's

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import num_sms
+
 APPROXIMATIONS = ("none", "tanh")
 
 # Constants of the GELU formulas are literals inside the @triton.jit functions below (so are
@@ -161,7 +163,7 @@ def _check(name: str, t: torch.Tensor, ref: torch.Tensor | None = None) -> None:
 
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * num_sms(device)
     return 8  # interpreter: few programs, but still more than one partial sum
 
 

@@ -34,6 +34,7 @@ CPU tests run it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -447,12 +448,13 @@ def enabled_for(device: torch.device, dtype: torch.dtype) -> bool:
         return mode == "1"
     # Hopper and datacenter Blackwell. Parts with ~99 KB of shared memory (sm_120) have TMA too,
     # but the configs here are sized for 227 KB: there the pointer kernel, whose configs fit, runs.
-    return (
-        device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-        and torch.cuda.get_device_capability(device)[0] >= 9
-        and smem_per_block(device) >= _SMEM_LIMIT
-    )
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _tma_device(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    """A CUDA device with TMA and the shared memory these configs need (asked at every GEMM: cached)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9 and smem_per_block(device) >= _SMEM_LIMIT
 
 
 def tma_views(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor):

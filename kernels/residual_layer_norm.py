@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import num_sms
+
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MAX_HIDDEN = 65536
 
@@ -378,7 +380,7 @@ def partials_residual_layer_norm_fwd(part, x_bias, res2d, weight, bias, eps: flo
 
 def _bwd_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 2 * num_sms(device)
     return 4  # interpreter: few programs, still several partial sums
 
 

@@ -146,7 +146,12 @@ def _table_backend(x: Tensor, n: int, k: int, activation: str, direction: str) -
     entry = _device_entries(index).get(table_key(direction, activation, x.dtype, m, n, k))
     if entry is not None:
         return entry["backend"] if isinstance(entry, dict) else str(entry)
-    return default_backend(torch.cuda.get_device_capability(index), direction, activation, x.dtype, m, n, k)
+    return default_backend(_capability(index), direction, activation, x.dtype, m, n, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # asked at every un-tabled GEMM: once per GPU
 
 
 def choose_backend(

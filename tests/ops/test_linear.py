@@ -44,7 +44,17 @@ def _kernels_of_the_backend(request):
     ours is the fused bias+GELU kernel when there is an activation, none without one."""
     params = getattr(request.node, "callspec", None)
     params = params.params if params is not None else {}
-    if params.get("backend") == "cublas":
+    cuda = pick_test_device().type == "cuda"
+    if cuda and request.node.originalname == "test_gradcheck_float64":
+        request.applymarker(pytest.mark.no_kernels("float64 on CUDA is the torch implementation (cuBLAS DGEMM)"))
+    elif cuda and "backend" in params and params["backend"] is None:
+        # the default on CUDA follows the dispatch table, which picks cuBLAS for small shapes: our
+        # GEMM or, with an activation, at least the bias+GELU kernel
+        if params.get("act") is None:
+            request.applymarker(pytest.mark.no_kernels("the default backend on CUDA may be cuBLAS alone"))
+        else:
+            request.applymarker(pytest.mark.kernels("linear", "linear_tma", "bias_gelu"))
+    elif params.get("backend") == "cublas":
         if "act" in params and params["act"] is None:
             request.applymarker(pytest.mark.no_kernels("cublas without an activation: torch.mm / F.linear only"))
         else:
@@ -379,6 +389,8 @@ def test_bad_inputs(device):
 
 
 # ----------------------------------------------------------------------------- "auto" and torch.compile
+# "auto" on CUDA may resolve to cuBLAS + our bias+GELU kernel (the dispatch table, small shapes)
+@pytest.mark.kernels("linear", "linear_tma", "bias_gelu")
 def test_auto_backend_resolved_inside_the_ops(device):
     """linear() hands "auto" to the ops on CUDA (the table lookup reads a file: a graph break under
     torch.compile); the ops must resolve it themselves, forward and backward alike."""
@@ -399,6 +411,7 @@ def test_auto_backend_resolved_inside_the_ops(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA dispatch path (table lookup) needs a GPU")
+@pytest.mark.kernels("linear", "linear_tma", "bias_gelu")
 def test_torch_compile_fullgraph_cuda_auto(monkeypatch):
     monkeypatch.setenv("BERT_FAST_LINEAR_BACKEND", "auto")
     x, w, b, _ = _inputs(torch.device("cuda"), torch.float16, 33, 64, 96, seed=16)

@@ -35,7 +35,8 @@ run_stage() {
     # the host's load at the start: a figure taken beside leftover work shows it here
     echo "== [$name] (limit ${limit}s, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)): $*"
     t0=$(date +%s)
-    timeout --signal=INT --kill-after=30 "$limit" "$@" < /dev/null 2>&1 | tee "$log"
+    # every process of a stage carries BERT_FAST_CHECK_STAGE (end_leftovers finds them by it)
+    timeout --signal=INT --kill-after=30 "$limit" env BERT_FAST_CHECK_STAGE="$NAME" "$@" < /dev/null 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     dt=$(( $(date +%s) - t0 ))
     if (( rc == 0 )); then status=ok
@@ -46,15 +47,16 @@ run_stage() {
     echo "== [$name] $status (rc=$rc, ${dt}s)"
 }
 
-# end_leftovers: kill what an interrupted stage left running (11-28: a stage's timeout stops pytest
-# and the doctor, but xdist workers or doctor children caught mid-CUDA-call can outlive them and
-# share the GPU and CPUs with the figures that follow)
+# end_leftovers: kill what this run's stages left running, found by the variable run_stage gives
+# them (11-28: a stage's timeout stops pytest and the doctor, but xdist workers or doctor children
+# caught mid-CUDA-call can outlive them and share the GPU and CPUs with the figures that follow)
 end_leftovers() {
-    local pat left
-    for pat in "xdist" "bert_fast.doctor --child" "gpu_timeline.py --warm-only"; do
-        left=$(pgrep -f -- "$pat" | grep -vx "$$" | tr '\n' ' ')
-        [ -n "$left" ] && { echo "killing leftovers ($pat): $left"; kill -KILL $left 2>/dev/null; }
+    local env pid left=()
+    for env in /proc/[0-9]*/environ; do
+        pid=${env#/proc/}; pid=${pid%/environ}
+        { tr '\0' '\n' < "$env"; } 2>/dev/null | grep -qx "BERT_FAST_CHECK_STAGE=$NAME" && left+=("$pid")
     done
+    (( ${#left[@]} )) && { echo "killing leftovers of the stages: ${left[*]}"; kill -KILL "${left[@]}" 2>/dev/null; }
     return 0
 }
 

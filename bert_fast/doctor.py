@@ -774,6 +774,9 @@ def run(args) -> int:
     try:
         results = _run_ops(ops, checks, gpu, args.timeout, done.append)
     except KeyboardInterrupt:  # Ctrl-C, or a GPU check's time cap (timeout -s INT): report what ran
+        # GNU timeout signals the command and then its whole process group, so a second SIGINT
+        # follows the first: ignored while the report is written (the 11-28 lease lost it so)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         interrupted = True
         ran = {r["id"] for r in done}
         why = "not run: interrupted (Ctrl-C, or the time cap of the GPU check's stage)"

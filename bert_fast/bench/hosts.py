@@ -1,6 +1,6 @@
 """Where ``bert-fast bench`` builds and times its providers: each alone in its own process
-(``SoloHost``, the CPU inference default) or all in this one (``InProcessHost``: ``--in-process``,
-training, GPUs, ``--encode``).
+(``SoloHost``, the CPU inference default; on a GPU with ``--solo``) or all in this one
+(``InProcessHost``: ``--in-process``, training, GPUs, ``--encode``).
 
 Why. A server runs one engine per process. Side by side in one process the engines' thread pools
 slow each other: OpenVINO took 13.4-13.9 ms at MiniLM batch 1 beside torch where alone it takes
@@ -13,7 +13,8 @@ from the case's description (the same seeded weights and inputs as the parent's)
 call's output for the accuracy columns, and times bursts on request. Only one worker runs at a
 time: the parent asks one for a burst (``_burst``: a call timed in the worker by perf_counter;
 below LEAD_BELOW_S that call is an untimed lead and the median of ``CALLS_PER_BURST`` more is the
-sample) and waits for its answer before asking the next. measure() interleaves the providers'
+sample; on a GPU the worker times by CUDA events, as the in-process mode does) and waits for its
+answer before asking the next. measure() interleaves the providers'
 bursts in balanced orders, one sample per provider per round, so the intervals and the stopping rule
 are those of the in-process mode. The lead call absorbs what the previous worker left in the caches
 and any spin-wait of its threads, so short calls are timed as a server's back-to-back requests run.
@@ -55,6 +56,7 @@ class CaseSpec:
     cuda_graphs: bool = False
     dtype_name: Optional[str] = None  # the table's dtype ("fp32", "bf16"), the precision a record defaults to
     artifacts: Optional[str] = None  # the run's shared directory of exported models (model_providers.ARTIFACTS)
+    device: str = "cpu"  # where the worker builds and runs the provider
 
 
 @dataclass
@@ -69,7 +71,10 @@ class Built:
 class SoloTimer:
     """measure()'s timer for worker calls: each call returns the milliseconds its worker measured."""
 
-    method = f"own process per provider: perf_counter in the worker (calls under {LEAD_BELOW_S * 1e3:.0f} ms: median of {CALLS_PER_BURST} after a lead call)"
+    method = (
+        "own process per provider: perf_counter in the worker, CUDA events on a GPU (calls under "
+        f"{LEAD_BELOW_S * 1e3:.0f} ms: median of {CALLS_PER_BURST} after a lead call)"
+    )
 
     def time_round(self, calls) -> List[float]:
         return [float(call()) for call in calls]
@@ -216,6 +221,7 @@ def _serve(conn, provider: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     steps: Optional[list] = None
+    cuda = False
     while True:
         message = conn.recv()
         kind = message[0]
@@ -226,8 +232,9 @@ def _serve(conn, provider: str, threads: int) -> None:
                 steps = None
                 gc.collect()
                 steps, answer = build_here(provider, message[1])
+                cuda = torch.device(message[1].device).type == "cuda"
             elif kind == "burst":
-                answer = _burst(steps[message[1] % len(steps)])
+                answer = _burst(steps[message[1] % len(steps)], cuda)
             elif kind == "drop":
                 steps, answer = None, None
                 gc.collect()
@@ -249,13 +256,16 @@ def build_here(provider: str, spec: CaseSpec):
 
     model_providers.ARTIFACTS = spec.artifacts
     t0 = time.perf_counter()
+    device = torch.device(spec.device)
+    graphs = spec.cuda_graphs and device.type == "cuda"
     state = reference_state_dict(spec.config, spec.key, spec.seed)
-    inputs = make_inputs(spec.config, spec.lengths, spec.seq, "cpu", spec.n_inputs, spec.seed)
+    inputs = make_inputs(spec.config, spec.lengths, spec.seq, device, spec.n_inputs, spec.seed)
     model, runner, notes = build_provider_model(
-        provider, spec.config, state, "cpu", spec.dtype, spec.mode, False, key=spec.key
+        provider, spec.config, state, device, spec.dtype, spec.mode, graphs, key=spec.key
     )
     del state
-    fields = {"notes": notes, "cuda_graphs": False}
+    # graphs ran: asked for, on CUDA, a provider with a graph path (as InProcessHost records it)
+    fields = {"notes": notes, "cuda_graphs": graphs and provider in ("bert_fast", "hf-compile")}
     fields.update(
         getattr(runner, "bench_info", None)
         or {"precision": spec.dtype_name, "provider_threads": torch.get_num_threads()}
@@ -267,19 +277,29 @@ def build_here(provider: str, spec: CaseSpec):
     return steps, (fields, parity)
 
 
-def _burst(step) -> float:
+def _burst(step, cuda: bool = False) -> float:
     """Milliseconds of one round's sample (see LEAD_BELOW_S)."""
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    if first >= LEAD_BELOW_S:
-        return first * 1e3
-    times = []
-    for _ in range(CALLS_PER_BURST):
+    first = _call_ms(step, cuda)
+    if first >= LEAD_BELOW_S * 1e3:
+        return first
+    return statistics.median(_call_ms(step, cuda) for _ in range(CALLS_PER_BURST))
+
+
+def _call_ms(step, cuda: bool) -> float:
+    """One call's milliseconds: perf_counter, or on a GPU CUDA events around it (the GPU's time from
+    the call's first launch to its last kernel's end, host gaps included), then a sync."""
+    if not cuda:
         t0 = time.perf_counter()
         step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return (time.perf_counter() - t0) * 1e3
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def _sendable(exc: BaseException) -> BaseException:

@@ -142,7 +142,7 @@ def run_case(
 
     host = host or InProcessHost(device, timer)
     dtype = case.get("_dtype", dtype)
-    spec = _case_spec(case, seed, n_inputs, dtype)
+    spec = _case_spec(case, seed, n_inputs, dtype, device)
     state = reference_state_dict(spec.config, spec.key, seed)
     inputs = make_inputs(spec.config, spec.lengths, spec.seq, device, n_inputs, seed)
     case["isolation"] = host.isolation
@@ -181,7 +181,7 @@ def run_case(
     return case
 
 
-def _case_spec(case: Dict[str, Any], seed: int, n_inputs: int, dtype) -> CaseSpec:
+def _case_spec(case: Dict[str, Any], seed: int, n_inputs: int, dtype, device) -> CaseSpec:
     """What a host needs to build the case's providers (a solo worker rebuilds weights and inputs from it)."""
     return CaseSpec(
         case["_config"],
@@ -194,6 +194,7 @@ def _case_spec(case: Dict[str, Any], seed: int, n_inputs: int, dtype) -> CaseSpe
         case["mode"],
         bool(case.get("cuda_graphs_requested", case.get("cuda_graphs"))),
         case.get("dtype"),
+        device=str(device),
     )
 
 

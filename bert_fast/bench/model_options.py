@@ -314,6 +314,12 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         "each alone in its own process, as a server runs one engine (the default for CPU inference; "
         "training, GPUs and --encode always run in-process)",
     )
+    p.add_argument(
+        "--solo",
+        action="store_true",
+        help="on a GPU too, each provider alone in its own process, timed there by CUDA events (beside "
+        "torch.compile in one process our eager forward measured 1.1-1.7x slower on an H200)",
+    )
 
 
 def resolve_device(name: Optional[str]):
@@ -335,9 +341,11 @@ def resolve_device(name: Optional[str]):
 
 
 def solo_mode(args, cuda: bool) -> bool:
-    """Whether the providers run each in its own process (bert_fast.bench.hosts): CPU inference
-    unless --in-process."""
-    return not cuda and args.mode == "infer" and not args.encode and not args.in_process
+    """Whether the providers run each in its own process (bert_fast.bench.hosts): inference unless
+    --in-process, on a GPU only with --solo (not yet run on one)."""
+    if args.mode != "infer" or args.encode or args.in_process:
+        return False
+    return not cuda or bool(getattr(args, "solo", False))
 
 
 def apply_defaults(args) -> Tuple[Any, List[str]]:

@@ -152,7 +152,7 @@ def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
 
     script = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh").read_text()
     at_once, lease, full = _plans(script)
-    order = [full.index(k) for k in ("run_stage doctor ", "run_stage tests ", "tune-dispatch", "grid ")]
+    order = [full.index(k) for k in ("run_stage doctor ", "run_stage tests ", "tune_dispatch ", "grid ")]
     assert order == sorted(order)
     doctor, warm, tests, wait = (
         at_once.index(k) for k in ("run_stage doctor ", "run_stage warm ", "run_stage tests ", "\n    wait\n")
@@ -160,7 +160,7 @@ def test_gpu_check_runs_the_doctor_first_and_merges_its_report(tmp_path):
     assert doctor < warm < tests < wait  # started first, and waited for before anything is timed
     statements = [ln.strip() for ln in at_once.replace("\\\n", " ").splitlines()]
     assert [ln.endswith("&") for ln in statements if ln.startswith("run_stage ")] == [True, True, False]
-    assert lease.index("correctness_at_once") < lease.index("timeline")
+    assert lease.index("correctness_at_once") < lease.index("tune_dispatch")
     assert '"$RUN_DIR/doctor.log"' in script and '--json "$RUN_DIR/doctor.json"' in script
     assert '--doctor "$RUN_DIR/doctor.json"' in script
     run_dir = tmp_path / "run"

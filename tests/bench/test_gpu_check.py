@@ -57,10 +57,10 @@ def test_merge_keeps_train_mlm_runs_and_notes(tmp_path):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """The lease plan's dry run restricted to its cheapest stages: it runs in a temporary copy of the
-    tree, records every stage (cuda-build "skipped: dry run", the others as not asked for), runs
-    the timeline on the CPU, merges one results file and leaves it with its tarball in $OUT, and
-    writes nothing into the repository."""
+    """The measure plan's dry run restricted to its cheapest stage: it runs in a temporary copy of the
+    tree, records every stage (cuda-build "skipped: dry run", the others skipped), runs the timeline
+    on the CPU, merges one results file and leaves it with its tarball in $OUT, and writes nothing
+    into the repository."""
     readme = (ROOT / "README.md").read_bytes()
     before = set(os.listdir(ROOT / "benchmarks" / "results"))
     out = tmp_path / "out"
@@ -68,7 +68,7 @@ def test_gpu_check_dry_run(tmp_path):
         os.environ,
         OUT=str(out),
         PYTHON=sys.executable,
-        BERT_FAST_CHECK_PLAN="lease",
+        BERT_FAST_CHECK_PLAN="measure",
         BERT_FAST_CHECK_ONLY="timeline",
         BERT_FAST_CHECK_DRY_DIR=str(tmp_path),
         BERT_FAST_CHECK_FETCH="0",
@@ -82,13 +82,13 @@ def test_gpu_check_dry_run(tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    (path,) = out.glob("*-lease.json")
+    (path,) = out.glob("*-measure.json")
     doc = json.loads(path.read_text())
     stages = {s["name"]: s["status"] for s in doc["stages"]}
     assert stages.pop("timeline") == "ok" and stages.pop("cuda-build").startswith("skipped: dry run")
-    assert stages == dict.fromkeys(
-        ("install", "info", "doctor", "warm", "tests"), "skipped: not in BERT_FAST_CHECK_ONLY"
-    )
+    assert stages.pop("info") == "skipped: the measure plan (call 1 recorded it)"
+    assert {"install", "graphs-1x16-tiny", "dense-4x16-tiny-compile", "solo-dense-4x16-tiny"} <= set(stages)
+    assert set(stages.values()) <= {"skipped: not in BERT_FAST_CHECK_ONLY", "skipped: the extension is built here"}
     assert {t["case"] for t in doc["timelines"]} == {"fwd-1x16-graphs", "fwd-1x16", "fwd-4x16", "train-4x16"}
     assert any("dry run" in n for n in doc["notes"])
     with tarfile.open(path.with_name(path.name.replace(".json", ".tar.gz"))) as tar:

@@ -19,7 +19,9 @@ says so with ``@pytest.mark.no_kernels("why")``.
 """
 
 import os
+import sys
 import tempfile
+import time
 
 import torch
 
@@ -221,6 +223,35 @@ def pytest_runtest_call(item):
             f"{os.environ.get('BERT_FAST_BACKEND', '')!r}): the op ran another implementation. "
             "Mark the test no_kernels(reason) if that is what it means to test."
         )
+    return result
+
+
+# A CUDA error such as an illegal address is sticky: every later CUDA call of the process fails. On the
+# 11-28 lease one such fault failed 170 later tests of its xdist worker. A worker whose test raised one
+# ends itself once that test is reported (xdist starts a fresh worker and hands it the rest; it reports
+# the next test it had queued for the dead one as crashed, the price of a clean context).
+_STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "misaligned address", "device-side assert")
+_POISONED: list = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and call.excinfo is not None and os.environ.get("PYTEST_XDIST_WORKER"):
+        text = str(call.excinfo.value)
+        if "CUDA" in text and any(e in text for e in _STICKY_CUDA_ERRORS):
+            _POISONED.append(item.nodeid)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    result = yield
+    if _POISONED:
+        sys.stderr.write(f"\n{item.nodeid}: sticky CUDA error in {_POISONED[0]}; this worker ends for a fresh one\n")
+        sys.stderr.flush()
+        time.sleep(0.5)  # the worker's report of that test (with its traceback) on its way to xdist's master
+        os._exit(3)
     return result
 
 

@@ -230,7 +230,12 @@ def pytest_runtest_call(item):
 # 11-28 lease one such fault failed 170 later tests of its xdist worker. A worker whose test raised one
 # ends itself once that test is reported (xdist starts a fresh worker and hands it the rest; it reports
 # the next test it had queued for the dead one as crashed, the price of a clean context).
-_STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "misaligned address", "device-side assert")
+_STICKY_CUDA_ERRORS = (
+    "illegal memory access",
+    "unspecified launch failure",
+    "misaligned address",
+    "device-side assert",
+)
 _POISONED: list = []
 
 

@@ -28,8 +28,8 @@
 #            bert-base against hf-sdpa; timeline (with each case's host profile); the inference grid
 #            against hf-compile (mode reduce-overhead with CUDA graphs, max-autotune-no-cudagraphs
 #            otherwise: stages "-compile", apart because their compiles can outlast a stage's cap; the
-#            training step's outran 160 s); solo-dense-32x128 (the same pair, each alone in its own
-#            process: --solo); the grid for bert-large against hf-sdpa.
+#            training step's outran 160 s); the grid for bert-large against hf-sdpa; solo-dense-32x128
+#            (bert_fast and hf-compile each alone in its own process: --solo).
 #   full     (~25 min, fits no lease) install, info, cuda-build, doctor, the suite, tune-dispatch (our
 #            GEMM or cuBLAS per shape into bert_fast/data/linear_dispatch.json), the grid against
 #            every rival, timeline, bench-ops, pytest-bench; the kernels autotune after the suite.
@@ -270,8 +270,8 @@ case "$PLAN" in
         timeline
         # no training step under max-autotune here: its compile outran the stage's 160 s on 11-28
         grid "${MODELS[0]}" bert_fast,hf-compile - compile
-        solo_stage "${MODELS[0]}" 32 128 150
         for model in "${MODELS[@]:1}"; do grid "$model" bert_fast,hf-sdpa bert_fast,hf-sdpa; done
+        solo_stage "${MODELS[0]}" 32 128 150  # last: the first GPU run of --solo
         ;;
     full)
         run_stage doctor 300 "$RUN_DIR/doctor.log" env BERT_FAST_AUTOTUNE=0 "${BF[@]}" doctor --timeout 120 \

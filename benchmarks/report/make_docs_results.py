@@ -62,7 +62,7 @@ def _load(path: Path) -> Optional[Dict[str, Any]]:
 # ----------------------------------------------------------------------------- the summary per case
 # The same rule as `bert-fast bench`'s summary (bert_fast.bench.results.summarize_case), restated here
 # so that the pages need only the standard library; tests/docs/test_docs.py checks that both agree.
-COS_EPS = 1e-6
+COS_EPS, COS_SHARE = 1e-6, 0.25  # as accurate: cos >= bert_fast's - max(COS_EPS, COS_SHARE * (1 - its cos))
 
 
 def _ours(case: Dict[str, Any], provider: str) -> bool:
@@ -87,7 +87,10 @@ def summarize(case: Dict[str, Any]) -> Dict[str, Any]:
         out["rival"] = min(others, key=lambda r: r["median_ms"])
         return out
     cos = _cos(best)
-    fair = [r for r in others if cos is None or _cos(r) is None or _cos(r) >= cos - COS_EPS]
+    if best.get("cuda_graphs"):  # against CUDA graphs only a graphed rival is fair: eager ones left out
+        others = [r for r in others if r.get("cuda_graphs")]
+    tol = None if cos is None else max(COS_EPS, COS_SHARE * (1.0 - cos))
+    fair = [r for r in others if cos is None or _cos(r) is None or _cos(r) >= cos - tol]
     less = [r for r in others if r not in fair and r["median_ms"] < best["median_ms"]]
     out["less"] = min(less, key=lambda r: r["median_ms"]) if less else None
     if not fair:

@@ -67,6 +67,24 @@ def test_equal_accuracy_counts_and_a_level_result_says_so():
     assert "1.01x (95% 0.97-1.05): bert_fast level (the interval spans 1)" in results.summary_text({"runs": [c]})
 
 
+def test_rounding_noise_within_one_precision_is_equal_accuracy_and_graphs_need_graphs():
+    """Two bf16 engines whose cosines differ by less than a quarter of bert_fast's own distance to 1
+    are level (bert-large on the H200: 0.999975 against 0.999971 left bert_fast without a rival and
+    hid a 0.34x); an int8 engine well below is not; against CUDA graphs an eager provider is no
+    rival, a graphed one is."""
+    bf16 = case(rec("bert_fast", 26.3, 0.999975, "bf16"), rec("hf-sdpa", 8.9, 0.999971, "bf16", sp=0.34))
+    assert results.summarize_case(bf16)["rival"]["provider"] == "hf-sdpa"
+    worse = case(rec("bert_fast", 26.3, 0.999975, "bf16"), rec("onnxruntime-int8", 8.0, 0.99990, "int8"))
+    s = results.summarize_case(worse)
+    assert s["rival"] is None and s["faster_less_accurate"]["provider"] == "onnxruntime-int8"
+    graphed = dict(rec("bert_fast", 0.64, 0.99999, "bf16"), cuda_graphs=True)
+    eager = rec("hf-sdpa", 4.46, 0.99999, "bf16", sp=7.0)
+    line = results.summary_lines({"runs": [case(graphed, eager)]})[1]
+    assert "no other provider ran with CUDA graphs" in line and "7.00x" not in line
+    compiled = dict(rec("hf-compile", 0.75, 0.99999, "bf16", sp=1.18), cuda_graphs=True)
+    assert results.summarize_case(case(graphed, eager, compiled))["rival"]["provider"] == "hf-compile"
+
+
 def test_no_rival_as_accurate_no_interval_and_missing_providers():
     only_worse = case(rec("bert_fast", 10, 1.0), rec("onnxruntime-int8", 5, 0.9, "int8", sp=0.5))
     line = results.summary_lines({"runs": [only_worse]})[1]

@@ -228,8 +228,8 @@ def pytest_runtest_call(item):
 
 # A CUDA error such as an illegal address is sticky: every later CUDA call of the process fails. On the
 # 11-28 lease one such fault failed 170 later tests of its xdist worker. A worker whose test raised one
-# ends itself once that test is reported (xdist starts a fresh worker and hands it the rest; it reports
-# the next test it had queued for the dead one as crashed, the price of a clean context).
+# ends itself once that test is reported: xdist reports that test as crashed too, starts a fresh
+# worker and hands it the rest (tests/project/test_poisoned_worker.py).
 _STICKY_CUDA_ERRORS = (
     "illegal memory access",
     "unspecified launch failure",

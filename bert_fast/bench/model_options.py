@@ -312,7 +312,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time every provider in this one process (their thread pools then slow each other) instead of "
         "each alone in its own process, as a server runs one engine (the default for CPU inference; "
-        "training, GPUs and --encode always run in-process)",
+        "training and --encode always run in-process, GPUs unless --solo)",
     )
     p.add_argument(
         "--solo",

@@ -28,7 +28,7 @@
 #            bert-base against hf-sdpa; timeline (with each case's host profile); the inference grid
 #            against hf-compile (mode reduce-overhead with CUDA graphs, max-autotune-no-cudagraphs
 #            otherwise: stages "-compile", apart because their compiles can outlast a stage's cap; the
-#            training step's outran 160 s); the grid for bert-large against hf-sdpa; solo-dense-32x128
+#            training step's outran 160 s); the grid for bert-large against hf-sdpa; dense-32x128-solo
 #            (bert_fast and hf-compile each alone in its own process: --solo).
 #   full     (~25 min, fits no lease) install, info, cuda-build, doctor, the suite, tune-dispatch (our
 #            GEMM or cuBLAS per shape into bert_fast/data/linear_dispatch.json), the grid against
@@ -173,34 +173,29 @@ WARM_CASES=$(for line in "${GRID[@]}"; do
         padded) echo "fwd-$(shape "$b" "$s")-padded" ;; train) echo "train-$(shape "$b" "$s")" ;; esac
 done | paste -sd, -)
 
-# grid MODEL INFER_PROVIDERS TRAIN_PROVIDERS [SUFFIX]: every case of GRID for MODEL, its own stage each
-# (named kind-BxS-model[-SUFFIX]); TRAIN_PROVIDERS "-": no training cases
-grid() {
-    local model=$1 line kind b s lengths mode cap flags bs name providers
-    for line in "${GRID[@]}"; do
-        read -r kind b s lengths mode cap flags <<< "$line"
-        bs=$(shape "$b" "$s")
-        name="$kind-$bs-$model${4:+-$4}"
-        providers=$2; [ "$mode" = train-mlm ] && providers=$3
-        [ "$providers" = - ] && continue
-        # shellcheck disable=SC2086
-        run_stage "$name" "$cap" "$RUN_DIR/$name.log" "${BF[@]}" bench --model "$model" --batch "${bs%x*}" \
-            --seq "${bs#*x}" --mode "$mode" --lengths "$lengths" --dtype bf16 --providers "$providers" --no-progress \
-            "${ROUNDS[@]}" ${DEV[@]+"${DEV[@]}"} $flags --json "$RUN_DIR/model-$name.json"
-    done
+# case_stage MODEL LINE PROVIDERS [SUFFIX]: one case in GRID's form for MODEL, its own stage (named
+# kind-BxS-model[-SUFFIX]); with --solo among its flags the rounds drop the dry run's --in-process
+case_stage() {
+    local model=$1 kind b s lengths mode cap flags bs name r rounds=()
+    read -r kind b s lengths mode cap flags <<< "$2"
+    bs=$(shape "$b" "$s")
+    name="$kind-$bs-$model${4:+-$4}"
+    for r in "${ROUNDS[@]}"; do [[ $r == --in-process && $flags == *--solo* ]] || rounds+=("$r"); done
+    # shellcheck disable=SC2086
+    run_stage "$name" "$cap" "$RUN_DIR/$name.log" "${BF[@]}" bench --model "$model" --batch "${bs%x*}" \
+        --seq "${bs#*x}" --mode "$mode" --lengths "$lengths" --dtype bf16 --providers "$3" --no-progress \
+        ${rounds[@]+"${rounds[@]}"} ${DEV[@]+"${DEV[@]}"} $flags --json "$RUN_DIR/model-$name.json"
 }
 
-# solo_stage MODEL B S CAP: dense BxS against hf-compile with each provider alone in its own process
-# (--solo; the dry run's rounds without --in-process): beside torch.compile in one process our eager
-# forward measured 1.1-1.7x slower on 11-28, so the headline pair is measured as a server runs it
-solo_stage() {
-    local bs name r rounds=()
-    bs=$(shape "$2" "$3")
-    name="solo-dense-$bs-$1"
-    for r in "${ROUNDS[@]}"; do [ "$r" != --in-process ] && rounds+=("$r"); done
-    run_stage "$name" "$4" "$RUN_DIR/$name.log" "${BF[@]}" bench --model "$1" --batch "${bs%x*}" --seq "${bs#*x}" \
-        --mode infer --lengths full --dtype bf16 --providers bert_fast,hf-compile --no-progress --solo \
-        "${rounds[@]}" ${DEV[@]+"${DEV[@]}"} --json "$RUN_DIR/model-$name.json"
+# grid MODEL INFER_PROVIDERS TRAIN_PROVIDERS [SUFFIX]: every case of GRID for MODEL (case_stage);
+# TRAIN_PROVIDERS "-": no training cases
+grid() {
+    local line providers
+    for line in "${GRID[@]}"; do
+        providers=$2; [[ $line == *train-mlm* ]] && providers=$3
+        [ "$providers" = - ] && continue
+        case_stage "$1" "$line" "$providers" "${4:-}"
+    done
 }
 
 # the setup of every plan: install (measure: only where the extension is missing), info, cuda-build
@@ -271,7 +266,9 @@ case "$PLAN" in
         # no training step under max-autotune here: its compile outran the stage's 160 s on 11-28
         grid "${MODELS[0]}" bert_fast,hf-compile - compile
         for model in "${MODELS[@]:1}"; do grid "$model" bert_fast,hf-sdpa bert_fast,hf-sdpa; done
-        solo_stage "${MODELS[0]}" 32 128 150  # last: the first GPU run of --solo
+        # last, the first GPU run of --solo: the headline pair each alone in its own process (beside
+        # torch.compile in one process our eager forward measured 1.1-1.7x slower on 11-28)
+        case_stage "${MODELS[0]}" "dense 32 128 full infer 150 --solo" bert_fast,hf-compile solo
         ;;
     full)
         run_stage doctor 300 "$RUN_DIR/doctor.log" env BERT_FAST_AUTOTUNE=0 "${BF[@]}" doctor --timeout 120 \

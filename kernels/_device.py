@@ -31,18 +31,14 @@ def num_sms(device: torch.device) -> int:
     4 in the interpreter (a few programs, each walking several tiles)."""
     if device.type != "cuda":
         return 4
-    return properties(device).multi_processor_count
-
-
-def properties(device: torch.device):
-    """torch.cuda.get_device_properties of a CUDA ``device``, asked once per GPU: the launchers ask
-    ~240 times per eager forward (SMs, capability), 1-3 us each on the lease's host."""
-    return _properties(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _properties(index: int):
-    return torch.cuda.get_device_properties(index)
+def _sm_count(index: int) -> int:
+    # once per GPU: the launchers ask at every launch (a device-properties query is 1-3 us on a
+    # lease's host, ~240 of them with the capability queries per eager bert-base forward)
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreting() -> bool:

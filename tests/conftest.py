@@ -182,10 +182,12 @@ def _runs_the_same_without_a_gpu(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("BERT_FAST_TEST_GPU_ONLY") != "1":
         return
-    left = [i for i in items if _runs_the_same_without_a_gpu(i)]
+    keep, left = [], []
+    for item in items:
+        (left if _runs_the_same_without_a_gpu(item) else keep).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
-        items[:] = [i for i in items if not _runs_the_same_without_a_gpu(i)]
+        items[:] = keep
 
 
 @pytest.fixture(scope="session", autouse=True)

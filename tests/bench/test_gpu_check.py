@@ -87,7 +87,7 @@ def test_gpu_check_dry_run(tmp_path):
     stages = {s["name"]: s["status"] for s in doc["stages"]}
     assert stages.pop("timeline") == "ok" and stages.pop("cuda-build").startswith("skipped: dry run")
     assert stages.pop("info") == "skipped: the measure plan (call 1 recorded it)"
-    assert {"install", "graphs-1x16-tiny", "dense-4x16-tiny-compile", "solo-dense-4x16-tiny"} <= set(stages)
+    assert {"install", "graphs-1x16-tiny", "dense-4x16-tiny-compile", "dense-4x16-tiny-solo"} <= set(stages)
     assert set(stages.values()) <= {"skipped: not in BERT_FAST_CHECK_ONLY", "skipped: the extension is built here"}
     assert {t["case"] for t in doc["timelines"]} == {"fwd-1x16-graphs", "fwd-1x16", "fwd-4x16", "train-4x16"}
     assert any("dry run" in n for n in doc["notes"])
